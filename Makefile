@@ -26,5 +26,9 @@ test: venv
 test-fast: venv
 	JAX_PLATFORMS=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# Decode a ≥1K-token real-text prompt through the INT2 cache and through BF16, and compare.
+demo: venv
+	$(PY) -m oscar_jax.demo
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Offline calibration of OSCAR rotations and clip ratios, and quality evaluation."""

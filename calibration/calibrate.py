@@ -1,0 +1,206 @@
+"""Offline calibration: run a model on real text, fit per-(layer, KV head) rotations and clip ratios,
+write the artifact both runtimes load, and a short report.
+
+    python -m calibration --model-path smollm2-135m --calib-data wiki --calib-tokens 8192 --output-dir DIR
+
+Held-out tokens (the `heldout_tokens` that follow the calibration tokens in the same split) are
+used only to fit clip ratios and to report errors; they never enter the covariances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from calibration.data import documents, pack_tokens, sequences
+from calibration.fit import CLIP_GRID, causal_probabilities, key_logit_error, rotations, value_output_error
+from calibration.statistics import SecondMoments, group_queries, surrogate_weights
+from shared_math.artifact import ModelFingerprint, RotationArtifact, write_artifact
+from shared_math.rotation import ROTATION_KINDS
+from shared_math.spec import (
+    DEFAULT_K_CLIP_RATIO,
+    DEFAULT_V_CLIP_RATIO,
+    LEVELS,
+    clip_index,
+    default_group_size,
+    is_power_of_two,
+    validate_codec_shape,
+)
+
+KEY_TARGETS = ("query", "key")
+VALUE_TARGETS = ("attention_output", "surrogate", "value")
+REPORT_KINDS = ("identity", "hadamard", "oscar")  # the per-layer error comparison of the report
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationOptions:
+    model_path: str = "smollm2-135m"
+    calib_data: str = "wiki"
+    calib_tokens: int = 8192
+    output_dir: str = "oscar_calibration"
+    seq_len: int = 2048
+    heldout_tokens: int = 1024
+    group_size: int | None = None  # None → min(head_dim, 128)
+    levels: str = "minmax"
+    k_clip_ratio: float = DEFAULT_K_CLIP_RATIO
+    v_clip_ratio: float = DEFAULT_V_CLIP_RATIO
+    fit_clip: bool = False
+    rotation_kind: str = "oscar"
+    key_target: str = "query"
+    value_target: str = "attention_output"
+    per_layer: bool = False
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        for name, value, choices in (
+            ("levels", self.levels, LEVELS),
+            ("rotation_kind", self.rotation_kind, ROTATION_KINDS),
+            ("key_target", self.key_target, KEY_TARGETS),
+            ("value_target", self.value_target, VALUE_TARGETS),
+        ):
+            if value not in choices:
+                raise ValueError(f"{name}={value!r} must be one of {choices}")
+        for name in ("calib_tokens", "seq_len", "heldout_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        clip_index(self.k_clip_ratio, 16)
+        clip_index(self.v_clip_ratio, 16)
+
+
+def _git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _layer_activations(params, cfg, tokens):
+    """(layer, q [T, Hq, D], k [T, Hkv, D], v, attention output [T, Hq, D]) as float64 numpy."""
+    from oscar_jax.model import iter_layer_activations
+
+    for layer, acts in iter_layer_activations(params, cfg, np.asarray(tokens, np.int32)[None]):
+        yield layer, *(np.asarray(a[0], np.float64) for a in (acts.q, acts.k, acts.v, acts.attn_out))
+
+
+def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[RotationArtifact, dict]:
+    """Run the whole calibration; write the artifact and report into opts.output_dir."""
+    from oscar_jax.loaders import load_model
+    from oscar_jax.tokenizer import load_tokenizer
+
+    t0 = time.time()
+    cfg, params = load_model(opts.model_path)
+    if not is_power_of_two(cfg.head_dim):
+        raise ValueError(f"head_dim={cfg.head_dim} of {opts.model_path!r} is not a power of two: "
+                         "OSCAR's Hadamard rotation and format v1 need one")
+    group_size = opts.group_size or default_group_size(cfg.head_dim)
+    validate_codec_shape(cfg.head_dim, group_size)
+    tokenizer = load_tokenizer(opts.model_path)
+    docs = documents(opts.calib_data, "calibration")
+    if opts.seed:
+        docs = [docs[i] for i in np.random.default_rng(opts.seed).permutation(len(docs))]
+    tokens = pack_tokens(docs, tokenizer.encode, tokenizer.eos_id, num_tokens=opts.calib_tokens + opts.heldout_tokens)
+    calib, heldout = tokens[: opts.calib_tokens], tokens[opts.calib_tokens :]
+
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    moments = {name: SecondMoments(*shape) for name in ("query", "attention_output", "key", "value")}
+    seqs = list(sequences(calib, opts.seq_len))
+    bar = tqdm(total=len(seqs) * cfg.num_layers, desc="calibration statistics", unit="layer", disable=not opts.progress)
+    for seq in seqs:
+        for layer, q, k, v, o in _layer_activations(params, cfg, seq):
+            moments["query"].add(layer, group_queries(q, cfg.num_kv_heads))
+            moments["attention_output"].add(layer, group_queries(o, cfg.num_kv_heads))
+            moments["key"].add(layer, k)
+            moments["value"].add(layer, v)
+            bar.update()
+    bar.close()
+    cov = {name: m.covariance() for name, m in moments.items()}
+    if opts.value_target == "surrogate":  # its weights need the finished C_Q: a second pass
+        surrogate = SecondMoments(*shape)
+        for seq in tqdm(seqs, desc="surrogate C_S (second pass)", disable=not opts.progress):
+            for layer, _, k, v, _ in _layer_activations(params, cfg, seq):
+                surrogate.add(layer, v, weights=surrogate_weights(k, cov["query"][layer]))
+        cov["surrogate"] = surrogate.covariance()
+
+    k_rot, k_eig = rotations(cov[opts.key_target], opts.rotation_kind, opts.per_layer)
+    v_rot, v_eig = rotations(cov[opts.value_target], opts.rotation_kind, opts.per_layer)
+    report_rot = {kind: (rotations(cov[opts.key_target], kind, opts.per_layer)[0],
+                         rotations(cov[opts.value_target], kind, opts.per_layer)[0]) for kind in REPORT_KINDS}
+    report_rot[opts.rotation_kind] = (k_rot, v_rot)
+
+    # Held-out errors: clip fitting (optional) and the per-layer report.
+    k_clip = np.full(cfg.num_layers, opts.k_clip_ratio)
+    v_clip = np.full(cfg.num_layers, opts.v_clip_ratio)
+    codec = dict(group_size=group_size, levels=opts.levels)
+    errors = {kind: {"key_logit": [], "value_output": []} for kind in report_rot}
+    clip_search = {"key_logit": [], "value_output": []}
+    heldout_layers = list(_layer_activations(params, cfg, heldout))
+    for layer, q, k, v, _ in tqdm(heldout_layers, desc="held-out errors", disable=not opts.progress):
+        probs = causal_probabilities(q, k)
+        if opts.fit_clip:
+            k_err = [key_logit_error(q, k, k_rot[layer], clip_ratio=c, **codec) for c in CLIP_GRID]
+            v_err = [value_output_error(probs, v, v_rot[layer], clip_ratio=c, **codec) for c in CLIP_GRID]
+            k_clip[layer], v_clip[layer] = CLIP_GRID[int(np.argmin(k_err))], CLIP_GRID[int(np.argmin(v_err))]
+            clip_search["key_logit"].append(k_err)
+            clip_search["value_output"].append(v_err)
+        for kind, (rk, rv) in report_rot.items():
+            errors[kind]["key_logit"].append(key_logit_error(q, k, rk[layer], clip_ratio=k_clip[layer], **codec))
+            errors[kind]["value_output"].append(
+                value_output_error(probs, v, rv[layer], clip_ratio=v_clip[layer], **codec))
+
+    provenance = {
+        "command": command or "calibration.calibrate(...)",
+        "options": dataclasses.asdict(opts),
+        "data": opts.calib_data,
+        "calibration_tokens": int(len(calib)),
+        "heldout_tokens": int(len(heldout)),
+        "seed": opts.seed,
+        "git_sha": _git_sha(),
+        "model_path": opts.model_path,
+    }
+    artifact = RotationArtifact(
+        k_rotation=k_rot.astype(np.float32),
+        v_rotation=v_rot.astype(np.float32),
+        k_eigenvalues=k_eig.astype(np.float32),
+        v_eigenvalues=v_eig.astype(np.float32),
+        k_clip_ratio=k_clip.astype(np.float32),
+        v_clip_ratio=v_clip.astype(np.float32),
+        model=ModelFingerprint(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim),
+        codec=codec,
+        provenance=provenance,
+    )
+    out = Path(opts.output_dir)
+    file = write_artifact(out, artifact)
+    report = {
+        "artifact": str(file),
+        "seconds": round(time.time() - t0, 1),
+        "clip_grid": list(CLIP_GRID),
+        "k_clip_ratio": k_clip.tolist(),
+        "v_clip_ratio": v_clip.tolist(),
+        "clip_search": clip_search if opts.fit_clip else None,
+        "heldout_errors": errors,
+        "eigenvalues": {"key": cov_eigs(cov[opts.key_target]), "value": cov_eigs(cov[opts.value_target])},
+    }
+    from calibration.report import write_report
+
+    write_report(out, report, provenance)
+    return artifact, report
+
+
+def cov_eigs(cov: np.ndarray) -> list:
+    """Ascending eigenvalues [L][Hkv][D] of covariances, for the report."""
+    return np.linalg.eigvalsh(cov).tolist()
+
+
+def main_command(argv: list[str] | None = None) -> str:
+    args = sys.argv[1:] if argv is None else argv
+    return "python -m calibration " + " ".join(shlex.quote(a) for a in args)

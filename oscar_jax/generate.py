@@ -1,0 +1,180 @@
+"""Generate text through the OSCAR INT2 cache (or a BF16 cache, for comparison).
+
+    python -m oscar_jax.generate --prompt-file doc.txt --kv-cache-dtype int2 --max-new-tokens 64
+
+Flags follow the OSCAR articles' serving flags (--kv-cache-dtype, --oscar-rotation-path,
+--oscar-sink-size, --oscar-recent-size, --oscar-group-size). The output streams as it is
+decoded; the run ends with the KV bytes of both caches, bits per element and tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shared_math.spec import OscarConfig
+from shared_math.tiers import bf16_kv_bytes_per_layer, kv_bytes_per_layer
+
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+
+
+def shipped_artifact(model: str) -> Path | None:
+    """The artifact that ships with the package for a known model name, if any."""
+    path = ARTIFACTS / model
+    return path if (path / "oscar_rotations.safetensors").is_file() else None
+
+
+def sample(logits: jax.Array, key, temperature: float, top_p: float) -> int:
+    """Greedy at temperature 0, else nucleus sampling."""
+    if temperature <= 0:
+        return int(jnp.argmax(logits))
+    probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float32) / temperature), np.float64)
+    order = np.argsort(-probs)
+    keep = np.cumsum(probs[order]) - probs[order] < top_p  # always keeps the most likely token
+    kept = order[keep]
+    p = probs[kept] / probs[kept].sum()
+    return int(kept[np.asarray(jax.random.choice(key, len(kept), p=jnp.asarray(p)))])
+
+
+class TextStream:
+    """Prints the decoded text as tokens arrive (re-decoding keeps multi-byte characters whole)."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out, self.ids, self.printed = tokenizer, out, [], ""
+
+    def push(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self.out.write(text[len(self.printed):])
+            self.out.flush()
+            self.printed = text
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m oscar_jax.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file", type=Path)
+    p.add_argument("--model", default="smollm2-135m", help="a known model name (default: smollm2-135m)")
+    p.add_argument("--model-path", help="a .gguf file or a Hugging Face directory (overrides --model)")
+    p.add_argument("--kv-cache-dtype", choices=("int2", "bf16"), default="int2")
+    p.add_argument("--oscar-rotation-path", type=Path, help="calibration output dir (default: the shipped artifact)")
+    p.add_argument("--oscar-sink-size", type=int, default=64)
+    p.add_argument("--oscar-recent-size", type=int, default=256)
+    p.add_argument("--oscar-group-size", type=int, default=None, help="default: the artifact's")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seq-len", type=int, default=None, help="cache capacity (default: prompt + new tokens)")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p={args.top_p} must be in (0, 1]")
+    if args.prompt_file is not None and not args.prompt_file.is_file():
+        p.error(f"--prompt-file {args.prompt_file} does not exist")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from oscar_jax.cache_api import DenseKVCache
+    from oscar_jax.loaders import load_model
+    from oscar_jax.model import _decode_step_jit, _prefill_jit, cast_params, describe
+    from oscar_jax.runtime import OscarRuntime
+    from oscar_jax.tokenizer import load_tokenizer
+    from shared_math.artifact import ArtifactError, read_artifact
+
+    model = args.model_path or args.model
+    try:
+        cfg, params = load_model(model)
+        tokenizer = load_tokenizer(model)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    prompt = np.asarray(tokenizer.encode(text), np.int32)
+    max_seq_len = args.max_seq_len or len(prompt) + args.max_new_tokens
+    print(f"[oscar] {model}: {describe(cfg)}", file=sys.stderr)
+    print(f"[oscar] prompt {len(prompt)} tokens, cache {args.kv_cache_dtype}", file=sys.stderr)
+
+    if args.kv_cache_dtype == "int2":
+        rotation_path = args.oscar_rotation_path or shipped_artifact(args.model if not args.model_path else "")
+        if rotation_path is None:
+            print("error: --oscar-rotation-path is required for this model (run `python -m calibration`)", file=sys.stderr)
+            return 2
+        try:
+            artifact = read_artifact(rotation_path)
+            runtime = OscarRuntime(params, cfg, artifact, max_batch=1, max_seq_len=max_seq_len,
+                                   sink=args.oscar_sink_size, recent=args.oscar_recent_size,
+                                   group_size=args.oscar_group_size)
+        except (ArtifactError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        oscar_config = runtime.config
+        t0 = time.perf_counter()
+        seq_id, logits, _ = runtime.admit(prompt)
+        step = lambda token: runtime.step([seq_id], [token])[0]  # noqa: E731
+    else:
+        oscar_config = OscarConfig(head_dim=cfg.head_dim, sink=args.oscar_sink_size, recent=args.oscar_recent_size)
+        params = cast_params(params, jnp.bfloat16)
+        state = {"cache": DenseKVCache.create(num_layers=cfg.num_layers, batch=1, num_kv_heads=cfg.num_kv_heads,
+                                              max_seq_len=max_seq_len, head_dim=cfg.head_dim)}
+        t0 = time.perf_counter()
+        logits, state["cache"] = _prefill_jit(params, cfg, jnp.asarray(prompt)[None], state["cache"])
+        logits = logits[0]
+        position = [len(prompt)]
+
+        def step(token):
+            out, state["cache"] = _decode_step_jit(params, cfg, jnp.asarray([token]), state["cache"],
+                                                   jnp.asarray(position, jnp.int32))
+            position[0] += 1
+            return out[0]
+
+    jax.block_until_ready(logits)
+    prefill_s = time.perf_counter() - t0
+    key = jax.random.PRNGKey(args.seed)
+    stream = TextStream(tokenizer)
+    stop = {t for t in (tokenizer.eos_id,) if t is not None}
+    t1, generated = time.perf_counter(), 0
+    for i in range(args.max_new_tokens):
+        key, sub = jax.random.split(key)
+        token = sample(logits, sub, args.temperature, args.top_p)
+        stream.push(token)
+        generated += 1
+        if token in stop or i == args.max_new_tokens - 1:
+            break
+        logits = step(token)
+    jax.block_until_ready(logits)
+    decode_s = time.perf_counter() - t1
+    length = len(prompt) + generated
+    oscar = kv_bytes_per_layer(length, oscar_config, cfg.num_kv_heads)
+    bf16 = bf16_kv_bytes_per_layer(length, cfg.head_dim, cfg.num_kv_heads)
+    split = oscar.split
+    print("\n")
+    print(f"[oscar] tokens: {len(prompt)} prompt + {generated} generated = {length} "
+          f"(sink {split.sink_tokens}, INT2 history {split.history_tokens}, BF16 recent {split.recent_tokens})")
+    print(f"[oscar] KV bytes for this sequence ({cfg.num_layers} layers): BF16 {bf16 * cfg.num_layers / 2**20:.2f} MiB, "
+          f"OSCAR INT2 {oscar.stored_bytes * cfg.num_layers / 2**20:.2f} MiB "
+          f"({bf16 / max(oscar.stored_bytes, 1):.2f}x smaller; {oscar.bits_per_element:.3f} bits/element, "
+          f"{oscar.allocated_bits_per_element:.3f} with page padding)")
+    print(f"[oscar] cache {args.kv_cache_dtype}: prefill {len(prompt) / prefill_s:.1f} tok/s "
+          f"(includes compilation), decode {max(generated - 1, 0) / max(decode_s, 1e-9):.2f} tok/s "
+          f"on {jax.default_backend()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

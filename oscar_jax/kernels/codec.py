@@ -1,0 +1,438 @@
+"""Format v1 INT2 codec as Pallas kernels: encode and decode rows of D values (DESIGN.md §2).
+
+The block bodies `encode_block` / `decode_block` are pure jnp functions on values, shared by the
+codec launchers here and the write-path kernels in write.py. They follow shared_math/codec.py step
+by step, with the same float32 operations in the same order, so the bytes are identical:
+
+  1. sanitize   NaN → 0, clamp to ±FP16_MAX
+  2. clip       τ = the k-th smallest |x| (0-based), found exactly on the int32 bit patterns of
+                |x| (monotone for non-negative floats) — no sort; x ← clamp(x, −τ, τ)
+  3. metadata   minmax: scale = f16((hi − lo)·f32(1/3)), minimum = f16(lo)
+                moments: μ = tree_sum(x)·f32(1/G), mad = tree_sum(|x − μ|)·f32(1/G),
+                         scale = f16sat(mad·1.25), minimum = f16sat(μ − 1.5·f32(scale))
+  4. codes      code = Σ_j [x ≥ m + (j + 0.5)·s]  (comparisons, no division)
+  5. pack       byte[i] = c[i] | c[i+Q]<<2 | c[i+2Q]<<4 | c[i+3Q]<<6, Q = D/4 ("quartered")
+
+Two machine behaviours must not reach the bytes:
+  * signs of zeros: Triton lowers float min/max to minnum/maxnum and negation to 0 − x. So the
+    clamp of step 2 is written with comparisons that return the bound on ties (as numpy's
+    maximum/minimum on x86 do), group min/max are taken on order-preserving int32 keys (−0 < +0,
+    IEEE 754-2019 minimum/maximum), and −τ flips the sign bit;
+  * flushing of subnormals: XLA:CPU (interpret mode) treats subnormal floats as zero in compares
+    and arithmetic, and a GPU may too. So every compare runs on int32 keys, and the moments sums
+    run on a copy scaled by 2^103 where every value is normal (see MOMENTS_SCALE_EXP).
+Caveat (a spec question, not a kernel one): for a group whose minimum (maximum) is a zero and
+which holds both +0 and −0, numpy's min/max reduction returns a SIMD-lane-dependent zero (and
+numpy on ARM would clamp zeros differently from x86); the kernel returns −0 (+0). Every other
+input, NaN/±Inf/subnormals included, gives bit-identical bytes.
+
+Shapes (one vocabulary): R rows in a block, D head dim, G group size, Q = D/4 packed bytes,
+NG = D/G groups per row, N rows in total.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from shared_math.codec import MOMENTS_MINIMUM_OFFSET, ONE_THIRD_F32, THRESHOLD_OFFSETS
+from shared_math.spec import CODE_BITS, CODE_MASK, CODES_PER_BYTE, FP16_MAX, MOMENTS_MAD_TO_SIGMA
+
+# IEEE 754 binary32 bit-pattern constants (not format constants).
+_INT32 = np.iinfo(np.int32)
+F32_MAGNITUDE_MASK = int(_INT32.max)  # bits & mask = the bits of |x|
+F32_SIGN_BIT = int(_INT32.min)  # the sign bit as an int32
+F32_SIGN_SHIFT = _INT32.bits - 1  # arithmetic shift: 0 for x ≥ +0, all ones for x ≤ −0
+FP16_MAX_BITS = int(np.float32(FP16_MAX).view(np.int32))  # largest |x| bits after sanitize
+# Bisection over the candidates 0 … FP16_MAX_BITS halves the interval each step:
+# ceil(log2(FP16_MAX_BITS + 1)) steps leave one candidate.
+BISECTION_STEPS = FP16_MAX_BITS.bit_length()
+ORDER_STATISTICS = ("max_drop", "bisect")
+MAX_DROP_REDUCTIONS_PER_ROUND = 2  # a max and a count; bisection does one count per step
+
+DEFAULT_BLOCK_ROWS = 16  # power of two; also tl.dot's minimum M for the fused key rotation
+DEFAULT_NUM_WARPS = 4
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """None → interpret on a CPU backend, compile (Triton) on a GPU backend."""
+    if interpret is None:
+        return jax.default_backend() == "cpu"
+    return bool(interpret)
+
+
+def select_order_statistic(head_dim: int, clip_index: int) -> str:
+    """The cheaper exact method for τ: `max_drop` costs 2 row reductions per round and needs
+    d − k rounds (d − k is 5–10 at the default clip ratios); `bisect` costs one per step."""
+    rounds = head_dim - clip_index
+    return "max_drop" if MAX_DROP_REDUCTIONS_PER_ROUND * rounds <= BISECTION_STEPS else "bisect"
+
+
+# --------------------------------------------------------------------------------- block bodies
+
+
+def clip_threshold_bits(abs_bits, *, clip_index: int, order_statistic: str):
+    """The k-th smallest (0-based) value of each row of abs_bits [R, D] (non-negative int32 ≤
+    FP16_MAX_BITS, the bit patterns of |x|), exactly, as int32 [R, 1]."""
+    rows, d = abs_bits.shape
+    assert 0 <= clip_index < d, (clip_index, d)
+    if order_statistic == "max_drop":
+        # Take the largest remaining value and drop all its copies, counting ties, until the
+        # value of rank k is reached; `remaining` = how many of the largest values still to skip.
+        skip = d - 1 - clip_index
+
+        def body(_, carry):
+            tau, remaining, ceiling = carry
+            top = jnp.max(jnp.where(abs_bits < ceiling, abs_bits, -1), axis=1, keepdims=True)
+            count = jnp.sum((abs_bits == top).astype(jnp.int32), axis=1, keepdims=True)
+            found = (remaining >= 0) & (count > remaining)  # only once: remaining < 0 afterwards
+            return jnp.where(found, top, tau), remaining - count, top
+
+        init = (
+            jnp.zeros((rows, 1), jnp.int32),
+            jnp.full((rows, 1), skip, jnp.int32),
+            jnp.full((rows, 1), F32_MAGNITUDE_MASK, jnp.int32),  # above every |x| bit pattern
+        )
+        tau, _, _ = lax.fori_loop(0, skip + 1, body, init)  # each round drops ≥ 1 value
+        return tau
+    if order_statistic == "bisect":
+        # Smallest v with #{|x| ≤ v} ≥ k + 1; invariant: the answer lies in [lo, hi].
+        need = clip_index + 1
+
+        def body(_, carry):
+            lo, hi = carry
+            mid = lo + ((hi - lo) >> 1)
+            count = jnp.sum((abs_bits <= mid).astype(jnp.int32), axis=1, keepdims=True)
+            enough = count >= need
+            return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+
+        init = (jnp.zeros((rows, 1), jnp.int32), jnp.full((rows, 1), FP16_MAX_BITS, jnp.int32))
+        lo, _ = lax.fori_loop(0, BISECTION_STEPS, body, init)
+        return lo
+    raise ValueError(f"{order_statistic=} must be one of {ORDER_STATISTICS}")
+
+
+def _ieee_key(bits):
+    """int32 float bits → int32 key that compares like IEEE floats (−0 == +0), exactly: integer
+    compares see subnormals, which XLA:CPU (interpret mode) flushes to zero in float compares."""
+    return jnp.where(bits < 0, -(bits & F32_MAGNITUDE_MASK), bits)
+
+
+def _ordered_key(bits):
+    """int32 float bits → int32 key with the float order (−0 < +0); an involution."""
+    return bits ^ ((bits >> F32_SIGN_SHIFT) & F32_MAGNITUDE_MASK)
+
+
+def _group_min_max(groups):
+    """Exact group min and max [R, NG, 1] of groups [R, NG, G] (no NaN), order-free."""
+    key = _ordered_key(lax.bitcast_convert_type(groups, jnp.int32))
+    lo = _ordered_key(jnp.min(key, axis=-1, keepdims=True))
+    hi = _ordered_key(jnp.max(key, axis=-1, keepdims=True))
+    return lax.bitcast_convert_type(lo, jnp.float32), lax.bitcast_convert_type(hi, jnp.float32)
+
+
+def tree_sum(v):
+    """Sum over the last (power-of-two) axis in the pinned order v[:n/2] + v[n/2:], repeated;
+    keeps the axis (size 1). Explicit halves, never a reduction (whose order is unspecified)."""
+    while v.shape[-1] > 1:
+        first, second = jnp.split(v, 2, axis=-1)
+        v = first + second
+    return v
+
+
+# levels="moments" sums in a scaled copy of the values, x·2^MOMENTS_SCALE_EXP: every float32 there
+# is normal (the smallest subnormal 2^-149 becomes 2^-46) and nothing overflows (|Σ x| and
+# Σ|x − μ| ≤ G·FP16_MAX < 2^23 become < 2^126). Adds of float32 values are exact when their result
+# is subnormal, so IEEE sums with gradual underflow (numpy) are exactly 2^-E times the scaled sums:
+# the bytes do not depend on whether the machine flushes subnormals (XLA:CPU, which runs interpret
+# mode, does; a GPU may). Only μ = Σ·f32(1/G) can round in the subnormal range; that rounding (to a
+# multiple of 2^-149) is reproduced explicitly.
+MOMENTS_SCALE_EXP = 103
+_F32 = np.finfo(np.float32)
+F32_MANTISSA_MASK = (1 << int(_F32.nmant)) - 1
+F32_EXPONENT_MASK = F32_MAGNITUDE_MASK & ~F32_MANTISSA_MASK
+_SCALE_UP = np.float32(2.0**MOMENTS_SCALE_EXP)
+_SCALE_DOWN = np.float32(2.0**-MOMENTS_SCALE_EXP)
+_SUBNORMAL_QUANTUM_SCALED = np.float32(float(_F32.smallest_subnormal) * 2.0**MOMENTS_SCALE_EXP)
+_NORMAL_MIN_SCALED = np.float32(float(_F32.smallest_normal) * 2.0**MOMENTS_SCALE_EXP)
+assert _NORMAL_MIN_SCALED == _SUBNORMAL_QUANTUM_SCALED * np.float32(2.0 ** int(_F32.nmant))
+
+
+def _scaled_exactly(bits):
+    """float32 bits → x·2^E as a normal float32, exactly, without float ops on subnormals."""
+    exponent = bits & F32_EXPONENT_MASK
+    normal = lax.bitcast_convert_type(bits, jnp.float32) * _SCALE_UP
+    magnitude = (bits & F32_MANTISSA_MASK).astype(jnp.float32) * _SUBNORMAL_QUANTUM_SCALED
+    subnormal = lax.bitcast_convert_type(magnitude, jnp.int32) | (bits & F32_SIGN_BIT)
+    return jnp.where(exponent == 0, lax.bitcast_convert_type(subnormal, jnp.float32), normal)
+
+
+def _round_to_subnormal_grid(v):
+    """Scaled v with |v| below the scaled normal minimum → the nearest (ties to even) multiple of
+    the scaled subnormal quantum, keeping the sign: what float32 gradual underflow does.
+    |v| + 2^-23 lies in [2^-23, 2^-22), whose spacing is exactly that quantum."""
+    magnitude = jnp.abs(v)
+    rounded = (magnitude + _NORMAL_MIN_SCALED) - _NORMAL_MIN_SCALED
+    v_bits = lax.bitcast_convert_type(v, jnp.int32)
+    signed = lax.bitcast_convert_type(rounded, jnp.int32) | (v_bits & F32_SIGN_BIT)
+    return jnp.where(magnitude < _NORMAL_MIN_SCALED, lax.bitcast_convert_type(signed, jnp.float32), v)
+
+
+def _moments_metadata(groups):
+    """levels="moments" metadata of groups [R, NG, G] (sanitized, clipped): scale and minimum
+    float16 [R, NG, 1], as shared_math: μ = tree_sum(x)·f32(1/G), mad = tree_sum(|x − μ|)·f32(1/G),
+    scale = f16sat(mad·1.25), minimum = f16sat(μ − 1.5·f32(scale))."""
+    inv_g = np.float32(1.0 / groups.shape[-1])  # exact: G is a power of two
+    scaled = _scaled_exactly(lax.bitcast_convert_type(groups, jnp.int32))
+    mu = _round_to_subnormal_grid(tree_sum(scaled) * inv_g)  # 2^E·μ exactly
+    mad = tree_sum(jnp.abs(scaled - mu)) * inv_g  # 2^E·mad (only tiny mads, scale 0, may differ)
+    # mad·1.25 scales exactly; unscaling is exact down to the subnormal range, where the float16
+    # cast gives +0 either way.
+    scale = _to_f16_saturating((mad * np.float32(MOMENTS_MAD_TO_SIGMA)) * _SCALE_DOWN)
+    # μ unscaled: exact, or (subnormal μ on a flushing machine) ±0 with μ's sign; both give the
+    # same μ − 1.5·s after rounding (1.5·s ≥ 2^-25 dwarfs a subnormal) and the same float16.
+    minimum = _to_f16_saturating(mu * _SCALE_DOWN - MOMENTS_MINIMUM_OFFSET * scale.astype(jnp.float32))
+    return scale, minimum
+
+
+def _to_f16_saturating(v):
+    """f16(clip(v, ±FP16_MAX)), round-to-nearest-even; −0 stays −0."""
+    v = jnp.where(v > FP16_MAX, FP16_MAX, jnp.where(v < -FP16_MAX, -FP16_MAX, v))
+    return v.astype(jnp.float16)
+
+
+def encode_block(x, *, group_size: int, clip_index: int, levels: str, order_statistic: str):
+    """Encode a block of rows x [R, D] (any real dtype; converted to float32 exactly).
+
+    Returns packed uint8 [R, D/4], scale float16 [R, D/G], minimum float16 [R, D/G].
+    """
+    rows, d = x.shape
+    num_groups = d // group_size
+    x = x.astype(jnp.float32)
+    # 1. sanitize: NaN → +0, clamp to ±FP16_MAX (np.clip keeps −0).
+    x = jnp.where(jnp.isnan(x), 0.0, x)
+    x = jnp.where(x > FP16_MAX, FP16_MAX, jnp.where(x < -FP16_MAX, -FP16_MAX, x))
+    # 2. clip to [−τ, τ], τ = the k-th smallest |x|, on bit patterns.
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    tau_bits = clip_threshold_bits(
+        bits & F32_MAGNITUDE_MASK, clip_index=clip_index, order_statistic=order_statistic
+    )
+    # On keys (key(τ) = τ bits, key(−τ) = −τ bits); numpy's maximum/minimum keep the bound on ties.
+    key = _ieee_key(bits)
+    above_neg_tau = key > -tau_bits
+    bits = jnp.where(above_neg_tau, bits, tau_bits | F32_SIGN_BIT)  # maximum(x, −τ)
+    key = jnp.where(above_neg_tau, key, -tau_bits)
+    below_tau = key < tau_bits
+    bits = jnp.where(below_tau, bits, tau_bits)  # minimum(·, τ)
+    key = jnp.where(below_tau, key, tau_bits)
+    groups = lax.bitcast_convert_type(bits, jnp.float32).reshape(rows, num_groups, group_size)
+    # 3. per-group metadata, [R, NG, 1].
+    if levels == "minmax":
+        lo, hi = _group_min_max(groups)
+        scale = _to_f16_saturating((hi - lo) * ONE_THIRD_F32)
+        minimum = lo.astype(jnp.float16)  # |lo| ≤ FP16_MAX: no saturation needed (as the spec)
+    elif levels == "moments":
+        scale, minimum = _moments_metadata(groups)
+    else:
+        raise ValueError(f"unknown {levels=}")
+    # 4. codes by comparison against t_j = m + (j + 0.5)·s (the product is exact; t_j is a
+    #    multiple of 2^-25, never subnormal), compared on keys.
+    s = scale.astype(jnp.float32)
+    m = minimum.astype(jnp.float32)
+    key = key.reshape(groups.shape)
+    codes = jnp.zeros(groups.shape, jnp.int32)
+    for offset in THRESHOLD_OFFSETS:
+        threshold = _ieee_key(lax.bitcast_convert_type(m + offset * s, jnp.int32))
+        codes = codes + (key >= threshold).astype(jnp.int32)
+    # 5. quartered packing: plane p (elements p·Q … p·Q + Q − 1) goes to bits CODE_BITS·p.
+    planes = codes.reshape(rows, CODES_PER_BYTE, d // CODES_PER_BYTE)
+    shifts = lax.broadcasted_iota(jnp.int32, (1, CODES_PER_BYTE, 1), 1) * CODE_BITS
+    packed = jnp.sum(planes << shifts, axis=1)  # disjoint bit fields: the sum is an exact OR
+    return (
+        packed.astype(jnp.uint8),
+        scale.reshape(rows, num_groups),
+        minimum.reshape(rows, num_groups),
+    )
+
+
+def decode_block(packed, scale, minimum, *, group_size: int):
+    """packed uint8 [R, D/4], scale/minimum float16 [R, D/G] → float32 [R, D], x̂ = m + code·s."""
+    rows, quarter = packed.shape
+    d = quarter * CODES_PER_BYTE
+    num_groups = d // group_size
+    wide = packed.astype(jnp.int32).reshape(rows, 1, quarter)  # widen before integer ops
+    shifts = lax.broadcasted_iota(jnp.int32, (1, CODES_PER_BYTE, 1), 1) * CODE_BITS
+    codes = (wide >> shifts) & CODE_MASK  # [R, 4, Q]: plane p holds elements p·Q …
+    codes = codes.reshape(rows, num_groups, group_size).astype(jnp.float32)
+    s = scale.astype(jnp.float32).reshape(rows, num_groups, 1)
+    m = minimum.astype(jnp.float32).reshape(rows, num_groups, 1)
+    return (m + codes * s).reshape(rows, d)  # code·s is exact (≤ 13 significant bits)
+
+
+# ------------------------------------------------------------------------------ row masking
+
+
+def row_mask(block_rows: int, num_rows: int):
+    """[R, 1] bool: which rows of this program's block exist, or None when blocks tile exactly."""
+    if num_rows % block_rows == 0:
+        return None
+    row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+    return row < num_rows
+
+
+def load_block(ref, mask):
+    if mask is None:
+        return ref[...]
+    return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
+
+
+def store_block(ref, value, mask):
+    if mask is None:
+        ref[...] = value
+    else:
+        plgpu.store(ref, value, mask=jnp.broadcast_to(mask, ref.shape))
+
+
+def block_rows_for(num_rows: int, block_rows: int) -> int:
+    if block_rows < 1 or block_rows & (block_rows - 1):
+        raise ValueError(f"{block_rows=} must be a power of two")
+    return min(block_rows, pl.next_power_of_2(max(num_rows, 1)))
+
+
+# ----------------------------------------------------------------------------------- encode
+
+
+def _encode_kernel(
+    x_ref,  # [R, D] float
+    packed_ref,  # [R, D/4] uint8
+    scale_ref,  # [R, D/G] float16
+    minimum_ref,  # [R, D/G] float16
+    *,
+    num_rows: int,
+    group_size: int,
+    clip_index: int,
+    levels: str,
+    order_statistic: str,
+):
+    mask = row_mask(x_ref.shape[0], num_rows)
+    packed, scale, minimum = encode_block(
+        load_block(x_ref, mask),
+        group_size=group_size,
+        clip_index=clip_index,
+        levels=levels,
+        order_statistic=order_statistic,
+    )
+    store_block(packed_ref, packed, mask)
+    store_block(scale_ref, scale, mask)
+    store_block(minimum_ref, minimum, mask)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "group_size", "clip_index", "levels", "order_statistic", "block_rows", "num_warps", "interpret",
+    ),
+)
+def encode_rows(
+    x,
+    *,
+    group_size: int,
+    clip_index: int,
+    levels: str,
+    order_statistic: str | None = None,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    interpret: bool | None = None,
+):
+    """Launch encode over x [N, D] (N ≥ 1). Arguments are validated by oscar_jax.ops.encode."""
+    num_rows, d = x.shape
+    quarter, num_groups = d // CODES_PER_BYTE, d // group_size
+    if order_statistic is None:
+        order_statistic = select_order_statistic(d, clip_index)
+    rows = block_rows_for(num_rows, block_rows)
+    kernel = functools.partial(
+        _encode_kernel,
+        num_rows=num_rows,
+        group_size=group_size,
+        clip_index=clip_index,
+        levels=levels,
+        order_statistic=order_statistic,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_rows, rows),),
+        in_specs=[pl.BlockSpec((rows, d), lambda i: (i, 0))],  # x: R rows
+        out_specs=[
+            pl.BlockSpec((rows, quarter), lambda i: (i, 0)),  # packed
+            pl.BlockSpec((rows, num_groups), lambda i: (i, 0)),  # scale
+            pl.BlockSpec((rows, num_groups), lambda i: (i, 0)),  # minimum
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_rows, quarter), jnp.uint8),
+            jax.ShapeDtypeStruct((num_rows, num_groups), jnp.float16),
+            jax.ShapeDtypeStruct((num_rows, num_groups), jnp.float16),
+        ],
+        interpret=resolve_interpret(interpret),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"oscar_encode_d{d}_g{group_size}_k{clip_index}_{levels}_{order_statistic}_r{rows}",
+    )(x)
+
+
+# ----------------------------------------------------------------------------------- decode
+
+
+def _decode_kernel(
+    packed_ref,  # [R, D/4] uint8
+    scale_ref,  # [R, D/G] float16
+    minimum_ref,  # [R, D/G] float16
+    out_ref,  # [R, D] float32
+    *,
+    num_rows: int,
+    group_size: int,
+):
+    mask = row_mask(packed_ref.shape[0], num_rows)
+    values = decode_block(
+        load_block(packed_ref, mask),
+        load_block(scale_ref, mask),
+        load_block(minimum_ref, mask),
+        group_size=group_size,
+    )
+    store_block(out_ref, values, mask)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "block_rows", "num_warps", "interpret"))
+def decode_rows(
+    packed,
+    scale,
+    minimum,
+    *,
+    group_size: int,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    interpret: bool | None = None,
+):
+    """Launch decode over packed [N, D/4], scale/minimum [N, D/G] → float32 [N, D]."""
+    num_rows, quarter = packed.shape
+    d = quarter * CODES_PER_BYTE
+    num_groups = d // group_size
+    rows = block_rows_for(num_rows, block_rows)
+    return pl.pallas_call(
+        functools.partial(_decode_kernel, num_rows=num_rows, group_size=group_size),
+        grid=(pl.cdiv(num_rows, rows),),
+        in_specs=[
+            pl.BlockSpec((rows, quarter), lambda i: (i, 0)),  # packed
+            pl.BlockSpec((rows, num_groups), lambda i: (i, 0)),  # scale
+            pl.BlockSpec((rows, num_groups), lambda i: (i, 0)),  # minimum
+        ],
+        out_specs=pl.BlockSpec((rows, d), lambda i: (i, 0)),  # values
+        out_shape=jax.ShapeDtypeStruct((num_rows, d), jnp.float32),
+        interpret=resolve_interpret(interpret),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"oscar_decode_d{d}_g{group_size}_r{rows}",
+    )(packed, scale, minimum)

@@ -1,0 +1,417 @@
+"""Split-K first-stage kernels of attention over OSCAR's paged mixed-precision KV cache.
+
+Two kernels, one per storage tier (OSCAR_SPEC §5 "Read"), each writing a *normalised* partial
+output and its log-sum-exp per (sequence, KV head, query-row block, split); a merge in plain jnp
+(`oscar_jax.attention_ops.merge_partials`) turns all partials into the exact softmax over the union.
+
+* `bf16_tier_partials`: the sink and recent pages (BF16). One page table per sequence: slots
+  [0, sink_slots) are the sink pages (`sink_tokens` valid tokens, filling pages in order), the
+  following slots the recent pages (`recent_tokens` valid tokens, in order).
+* `int2_tier_partials`: the history pages (INT2, format v1). Nothing is dequantized into a tile:
+  with x̂ = m + c·s per group of `group_size` channels (m, s the fp16 minimum and scale of the group),
+      q·x̂     = Σ_groups  s·(q_group · c_group) + m·Σ q_group    (K scale and min into the scores)
+      Σ_n p·v̂ = Σ_n (p·s_v)·c_v + (Σ_n p·m_v)                    (V scale into the probabilities)
+  so the inner products run on the raw 2-bit codes (exact in bf16 and f32), one `dot` per
+  (byte chunk, bit plane): quartered packing puts channels [plane·D/4 + j, …) in bits
+  2·plane … 2·plane + 1 of bytes j …, so each bit plane of a byte chunk is a contiguous run of
+  channels and lies inside one group.
+
+Both kernels handle all query rows of one KV head together (GQA: the Gq query heads of a KV head,
+padded to ≥ 16 rows for `dot`; prefill: T·Gq rows), so each K/V tile is loaded once per row block.
+
+Lowering choice: `pl.pallas_call` with the Triton lowering (`jax.experimental.pallas.triton`),
+as the codec kernels. It is deprecated since jax 0.11 but compiles on the H200, has `jnp.dot`
+(tensor cores for bf16, IEEE fp32 otherwise) and accepts 8-bit loads widened to int32; Mosaic
+GPU has no `jnp.dot` and rejects 8-bit arithmetic (DESIGN.md §4). The kernels keep to the Triton
+lowering's rules even though interpret mode would not enforce them: power-of-two value shapes,
+dots with M, N, K ≥ 16, uint8 widened to int32 before shifts, static shapes with dynamic loop
+trip counts, scalar reads of lengths from refs, page gathers as integer-array indexing of refs.
+
+Robustness: a page-table entry that does not hold a valid token is never dereferenced (its page
+id is replaced by 0 before the gather), V rows and INT2 metadata of masked tokens are zeroed
+(stale pool memory may hold NaN), masked scores are a finite large negative value, and a split
+with no valid token writes o = 0, lse = −inf so the merge weighs it zero.
+
+Dimension vocabulary of the shape comments: B batch, K KV heads, M query rows of one KV head,
+D head dim, P pages of a pool, L page size, N tokens of one block, S splits, NB/NH table slots.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from shared_math.spec import CODE_BITS, CODE_MASK, CODES_PER_BYTE
+
+# Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
+# running maximum finite and exp(m_old − m_new) never becomes exp(−inf + inf) = NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# `dot` in the Triton lowering needs M, N, K ≥ 16 (mma tile); blocks are sized to respect it.
+MIN_DOT_DIM = 16
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def num_splits(table_slots: int, pages_per_split: int) -> int:
+    """Splits a tier's page table is cut into (at least one, so every tier writes a partial)."""
+    return max(1, math.ceil(table_slots / pages_per_split))
+
+
+def dot_nt(a, b):
+    """a [M, C] · b [N, C]ᵀ → [M, N] float32 accumulation."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot_nn(a, b):
+    """a [M, C] · b [C, N] → [M, N] float32 accumulation."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def online_softmax_step(scores, valid, m_prev, l_prev):
+    """One online-softmax step on a [M, N] score tile; `valid` broadcasts to [M, N].
+
+    Returns (p, correction, m_new, l_new). Masked entries get p = 0 exactly, even while a row
+    has seen no valid score yet (then m stays MASK_VALUE and exp(scores − m) would be 1).
+    """
+    scores = jnp.where(valid, scores, MASK_VALUE)
+    m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+    correction = jnp.exp(m_prev - m_new)
+    p = jnp.where(valid, jnp.exp(scores - m_new[:, None]), 0.0)
+    l_new = l_prev * correction + jnp.sum(p, axis=1)
+    return p, correction, m_new, l_new
+
+
+def finalize_rows(l, m):
+    """Normaliser and log-sum-exp of the finished rows; empty rows get lse = −inf."""
+    nonempty = l > 0.0
+    inv_l = 1.0 / jnp.where(nonempty, l, 1.0)
+    lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+    return inv_l, lse
+
+
+# --------------------------------------------------------------------------------------------
+# BF16 tier: sink + recent pages.
+# --------------------------------------------------------------------------------------------
+
+
+def _bf16_tier_kernel(
+    page_table_ref,  # [S·PAGES_PER_SPLIT] int32: the BF16 slots of sequence b (padded)
+    sink_tokens_ref,  # [B] int32
+    recent_tokens_ref,  # [B] int32
+    q_ref,  # [BLOCK_M, D] compute dtype: query rows of KV head h
+    k_ref,  # [P, L, D] bf16: the K pool of KV head h
+    v_ref,  # [P, L, D] bf16: the V pool of KV head h
+    o_ref,  # [BLOCK_M, D] float32: normalised partial output of this split
+    lse_ref,  # [BLOCK_M] float32: its log-sum-exp (−inf when the split holds no token)
+    *,
+    SINK_SLOTS: int,
+    PAGE_SIZE: int,
+    PAGES_PER_SPLIT: int,
+    PAGES_PER_BLOCK: int,
+    SOFTMAX_SCALE: float,
+):
+    b, split = pl.program_id(0), pl.program_id(3)
+    block_m, head_dim = q_ref.shape
+    block_n = PAGES_PER_BLOCK * PAGE_SIZE
+    compute_dtype = q_ref.dtype
+
+    n_sink = sink_tokens_ref[b]
+    n_recent = recent_tokens_ref[b]
+    recent_pages = cdiv(n_recent, PAGE_SIZE)
+    # One past the last slot holding a token: the loop stops there (slots beyond are never read).
+    slot_end = jnp.where(recent_pages > 0, SINK_SLOTS + recent_pages, cdiv(n_sink, PAGE_SIZE))
+    first_slot = split * PAGES_PER_SPLIT
+    last_slot = jnp.minimum(first_slot + PAGES_PER_SPLIT, slot_end)
+    num_blocks = jnp.maximum(cdiv(last_slot - first_slot, PAGES_PER_BLOCK), 0)
+
+    token = lax.iota(jnp.int32, block_n)
+    offset = token % PAGE_SIZE  # [N] position inside its page
+    slot_in_block = token // PAGE_SIZE  # [N]
+    q = q_ref[...]  # [BLOCK_M, D]
+
+    def body(i, carry):
+        o, m, l = carry
+        slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
+        is_sink = slot < SINK_SLOTS
+        position = jnp.where(is_sink, slot, slot - SINK_SLOTS) * PAGE_SIZE + offset
+        valid = position < jnp.where(is_sink, n_sink, n_recent)  # [N]
+        page = jnp.where(valid, page_table_ref[slot], 0)  # [N] never dereference unused slots
+        k = k_ref[page, offset, :].astype(compute_dtype)  # [N, D]
+        v = v_ref[page, offset, :]  # [N, D]
+        v = jnp.where(valid[:, None], v, jnp.zeros_like(v)).astype(compute_dtype)
+        scores = dot_nt(q, k) * SOFTMAX_SCALE  # [BLOCK_M, N]
+        p, correction, m, l = online_softmax_step(scores, valid[None, :], m, l)
+        o = o * correction[:, None] + dot_nn(p.astype(compute_dtype), v)
+        return o, m, l
+
+    carry = (
+        jnp.zeros((block_m, head_dim), jnp.float32),
+        jnp.full((block_m,), MASK_VALUE, jnp.float32),
+        jnp.zeros((block_m,), jnp.float32),
+    )
+    o, m, l = lax.fori_loop(0, num_blocks, body, carry)
+    inv_l, lse = finalize_rows(l, m)
+    o_ref[...] = o * inv_l[:, None]
+    lse_ref[...] = lse
+
+
+def bf16_tier_partials(
+    q,  # [B, K, M, D] compute dtype (float32 or bfloat16), M a multiple of block_m
+    k_bf16,  # [P, K, L, D] bfloat16
+    v_bf16,  # [P, K, L, D] bfloat16
+    page_table,  # [B, NB] int32
+    sink_tokens,  # [B] int32
+    recent_tokens,  # [B] int32
+    *,
+    sink_slots: int,
+    softmax_scale: float,
+    pages_per_split: int,
+    pages_per_block: int,
+    block_m: int,
+    interpret: bool,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
+    """Partials over the BF16 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
+
+    Inputs are validated by the public op; the asserts guard internal invariants only.
+    """
+    batch, num_kv_heads, rows, head_dim = q.shape
+    num_pages, _, page_size, _ = k_bf16.shape
+    assert rows % block_m == 0 and pages_per_split % pages_per_block == 0
+    splits = num_splits(page_table.shape[1], pages_per_split)
+    table_len = splits * pages_per_split
+    page_table = jnp.pad(page_table, ((0, 0), (0, table_len - page_table.shape[1])))
+    kernel = functools.partial(
+        _bf16_tier_kernel,
+        SINK_SLOTS=sink_slots,
+        PAGE_SIZE=page_size,
+        PAGES_PER_SPLIT=pages_per_split,
+        PAGES_PER_BLOCK=pages_per_block,
+        SOFTMAX_SCALE=float(softmax_scale),
+    )
+    grid = (batch, num_kv_heads, rows // block_m, splits)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((None, table_len), lambda b, h, r, s: (b, 0)),  # page table of b
+            pl.BlockSpec((batch,), lambda b, h, r, s: (0,)),  # sink_tokens (read at b)
+            pl.BlockSpec((batch,), lambda b, h, r, s: (0,)),  # recent_tokens (read at b)
+            pl.BlockSpec((None, None, block_m, head_dim), lambda b, h, r, s: (b, h, r, 0)),  # q
+            pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, h, r, s: (0, h, 0, 0)),  # K pool
+            pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, h, r, s: (0, h, 0, 0)),  # V pool
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_m, head_dim), lambda b, h, r, s: (b, h, s, r, 0)),  # o
+            pl.BlockSpec((None, None, None, block_m), lambda b, h, r, s: (b, h, s, r)),  # lse
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows), jnp.float32),
+        ],
+        compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"oscar_bf16_tier_attention_{block_m=}_{pages_per_split=}_{pages_per_block=}",
+    )(page_table, sink_tokens, recent_tokens, q, k_bf16, v_bf16)
+
+
+# --------------------------------------------------------------------------------------------
+# INT2 tier: history pages.
+# --------------------------------------------------------------------------------------------
+
+
+def int2_pieces(head_dim: int, group_size: int):
+    """The (byte chunk, bit plane) pieces of a packed row: (byte_start, width, plane, channel_start, group).
+
+    Piece (j, plane) reads bytes [j·W, j·W + W) and covers channels [plane·D/4 + j·W, … + W), all
+    inside group (plane·D/4 + j·W) // group_size; W = min(group_size, D/4) keeps that true.
+    """
+    quarter = head_dim // CODES_PER_BYTE
+    width = min(group_size, quarter)
+    pieces = []
+    for plane in range(CODES_PER_BYTE):
+        for byte_start in range(0, quarter, width):
+            channel_start = plane * quarter + byte_start
+            pieces.append((byte_start, width, plane, channel_start, channel_start // group_size))
+    return tuple(pieces)
+
+
+def _int2_tier_kernel(
+    page_table_ref,  # [S·PAGES_PER_SPLIT] int32: the history slots of sequence b (padded)
+    history_tokens_ref,  # [B] int32 (a multiple of L)
+    q_ref,  # [BLOCK_M, D] compute dtype: query rows of KV head h
+    k_codes_ref,  # [P, L, D/4] uint8: K codes pool of KV head h
+    k_scale_ref,  # [P, L, D/GROUP] float16
+    k_min_ref,  # [P, L, D/GROUP] float16
+    v_codes_ref,  # [P, L, D/4] uint8
+    v_scale_ref,  # [P, L, D/GROUP] float16
+    v_min_ref,  # [P, L, D/GROUP] float16
+    o_ref,  # [BLOCK_M, D] float32: normalised partial output of this split
+    lse_ref,  # [BLOCK_M] float32
+    *,
+    GROUP_SIZE: int,
+    PAGE_SIZE: int,
+    PAGES_PER_SPLIT: int,
+    PAGES_PER_BLOCK: int,
+    SOFTMAX_SCALE: float,
+):
+    b, split = pl.program_id(0), pl.program_id(3)
+    block_m, head_dim = q_ref.shape
+    block_n = PAGES_PER_BLOCK * PAGE_SIZE
+    compute_dtype = q_ref.dtype
+    num_groups = head_dim // GROUP_SIZE
+    pieces = int2_pieces(head_dim, GROUP_SIZE)
+
+    n_history = history_tokens_ref[b]
+    first_slot = split * PAGES_PER_SPLIT
+    last_slot = jnp.minimum(first_slot + PAGES_PER_SPLIT, cdiv(n_history, PAGE_SIZE))
+    num_blocks = jnp.maximum(cdiv(last_slot - first_slot, PAGES_PER_BLOCK), 0)
+
+    token = lax.iota(jnp.int32, block_n)
+    offset = token % PAGE_SIZE  # [N]
+    slot_in_block = token // PAGE_SIZE  # [N]
+
+    # Query pieces in the layout of the code planes, and per-group sums Σ q (for the min term).
+    q_pieces = [q_ref[:, pl.ds(c0, width)] for (_, width, _, c0, _) in pieces]  # [BLOCK_M, W] each
+    q_group_sums = [jnp.zeros((block_m,), jnp.float32) for _ in range(num_groups)]
+    for q_piece, (_, _, _, _, group) in zip(q_pieces, pieces):
+        q_group_sums[group] = q_group_sums[group] + jnp.sum(q_piece.astype(jnp.float32), axis=1)
+
+    def load_group_metadata(ref, page, valid, group):
+        value = ref[page, offset, group].astype(jnp.float32)  # [N]
+        return jnp.where(valid, value, 0.0)  # masked rows may be stale memory (NaN)
+
+    def load_planes(codes_ref, page):
+        """Each piece's codes as [N, W] in the compute dtype (uint8 → int32 → shift/mask)."""
+        chunks = {}
+        planes = []
+        for byte_start, width, plane, _, _ in pieces:
+            if byte_start not in chunks:
+                chunks[byte_start] = codes_ref[page, offset, pl.ds(byte_start, width)].astype(jnp.int32)
+            code = lax.shift_right_logical(chunks[byte_start], plane * CODE_BITS) & CODE_MASK
+            planes.append(code.astype(compute_dtype))
+        return planes
+
+    def body(i, carry):
+        o_pieces, m, l = carry
+        slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
+        valid = slot * PAGE_SIZE + offset < n_history  # [N]
+        page = jnp.where(valid, page_table_ref[slot], 0)  # [N] never dereference unused slots
+
+        # Scores: Σ_g s_g·(q_g · c_g) + m_g·Σ q_g.
+        k_planes = load_planes(k_codes_ref, page)
+        code_dots = [None] * num_groups
+        for q_piece, plane, (_, _, _, _, group) in zip(q_pieces, k_planes, pieces):
+            d = dot_nt(q_piece, plane)  # [BLOCK_M, N]
+            code_dots[group] = d if code_dots[group] is None else code_dots[group] + d
+        scores = jnp.zeros((block_m, block_n), jnp.float32)
+        for group in range(num_groups):
+            k_scale = load_group_metadata(k_scale_ref, page, valid, group)
+            k_min = load_group_metadata(k_min_ref, page, valid, group)
+            scores = scores + code_dots[group] * k_scale[None, :]
+            scores = scores + q_group_sums[group][:, None] * k_min[None, :]
+        p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
+
+        # Output: Σ_n (p·s_v)·c_v + Σ_n p·m_v per group.
+        v_planes = load_planes(v_codes_ref, page)
+        p_scaled, p_min = [], []
+        for group in range(num_groups):
+            v_scale = load_group_metadata(v_scale_ref, page, valid, group)
+            v_min = load_group_metadata(v_min_ref, page, valid, group)
+            p_scaled.append((p * v_scale[None, :]).astype(compute_dtype))  # [BLOCK_M, N]
+            p_min.append(jnp.sum(p * v_min[None, :], axis=1))  # [BLOCK_M]
+        new_pieces = []
+        for o_piece, plane, (_, _, _, _, group) in zip(o_pieces, v_planes, pieces):
+            update = dot_nn(p_scaled[group], plane) + p_min[group][:, None]  # [BLOCK_M, W]
+            new_pieces.append(o_piece * correction[:, None] + update)
+        return tuple(new_pieces), m, l
+
+    carry = (
+        tuple(jnp.zeros((block_m, width), jnp.float32) for (_, width, _, _, _) in pieces),
+        jnp.full((block_m,), MASK_VALUE, jnp.float32),
+        jnp.zeros((block_m,), jnp.float32),
+    )
+    o_pieces, m, l = lax.fori_loop(0, num_blocks, body, carry)
+    inv_l, lse = finalize_rows(l, m)
+    for o_piece, (_, width, _, c0, _) in zip(o_pieces, pieces):
+        o_ref[:, pl.ds(c0, width)] = o_piece * inv_l[:, None]
+    lse_ref[...] = lse
+
+
+def int2_tier_partials(
+    q,  # [B, K, M, D] compute dtype (float32 or bfloat16), M a multiple of block_m
+    k_codes,  # [P, K, L, D/4] uint8
+    k_scale,  # [P, K, L, D/G] float16
+    k_min,  # [P, K, L, D/G] float16
+    v_codes,  # [P, K, L, D/4] uint8
+    v_scale,  # [P, K, L, D/G] float16
+    v_min,  # [P, K, L, D/G] float16
+    page_table,  # [B, NH] int32
+    history_tokens,  # [B] int32
+    *,
+    group_size: int,
+    softmax_scale: float,
+    pages_per_split: int,
+    pages_per_block: int,
+    block_m: int,
+    interpret: bool,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
+    """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M])."""
+    batch, num_kv_heads, rows, head_dim = q.shape
+    num_pages, _, page_size, packed = k_codes.shape
+    num_groups = k_scale.shape[-1]
+    assert rows % block_m == 0 and pages_per_split % pages_per_block == 0
+    assert packed * CODES_PER_BYTE == head_dim and num_groups * group_size == head_dim
+    splits = num_splits(page_table.shape[1], pages_per_split)
+    table_len = splits * pages_per_split
+    page_table = jnp.pad(page_table, ((0, 0), (0, table_len - page_table.shape[1])))
+    kernel = functools.partial(
+        _int2_tier_kernel,
+        GROUP_SIZE=group_size,
+        PAGE_SIZE=page_size,
+        PAGES_PER_SPLIT=pages_per_split,
+        PAGES_PER_BLOCK=pages_per_block,
+        SOFTMAX_SCALE=float(softmax_scale),
+    )
+    codes_spec = pl.BlockSpec((num_pages, None, page_size, packed), lambda b, h, r, s: (0, h, 0, 0))
+    meta_spec = pl.BlockSpec((num_pages, None, page_size, num_groups), lambda b, h, r, s: (0, h, 0, 0))
+    grid = (batch, num_kv_heads, rows // block_m, splits)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((None, table_len), lambda b, h, r, s: (b, 0)),  # page table of b
+            pl.BlockSpec((batch,), lambda b, h, r, s: (0,)),  # history_tokens (read at b)
+            pl.BlockSpec((None, None, block_m, head_dim), lambda b, h, r, s: (b, h, r, 0)),  # q
+            codes_spec,  # K codes pool of KV head h
+            meta_spec,  # K scale
+            meta_spec,  # K minimum
+            codes_spec,  # V codes
+            meta_spec,  # V scale
+            meta_spec,  # V minimum
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_m, head_dim), lambda b, h, r, s: (b, h, s, r, 0)),  # o
+            pl.BlockSpec((None, None, None, block_m), lambda b, h, r, s: (b, h, s, r)),  # lse
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows), jnp.float32),
+        ],
+        compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=(
+            f"oscar_int2_tier_attention_{group_size=}_{block_m=}_{pages_per_split=}_{pages_per_block=}"
+        ),
+    )(page_table, history_tokens, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)

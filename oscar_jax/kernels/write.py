@@ -1,0 +1,427 @@
+"""Write-path kernels: fused rotate + encode, page scatters, and page demotion (DESIGN.md §2–3).
+
+Page pools (per layer, head-major so one (page, head) block is contiguous):
+  INT2 tier  codes u8[P, K, L, D/4], scale f16[P, K, L, D/G], minimum f16[P, K, L, D/G]
+  BF16 tier  bf16[P, K, L, D]
+(P pages, K kv heads, L page size, D head dim, G group size, T tokens, N pages to demote,
+Y layers.) A destination is a (page, slot) pair per token. Pools are updated in place through
+`input_output_aliases`; the update is truly in place when the caller's jit donates the pools.
+Destinations outside the pool (a page id outside [0, P) or a slot outside [0, L)) are never
+written: the public ops reject them on the host when the ids are concrete, and the kernels mask
+them (never an out-of-bounds store) when they are traced.
+
+Encoding is `encode_block` from codec.py, so every written row has exactly the bytes of
+shared_math.encode of the same float32 row. Keys are rotated in the kernel, k' = k·R_K with
+R_K [K, D, D] per kv head, as a float32 `jnp.dot` at Precision.HIGHEST (IEEE float32 on the GPU,
+never TF32); values arrive already rotated (R_V folded into W_v) and take no rotation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from oscar_jax.kernels.codec import (
+    DEFAULT_BLOCK_ROWS,
+    DEFAULT_NUM_WARPS,
+    block_rows_for,
+    encode_block,
+    load_block,
+    resolve_interpret,
+    select_order_statistic,
+    store_block,
+)
+from shared_math.spec import CODES_PER_BYTE
+
+# tl.dot needs M, N, K ≥ 16: the fused rotation runs on blocks of at least this many tokens.
+MIN_DOT_ROWS = 16
+INT2_ARRAYS = ("codes", "scale", "minimum")  # the three arrays of an INT2 page pool
+
+
+def _alias_int2_pools(num_operands: int) -> dict[int, int]:
+    """The INT2 pools are the last operands and outputs 0, 1, 2: update them in place."""
+    first = num_operands - len(INT2_ARRAYS)
+    return {first + i: i for i in range(len(INT2_ARRAYS))}
+
+
+def _rotate(x, rotation_ref):
+    """x [R, D] float32 · R [D, D] float32 → [R, D] float32 (IEEE float32, no TF32)."""
+    return jnp.dot(
+        x,
+        rotation_ref[...].astype(jnp.float32),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _token_mask(block_tokens: int, num_tokens: int, grid_axis: int):
+    """[R, 1] bool: which tokens of this program's block exist (None when blocks tile T)."""
+    if num_tokens % block_tokens == 0:
+        return None
+    token = pl.program_id(grid_axis) * block_tokens + lax.broadcasted_iota(
+        jnp.int32, (block_tokens, 1), 0
+    )
+    return token < num_tokens
+
+
+def _full_spec(shape):
+    """The whole array as one block (page pools: indexed inside the kernel)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _token_block_rows(num_tokens: int, block_tokens: int, rotate: bool) -> int:
+    rows = block_rows_for(num_tokens, block_tokens)
+    return max(rows, MIN_DOT_ROWS) if rotate else rows
+
+
+# ------------------------------------------------------------------- fused write to dense rows
+
+
+def _write_int2_kernel(
+    x_ref,  # [R, D] float (tokens of one kv head)
+    *refs,  # [rotation_ref [D, D] f32], packed_ref [R, D/4], scale_ref [R, D/G], minimum_ref [R, D/G]
+    num_tokens: int,
+    rotate: bool,
+    encode_args: dict,
+):
+    if rotate:
+        rotation_ref, packed_ref, scale_ref, minimum_ref = refs
+    else:
+        rotation_ref, (packed_ref, scale_ref, minimum_ref) = None, refs
+    mask = _token_mask(x_ref.shape[0], num_tokens, grid_axis=1)
+    x = load_block(x_ref, mask).astype(jnp.float32)
+    if rotate:
+        x = _rotate(x, rotation_ref)
+    packed, scale, minimum = encode_block(x, **encode_args)
+    store_block(packed_ref, packed, mask)
+    store_block(scale_ref, scale, mask)
+    store_block(minimum_ref, minimum, mask)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "group_size", "clip_index", "levels", "order_statistic", "block_tokens", "num_warps", "interpret",
+    ),
+)
+def write_int2_rows(
+    x,
+    rotation,
+    *,
+    group_size: int,
+    clip_index: int,
+    levels: str,
+    order_statistic: str | None = None,
+    block_tokens: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    interpret: bool | None = None,
+):
+    """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G]."""
+    num_tokens, num_heads, d = x.shape
+    quarter, num_groups = d // CODES_PER_BYTE, d // group_size
+    rotate = rotation is not None
+    if order_statistic is None:
+        order_statistic = select_order_statistic(d, clip_index)
+    rows = _token_block_rows(num_tokens, block_tokens, rotate)
+    encode_args = dict(
+        group_size=group_size, clip_index=clip_index, levels=levels, order_statistic=order_statistic
+    )
+    in_specs = [pl.BlockSpec((rows, None, d), lambda h, i: (i, h, 0))]  # x: R tokens of head h
+    operands = [x]
+    if rotate:
+        in_specs.append(pl.BlockSpec((None, d, d), lambda h, i: (h, 0, 0)))  # R_K of head h
+        operands.append(rotation)
+    return pl.pallas_call(
+        functools.partial(
+            _write_int2_kernel, num_tokens=num_tokens, rotate=rotate, encode_args=encode_args
+        ),
+        grid=(num_heads, pl.cdiv(num_tokens, rows)),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((rows, None, quarter), lambda h, i: (i, h, 0)),  # packed
+            pl.BlockSpec((rows, None, num_groups), lambda h, i: (i, h, 0)),  # scale
+            pl.BlockSpec((rows, None, num_groups), lambda h, i: (i, h, 0)),  # minimum
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_tokens, num_heads, quarter), jnp.uint8),
+            jax.ShapeDtypeStruct((num_tokens, num_heads, num_groups), jnp.float16),
+            jax.ShapeDtypeStruct((num_tokens, num_heads, num_groups), jnp.float16),
+        ],
+        interpret=resolve_interpret(interpret),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"oscar_write_int2_d{d}_g{group_size}_k{clip_index}_{levels}_rot{int(rotate)}_r{rows}",
+    )(*operands)
+
+
+# ---------------------------------------------------------------- scatter into the page pools
+
+
+def _destinations(page_ref, slot_ref, mask, *, num_pages: int, page_size: int):
+    """Page ids and slots [R, 1] of this block's tokens, and which of them to write. Skipped
+    tokens point at page `num_pages` (one past the pool): masked on the GPU, dropped by the
+    interpreter's scatter (a negative id would wrap around there)."""
+    flat_mask = None if mask is None else mask.reshape(mask.shape[0])
+    page = load_block(page_ref, flat_mask)[:, None]
+    slot = load_block(slot_ref, flat_mask)[:, None]
+    valid = (page >= 0) & (page < num_pages) & (slot >= 0) & (slot < page_size)
+    if mask is not None:
+        valid = valid & mask
+    return jnp.where(valid, page, num_pages), jnp.where(valid, slot, 0), valid
+
+
+def _scatter_rows(pool_ref, head, page, slot, valid, value):
+    """pool_ref [P, K, L, W] ← value [R, W] at (page[r], head, slot[r], :) where valid[r]."""
+    rows, width = value.shape
+    column = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    shape = (rows, width)
+    plgpu.store(
+        pool_ref.at[
+            jnp.broadcast_to(page, shape), head, jnp.broadcast_to(slot, shape), jnp.broadcast_to(column, shape)
+        ],
+        value,
+        mask=jnp.broadcast_to(valid, shape),
+    )
+
+
+def _write_pages_kernel(
+    x_ref,  # [R, D] float (tokens of one kv head)
+    *refs,  # [rotation_ref [D, D]], page_ref [R], slot_ref [R], 3 aliased pool inputs (unused),
+    #         codes_ref [P, K, L, D/4], scale_ref [P, K, L, D/G], minimum_ref [P, K, L, D/G]
+    num_tokens: int,
+    rotate: bool,
+    encode_args: dict,
+):
+    rotation_ref = refs[0] if rotate else None
+    page_ref, slot_ref, _, _, _, codes_ref, scale_ref, minimum_ref = refs[int(rotate) :]
+    num_pages, _, page_size, _ = codes_ref.shape
+    head = pl.program_id(0)
+    mask = _token_mask(x_ref.shape[0], num_tokens, grid_axis=1)
+    page, slot, valid = _destinations(
+        page_ref, slot_ref, mask, num_pages=num_pages, page_size=page_size
+    )
+    x = load_block(x_ref, mask).astype(jnp.float32)
+    if rotate:
+        x = _rotate(x, rotation_ref)
+    packed, scale, minimum = encode_block(x, **encode_args)
+    _scatter_rows(codes_ref, head, page, slot, valid, packed)
+    _scatter_rows(scale_ref, head, page, slot, valid, scale)
+    _scatter_rows(minimum_ref, head, page, slot, valid, minimum)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "group_size", "clip_index", "levels", "order_statistic", "block_tokens", "num_warps", "interpret",
+    ),
+)
+def write_pages_rows(
+    codes,
+    scale,
+    minimum,
+    x,
+    page_ids,
+    slots,
+    rotation,
+    *,
+    group_size: int,
+    clip_index: int,
+    levels: str,
+    order_statistic: str | None = None,
+    block_tokens: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    interpret: bool | None = None,
+):
+    """Encode x [T, K, D] (rotated by rotation [K, D, D] unless None) into the INT2 pools at
+    (page_ids[t], slots[t]); returns the updated (codes, scale, minimum)."""
+    num_tokens, num_heads, d = x.shape
+    rotate = rotation is not None
+    if order_statistic is None:
+        order_statistic = select_order_statistic(d, clip_index)
+    rows = _token_block_rows(num_tokens, block_tokens, rotate)
+    encode_args = dict(
+        group_size=group_size, clip_index=clip_index, levels=levels, order_statistic=order_statistic
+    )
+    in_specs = [pl.BlockSpec((rows, None, d), lambda h, i: (i, h, 0))]  # x: R tokens of head h
+    operands = [x]
+    if rotate:
+        in_specs.append(pl.BlockSpec((None, d, d), lambda h, i: (h, 0, 0)))  # R_K of head h
+        operands.append(rotation)
+    in_specs += [
+        pl.BlockSpec((rows,), lambda h, i: (i,)),  # page ids of the R tokens
+        pl.BlockSpec((rows,), lambda h, i: (i,)),  # slots of the R tokens
+        _full_spec(codes.shape),  # codes pool (aliased to output 0)
+        _full_spec(scale.shape),  # scale pool (aliased to output 1)
+        _full_spec(minimum.shape),  # minimum pool (aliased to output 2)
+    ]
+    operands += [page_ids, slots, codes, scale, minimum]
+    return pl.pallas_call(
+        functools.partial(
+            _write_pages_kernel, num_tokens=num_tokens, rotate=rotate, encode_args=encode_args
+        ),
+        grid=(num_heads, pl.cdiv(num_tokens, rows)),
+        in_specs=in_specs,
+        out_specs=[_full_spec(codes.shape), _full_spec(scale.shape), _full_spec(minimum.shape)],
+        out_shape=[
+            jax.ShapeDtypeStruct(codes.shape, codes.dtype),
+            jax.ShapeDtypeStruct(scale.shape, scale.dtype),
+            jax.ShapeDtypeStruct(minimum.shape, minimum.dtype),
+        ],
+        input_output_aliases=_alias_int2_pools(len(operands)),
+        interpret=resolve_interpret(interpret),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"oscar_write_pages_d{d}_g{group_size}_k{clip_index}_{levels}_rot{int(rotate)}_r{rows}",
+    )(*operands)
+
+
+def _write_bf16_pages_kernel(
+    x_ref,  # [R, D] float (tokens of one kv head)
+    page_ref,  # [R] int32
+    slot_ref,  # [R] int32
+    _pool_in_ref,  # aliased to pool_ref
+    pool_ref,  # [P, K, L, D] bfloat16
+    *,
+    num_tokens: int,
+):
+    num_pages, _, page_size, _ = pool_ref.shape
+    mask = _token_mask(x_ref.shape[0], num_tokens, grid_axis=1)
+    page, slot, valid = _destinations(
+        page_ref, slot_ref, mask, num_pages=num_pages, page_size=page_size
+    )
+    x = load_block(x_ref, mask).astype(pool_ref.dtype)  # round-to-nearest-even
+    _scatter_rows(pool_ref, pl.program_id(0), page, slot, valid, x)
+
+
+@functools.partial(jax.jit, static_argnames=("block_tokens", "num_warps", "interpret"))
+def write_bf16_pages_rows(
+    pool,
+    x,
+    page_ids,
+    slots,
+    *,
+    block_tokens: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    interpret: bool | None = None,
+):
+    """pool [P, K, L, D] ← x [T, K, D] at (page_ids[t], slots[t]); returns the updated pool."""
+    num_tokens, num_heads, d = x.shape
+    rows = _token_block_rows(num_tokens, block_tokens, rotate=False)
+    in_specs = [
+        pl.BlockSpec((rows, None, d), lambda h, i: (i, h, 0)),  # x: R tokens of head h
+        pl.BlockSpec((rows,), lambda h, i: (i,)),  # page ids
+        pl.BlockSpec((rows,), lambda h, i: (i,)),  # slots
+        _full_spec(pool.shape),  # pool (aliased to the output)
+    ]
+    return pl.pallas_call(
+        functools.partial(_write_bf16_pages_kernel, num_tokens=num_tokens),
+        grid=(num_heads, pl.cdiv(num_tokens, rows)),
+        in_specs=in_specs,
+        out_specs=_full_spec(pool.shape),
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        input_output_aliases={len(in_specs) - 1: 0},  # the pool, the last operand
+        interpret=resolve_interpret(interpret),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"oscar_write_bf16_pages_d{d}_r{rows}",
+    )(x, page_ids, slots, pool)
+
+
+# ------------------------------------------------------------------------------- demotion
+
+
+def _demote_pages_kernel(
+    src_ref,  # [1] int32: the BF16 page to read
+    dst_ref,  # [1] int32: the INT2 page to write
+    bf16_ref,  # [Y, P, K, L, D] bfloat16 (whole pool)
+    _codes_in, _scale_in, _minimum_in,  # aliased to the outputs
+    codes_ref,  # [Y, P', K, L, D/4] uint8
+    scale_ref,  # [Y, P', K, L, D/G] float16
+    minimum_ref,  # [Y, P', K, L, D/G] float16
+    *,
+    encode_args: dict,
+):
+    layer, head = pl.program_id(0), pl.program_id(2)
+    src, dst = src_ref[0], dst_ref[0]
+    _, src_pages, _, page_size, d = bf16_ref.shape
+    dst_pages = codes_ref.shape[1]
+    valid = (src >= 0) & (src < src_pages) & (dst >= 0) & (dst < dst_pages)
+    slot = lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
+    column = lax.broadcasted_iota(jnp.int32, (1, d), 1)
+    shape = (page_size, d)
+    rows = plgpu.load(
+        bf16_ref.at[
+            layer, jnp.where(valid, src, 0), head, jnp.broadcast_to(slot, shape), jnp.broadcast_to(column, shape)
+        ],
+        mask=jnp.broadcast_to(valid, shape),
+        other=0,
+    )
+    packed, scale, minimum = encode_block(rows.astype(jnp.float32), **encode_args)  # exact widening
+    page = jnp.where(valid, dst, dst_pages)  # one past the pool when skipped (see _destinations)
+    for pool_ref, value in ((codes_ref, packed), (scale_ref, scale), (minimum_ref, minimum)):
+        width = value.shape[1]
+        vshape = (page_size, width)
+        column = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        plgpu.store(
+            pool_ref.at[
+                layer, page, head, jnp.broadcast_to(slot, vshape), jnp.broadcast_to(column, vshape)
+            ],
+            value,
+            mask=jnp.broadcast_to(valid, vshape),
+        )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("group_size", "clip_index", "levels", "order_statistic", "num_warps", "interpret"),
+)
+def demote_pages_rows(
+    bf16_pool,
+    codes,
+    scale,
+    minimum,
+    src_pages,
+    dst_pages,
+    *,
+    group_size: int,
+    clip_index: int,
+    levels: str,
+    order_statistic: str | None = None,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    interpret: bool | None = None,
+):
+    """Quantize BF16 pages bf16_pool[y, src_pages[n]] into INT2 pages [y, dst_pages[n]] for every
+    layer y and kv head: pools carry a leading layer axis Y (pass Y = 1 for one layer). Grid
+    (Y, N, K): one program encodes the L rows of one (layer, page, head) block."""
+    num_layers, _, num_heads, page_size, d = bf16_pool.shape
+    (num_demoted,) = src_pages.shape
+    if order_statistic is None:
+        order_statistic = select_order_statistic(d, clip_index)
+    encode_args = dict(
+        group_size=group_size, clip_index=clip_index, levels=levels, order_statistic=order_statistic
+    )
+    operands = (src_pages, dst_pages, bf16_pool, codes, scale, minimum)
+    return pl.pallas_call(
+        functools.partial(_demote_pages_kernel, encode_args=encode_args),
+        grid=(num_layers, num_demoted, num_heads),
+        in_specs=[
+            pl.BlockSpec((1,), lambda y, n, h: (n,)),  # source page id of demotion n
+            pl.BlockSpec((1,), lambda y, n, h: (n,)),  # destination page id of demotion n
+            _full_spec(bf16_pool.shape),  # BF16 pool, read by page id
+            _full_spec(codes.shape),  # codes pool (aliased to output 0)
+            _full_spec(scale.shape),  # scale pool (aliased to output 1)
+            _full_spec(minimum.shape),  # minimum pool (aliased to output 2)
+        ],
+        out_specs=[_full_spec(codes.shape), _full_spec(scale.shape), _full_spec(minimum.shape)],
+        out_shape=[
+            jax.ShapeDtypeStruct(codes.shape, codes.dtype),
+            jax.ShapeDtypeStruct(scale.shape, scale.dtype),
+            jax.ShapeDtypeStruct(minimum.shape, minimum.dtype),
+        ],
+        input_output_aliases=_alias_int2_pools(len(operands)),
+        interpret=resolve_interpret(interpret),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"oscar_demote_pages_d{d}_g{group_size}_k{clip_index}_{levels}_l{page_size}",
+    )(*operands)

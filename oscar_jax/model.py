@@ -1,0 +1,427 @@
+"""One decoder for the Llama family and Qwen3, written as plain functions over a params pytree.
+
+Why functional JAX and not Flax: the runtime jits `prefill` / `decode_step` with the cache
+donated and the config static; a frozen `ModelConfig` plus a dict of arrays is exactly what
+`jax.jit` wants, weight surgery (folding rotations, casting, sharding) is a `tree_map`, and
+there is no module state to keep in sync with loaders. Flax would add a layer of indirection
+and buy nothing here.
+
+Architecture (matches transformers' LlamaForCausalLM / Qwen3ForCausalLM, no biases):
+  x = embed[tokens]
+  per layer:  h = rms_norm(x);  q, k, v = h·W_q, h·W_k, h·W_v  (split into heads)
+              Qwen3 only (cfg.qk_norm): q, k = per-head rms_norm(q), rms_norm(k)
+              q, k = rope(q), rope(k)  (HF "rotate_half", non-interleaved halves; float32)
+              o = cache.attend(layer, q, k, v, positions)   [or causal attention, no cache]
+              x = x + o·W_o;  x = x + W_down(silu(rms_norm(x)·W_gate) * (rms_norm(x)·W_up))
+  logits = rms_norm(x)·lm_head   (lm_head = embedᵀ when cfg.tie_embeddings)
+
+Params layout (weights stored [in, out] so a projection is `x @ w`):
+  {"embed": [V, H], "final_norm": [H], "lm_head": [H, V] (absent when tied),
+   "layers": [ {"attn_norm": [H], "wq": [H, Hq·D], "wk": [H, K·D], "wv": [H, K·D],
+                "wo": [Hq·D, H], "q_norm": [D], "k_norm": [D] (qk_norm only),
+                "mlp_norm": [H], "w_gate": [H, I], "w_up": [H, I], "w_down": [I, H]}, ... ]}
+Layers are a Python list (unrolled under jit, gpt-fast style): every layer may then own a
+differently-shaped cache entry, and the calibration hook sees one layer at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from oscar_jax.cache_api import KVCache, reference_attention
+
+Params = dict
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of one decoder. Frozen and hashable: it is a static jit argument."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_embeddings: bool
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    max_seq_len: int = 8192  # the checkpoint's trained context (informational)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_q_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be ≥ 1")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads={self.num_q_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        # A head_dim that is not a power of two is fine for the model; the OSCAR codec and
+        # Hadamard rotation need one, and the cache / calibration reject such models there.
+
+    @property
+    def q_per_kv(self) -> int:
+        """G: query heads sharing one KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def head_dim_is_power_of_two(self) -> bool:
+        return self.head_dim & (self.head_dim - 1) == 0
+
+
+# Real checkpoints' shapes (from their config.json). Only `smollm2-135m` has downloadable
+# weights (oscar_jax.loaders); the others give real shapes for random-weight GPU runs.
+MODEL_CONFIGS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+        num_q_heads=9, num_kv_heads=3, head_dim=64, rope_theta=1e5, rms_norm_eps=1e-5,
+        tie_embeddings=True, max_seq_len=8192),
+    "llama-3-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_q_heads=32, num_kv_heads=8, head_dim=128, rope_theta=5e5, rms_norm_eps=1e-5,
+        tie_embeddings=False, max_seq_len=8192),
+    "qwen3-4b": ModelConfig(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36,
+        num_q_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+        tie_embeddings=True, qk_norm=True, max_seq_len=40960),
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_q_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+        tie_embeddings=False, qk_norm=True, max_seq_len=40960),
+    "qwen3-32b": ModelConfig(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64,
+        num_q_heads=64, num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+        tie_embeddings=False, qk_norm=True, max_seq_len=40960),
+}
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Parameter count implied by the config (checks the table against published sizes)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * d * (2 * cfg.num_q_heads + 2 * cfg.num_kv_heads)
+    mlp = 3 * h * cfg.intermediate_size
+    norms = 2 * h + (2 * d if cfg.qk_norm else 0)
+    embed = cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2)
+    return cfg.num_layers * (attn + mlp + norms) + embed + h
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
+    """Random weights at the config's shapes (for GPU runs of models we cannot ship).
+
+    Normal(0, std²) matrices, unit norm weights. One jitted program per layer (compiled once,
+    reused for every layer) keeps compile time flat in depth and each program small.
+    """
+    dtype = jnp.dtype(dtype)
+    layer_keys = jax.random.split(key, cfg.num_layers + 2)
+    h = cfg.hidden_size
+    params = {
+        "embed": _normal(layer_keys[-1], (cfg.vocab_size, h), dtype, std),
+        "final_norm": jnp.ones((h,), dtype),
+        "layers": [_init_layer(cfg, k, dtype, std) for k in layer_keys[: cfg.num_layers]],
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = _normal(layer_keys[-2], (h, cfg.vocab_size), dtype, std)
+    return params
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "std"))
+def _normal(key, shape, dtype, std):
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "std"))
+def _init_layer(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> Params:
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes = {"wq": (h, cfg.num_q_heads * d), "wk": (h, cfg.num_kv_heads * d),
+              "wv": (h, cfg.num_kv_heads * d), "wo": (cfg.num_q_heads * d, h),
+              "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}
+    keys = jax.random.split(key, len(shapes))
+    layer = {name: (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+             for k, (name, shape) in zip(keys, shapes.items())}
+    layer["attn_norm"] = jnp.ones((h,), dtype)
+    layer["mlp_norm"] = jnp.ones((h,), dtype)
+    if cfg.qk_norm:
+        layer["q_norm"] = jnp.ones((d,), dtype)
+        layer["k_norm"] = jnp.ones((d,), dtype)
+    return layer
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis in float32 (as transformers does), cast back to x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, HF "rotate_half" convention: channel j pairs with j + D/2.
+
+    x [B, T, H, D], positions int [B, T]. Angles and products in float32.
+    """
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def _dot(x, w):
+    return jnp.matmul(x, w, precision=_HIGHEST)
+
+
+class LayerActivations(NamedTuple):
+    """What calibration needs from one attention layer (all post-QK-norm, post-RoPE)."""
+
+    q: jax.Array  # [B, T, Hq, D]
+    k: jax.Array  # [B, T, K, D]
+    v: jax.Array  # [B, T, K, D]
+    attn_out: jax.Array  # [B, T, Hq, D] per-head attention output, before W_o
+
+
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def qkv_projections(layer: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+    """The attention inputs of one layer: (q [B,T,Hq,D], k, v [B,T,K,D]), post norm and RoPE."""
+    b, t, _ = x.shape
+    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    q = _dot(h, layer["wq"]).reshape(b, t, cfg.num_q_heads, cfg.head_dim)
+    k = _dot(h, layer["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = _dot(h, layer["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+
+
+def decoder_layer(
+    layer: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array, attend: AttendFn
+) -> tuple[jax.Array, LayerActivations]:
+    """One pre-norm block. `attend(q, k, v) -> o` is the attention backend (here: causal)."""
+    q, k, v = qkv_projections(layer, cfg, x, positions)
+    o = attend(q, k, v)
+    return layer_output(layer, cfg, x, o), LayerActivations(q, k, v, o)
+
+
+def layer_output(layer: Params, cfg: ModelConfig, x: jax.Array, o: jax.Array) -> jax.Array:
+    """The rest of the block after attention: residual + W_o, then the SwiGLU MLP."""
+    b, t, _ = x.shape
+    x = x + _dot(o.reshape(b, t, cfg.num_q_heads * cfg.head_dim), layer["wo"])
+    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    mlp = jax.nn.silu(_dot(h, layer["w_gate"])) * _dot(h, layer["w_up"])
+    return x + _dot(mlp, layer["w_down"])
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Final norm + output projection; float32 logits."""
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if cfg.tie_embeddings:
+        logits = jnp.einsum("...h,vh->...v", x, params["embed"], precision=_HIGHEST)
+    else:
+        logits = _dot(x, params["lm_head"])
+    return logits.astype(jnp.float32)
+
+
+def _default_positions(tokens: jax.Array) -> jax.Array:
+    b, t = tokens.shape
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    collect: bool = False,
+):
+    """Full causal forward without a cache: tokens int [B, T] -> logits f32 [B, T, V].
+
+    With `collect=True` also returns a list of `LayerActivations`, one per layer (memory grows
+    with layers × tokens; `iter_layer_activations` streams one layer at a time instead).
+    Jit with `static_argnames=("cfg", "collect")`.
+    """
+    positions = _default_positions(tokens) if positions is None else positions
+
+    def causal(q, k, v):
+        return reference_attention(q, k, v, positions, positions)
+
+    x = embed(params, tokens)
+    collected = []
+    for layer in params["layers"]:
+        x, acts = decoder_layer(layer, cfg, x, positions, causal)
+        if collect:
+            collected.append(acts)
+    logits = lm_head(params, cfg, x)
+    return (logits, collected) if collect else logits
+
+
+def iter_layer_activations(
+    params: Params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array | None = None
+) -> Iterator[tuple[int, LayerActivations]]:
+    """Yield (layer index, activations) layer by layer, for streaming calibration statistics.
+
+    Each layer runs through one jitted function (compiled once: all layers share shapes), and
+    only the current layer's activations are alive, so memory does not grow with depth.
+    """
+    positions = _default_positions(tokens) if positions is None else positions
+    x = _embed_jit(params["embed"], tokens)
+    for index, layer in enumerate(params["layers"]):
+        x, acts = _causal_layer_jit(layer, cfg, x, positions)
+        yield index, acts
+
+
+@jax.jit
+def _embed_jit(table, tokens):
+    return jnp.take(table, tokens, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _causal_layer_jit(layer, cfg, x, positions):
+    return decoder_layer(
+        layer, cfg, x, positions, lambda q, k, v: reference_attention(q, k, v, positions, positions)
+    )
+
+
+def _run_with_cache(params, cfg, tokens, cache, positions):
+    x = embed(params, tokens)
+    for index, layer in enumerate(params["layers"]):
+        q, k, v = qkv_projections(layer, cfg, x, positions)
+        o, cache = cache.attend(index, q, k, v, positions)
+        x = layer_output(layer, cfg, x, o)
+    return x, cache
+
+
+def prefill(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    cache: KVCache,
+    *,
+    positions: jax.Array | None = None,
+    lengths: jax.Array | None = None,
+    all_logits: bool = False,
+):
+    """Run a prompt through the model, filling `cache`.
+
+    tokens int [B, T]; positions int [B, T] (default 0..T-1). Returns (logits, cache): logits
+    f32 [B, T, V] when `all_logits`, else [B, V] at index `lengths - 1` per row (default T - 1;
+    pass lengths for a right-padded batch). Jit with `static_argnames=("cfg", "all_logits")`,
+    `donate_argnames="cache"`.
+    """
+    positions = _default_positions(tokens) if positions is None else positions
+    x, cache = _run_with_cache(params, cfg, tokens, cache, positions)
+    if not all_logits:
+        b, t, _ = x.shape
+        last = jnp.full((b,), t - 1, jnp.int32) if lengths is None else lengths - 1
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    return lm_head(params, cfg, x), cache
+
+
+def decode_step(
+    params: Params, cfg: ModelConfig, token: jax.Array, cache: KVCache, position: jax.Array
+):
+    """One token per row: token int [B], position int [B] -> (logits f32 [B, V], cache)."""
+    x, cache = _run_with_cache(params, cfg, token[:, None], cache, position[:, None])
+    return lm_head(params, cfg, x[:, 0]), cache
+
+
+_prefill_jit = jax.jit(prefill, static_argnames=("cfg", "all_logits"), donate_argnames="cache")
+_decode_step_jit = jax.jit(decode_step, static_argnames="cfg", donate_argnames="cache")
+
+
+def generate_greedy(
+    params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache, max_new_tokens: int
+) -> tuple[jax.Array, KVCache]:
+    """Greedy decoding: prefill `tokens` [B, T] then `max_new_tokens` decode steps.
+
+    Returns (new tokens int32 [B, max_new_tokens], cache). The cache argument is donated.
+    """
+    b, t = tokens.shape
+    logits, cache = _prefill_jit(params, cfg, tokens, cache)
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    out = [token]
+    for step in range(max_new_tokens - 1):
+        position = jnp.full((b,), t + step, jnp.int32)
+        logits, cache = _decode_step_jit(params, cfg, token, cache, position)
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        out.append(token)
+    return jnp.stack(out, axis=1), cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight surgery
+
+
+def fold_value_rotation(params: Params, cfg: ModelConfig, v_rotation) -> Params:
+    """Fold per-(layer, KV head) value rotations into the weights; the model output is unchanged.
+
+    v_rotation [L, K, D, D] (orthogonal). For KV head h of layer l with R = v_rotation[l, h]:
+    W_v's columns of head h become W_v,h·R (so the cache stores v·R), and the W_o rows of every
+    query head in h's group become Rᵀ·W_o,rows (undoing R after attention, which is linear in
+    v). Math in float32; the result keeps each weight's dtype. Returns new params.
+    """
+    rot = jnp.asarray(v_rotation, jnp.float32)
+    want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
+    if rot.shape != want:
+        raise ValueError(f"v_rotation shape {rot.shape} must be [L, K, D, D] = {want}")
+    kh, g, d = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
+    layers = []
+    for index, layer in enumerate(params["layers"]):
+        r = rot[index]  # [K, D, D]
+        wv = layer["wv"].astype(jnp.float32).reshape(-1, kh, d)  # [H, K, D]
+        wv = jnp.einsum("hkd,kde->hke", wv, r, precision=_HIGHEST)
+        wo = layer["wo"].astype(jnp.float32).reshape(kh, g, d, -1)  # [K, G, D, H]
+        wo = jnp.einsum("kde,kgdh->kgeh", r, wo, precision=_HIGHEST)
+        layers.append(dict(layer,
+                           wv=wv.reshape(layer["wv"].shape).astype(layer["wv"].dtype),
+                           wo=wo.reshape(layer["wo"].shape).astype(layer["wo"].dtype)))
+    return dict(params, layers=layers)
+
+
+def cast_params(params: Params, dtype) -> Params:
+    """All weights to `dtype` (norm weights included: RMSNorm upcasts internally)."""
+    return jax.tree_util.tree_map(lambda w: w.astype(dtype), params)
+
+
+def describe(cfg: ModelConfig) -> str:
+    """One line for logs."""
+    return (f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_q_heads} q / "
+            f"{cfg.num_kv_heads} kv heads × {cfg.head_dim}, vocab {cfg.vocab_size}, "
+            f"{'qk_norm, ' if cfg.qk_norm else ''}{num_params(cfg) / 1e6:,.1f}M params")
+
+
+__all__ = [
+    "ModelConfig", "MODEL_CONFIGS", "LayerActivations", "num_params", "init_params",
+    "rms_norm", "rope", "qkv_projections", "decoder_layer", "layer_output", "embed", "lm_head", "forward",
+    "iter_layer_activations", "prefill", "decode_step", "generate_greedy",
+    "fold_value_rotation", "cast_params", "describe",
+]

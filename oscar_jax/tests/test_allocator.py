@@ -1,0 +1,143 @@
+"""Host page allocator: tables, demotion, prefix sharing scoped by namespace, exhaustion, invariants."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oscar_jax.allocator import SCRATCH_PAGE, PageAllocator, PoolExhausted
+from shared_math.spec import OscarConfig
+from shared_math.tiers import tier_split
+
+CFG = OscarConfig(head_dim=64, sink=32, recent=64, page_size=16)
+
+
+def _alloc(bf16=64, int2=64):
+    return PageAllocator(CFG, num_bf16_pages=bf16, num_int2_pages=int2)
+
+
+def _step(a, sid, token):
+    d = a.extend(sid, token)
+    if d is not None:
+        a.demoted(d)
+    return d
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 32, 33, 96, 111, 112, 113, 200])
+def test_admit_tables_match_the_tier_split(length):
+    a = _alloc()
+    plan = a.admit(range(length))
+    t = a.tables([plan.seq_id], history_slots=16)
+    split = tier_split(length, CFG)
+    assert (t["sink_tokens"][0], t["history_tokens"][0], t["recent_tokens"][0]) == (
+        split.sink_tokens, split.history_tokens, split.recent_tokens)
+    assert np.count_nonzero(t["history_page_table"]) == split.history_pages
+    assert np.count_nonzero(t["bf16_page_table"]) == split.bf16_pages
+    assert t["bf16_page_table"].dtype == np.int32
+    a.check_invariants()
+
+
+def test_decoding_demotes_the_oldest_recent_page_and_matches_prefill():
+    a = _alloc()
+    sid = a.admit(range(40)).seq_id
+    demotions = []
+    for token in range(40, 300):
+        before = a.tables([sid], 32)
+        d = a.extend(sid, token)
+        if d is not None:
+            during = a.tables([sid], 32)
+            assert during["bf16_page_table"][0, CFG.sink // 16] == d.src_bf16_page  # still the oldest recent page
+            assert during["history_tokens"][0] == before["history_tokens"][0]
+            a.demoted(d)
+            demotions.append(token)
+        a.check_invariants()
+        t = a.tables([sid], 32)
+        split = tier_split(token + 1, CFG)
+        assert (t["history_tokens"][0], t["recent_tokens"][0]) == (split.history_tokens, split.recent_tokens)
+    assert demotions[0] == CFG.sink + CFG.recent + CFG.page_size - 1  # window reached W + page
+    assert all(b - a_ == 16 for a_, b in zip(demotions, demotions[1:]))
+
+
+def test_prefix_sharing_reuses_sink_and_history_pages_only_in_the_namespace():
+    a = _alloc()
+    prompt = list(range(1000, 1200))
+    first = a.admit(prompt, namespace="alice")
+    assert first.reused_tokens == 0
+    second = a.admit(prompt + [7, 8, 9], namespace="alice")
+    split = tier_split(len(prompt), CFG)
+    assert second.reused_tokens == split.recent_start  # all sink + history pages of the first prompt
+    s1, s2 = a.sequences[first.seq_id], a.sequences[second.seq_id]
+    assert s2.sink_pages == s1.sink_pages and s2.history_pages[: len(s1.history_pages)] == s1.history_pages
+    assert not set(s1.recent_pages) & set(s2.recent_pages)  # recent pages stay private
+    other = a.admit(prompt, namespace="bob")
+    assert other.reused_tokens == 0
+    s3 = a.sequences[other.seq_id]
+    assert not set(s3.sink_pages) & set(s1.sink_pages) and not set(s3.history_pages) & set(s1.history_pages)
+    different = a.admit([5] + prompt[1:], namespace="alice")
+    assert different.reused_tokens == 0  # the first token differs: no page matches
+    a.check_invariants()
+
+
+def test_shorter_prompt_reuses_only_its_own_history_range_and_cached_pages_survive_finish():
+    a = _alloc()
+    long = list(range(300))
+    sid = a.admit(long).seq_id
+    a.finish(sid)
+    a.check_invariants()
+    short = a.admit(long[:120])
+    assert short.reused_tokens == tier_split(120, CFG).recent_start  # pages were cached, not lost
+    a.check_invariants()
+
+
+def test_pool_exhaustion_is_an_error_and_never_evicts_live_pages():
+    a = _alloc(bf16=8, int2=4)  # 7 usable BF16 pages
+    sid = a.admit(range(100)).seq_id  # 2 sink + 5 recent pages: the whole BF16 pool
+    live = set(a.sequences[sid].sink_pages + a.sequences[sid].recent_pages)
+    with pytest.raises(PoolExhausted, match="bf16 page pool exhausted"):
+        a.admit(range(500, 600))
+    assert live == set(a.sequences[sid].sink_pages + a.sequences[sid].recent_pages)
+    a.check_invariants()
+    with pytest.raises(PoolExhausted):
+        for token in range(100, 400):
+            _step(a, sid, token)
+    a.check_invariants()  # a failed extend leaves no half-allocated state
+
+
+def test_bad_calls():
+    a = _alloc()
+    with pytest.raises(ValueError, match="empty prompt"):
+        a.admit([])
+    with pytest.raises(KeyError, match="seq_id=99"):
+        a.extend(99, 1)
+    with pytest.raises(ValueError, match="at least 2 pages"):
+        PageAllocator(CFG, num_bf16_pages=1, num_int2_pages=4)
+    sid = a.admit(range(300)).seq_id
+    with pytest.raises(ValueError, match="history_slots=1"):
+        a.tables([sid], history_slots=1)
+    assert a.tables([sid], 32)["history_page_table"][0, -1] == SCRATCH_PAGE
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "extend", "finish"]), st.integers(0, 10**6)), min_size=1, max_size=60))
+def test_random_admit_extend_finish_keeps_invariants(ops):
+    a = _alloc(bf16=40, int2=40)
+    rng = np.random.default_rng(0)
+    for op, x in ops:
+        live = sorted(a.sequences)
+        try:
+            if op == "admit" or not live:
+                base = [x % 3] * (x % 5)  # shared-looking prefixes
+                a.admit(base + list(rng.integers(0, 4, size=1 + x % 150)), namespace=("t", x % 2))
+            elif op == "extend":
+                sid = live[x % len(live)]
+                for _ in range(1 + x % 40):
+                    _step(a, sid, int(rng.integers(0, 4)))
+            else:
+                a.finish(live[x % len(live)])
+        except PoolExhausted:
+            pass
+        a.check_invariants()
+    for sid in list(a.sequences):
+        a.finish(sid)
+    a.check_invariants()
+    assert all(a.bf16.refs == 0) and all(a.int2.refs == 0)

@@ -1,0 +1,489 @@
+"""Decode attention over the paged mixed-tier cache vs the float64 reference of shared_math.
+
+Caches are built with shared_math (codec.encode for the INT2 pages, tiers.tier_split for the tier
+boundaries); the kernels' output is compared with attention over the *dequantized* cache in
+float64 (shared_math.attention.mixed_tier_decode_attention, and a one-pass softmax over the
+concatenated tiers), so quantization error is never mistaken for kernel error. The pools are
+poisoned: page 0, spare pages and the unused rows of partially filled pages hold NaN (codes hold
+random bytes), and unused page-table entries point at page 0, so any read of a token that is not
+valid turns the output into NaN. Page ids are shuffled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import tempfile
+import warnings
+import zlib
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oscar_jax.attention_ops import decode_attention, merge_partials
+from shared_math import attention as reference
+from shared_math.codec import decode, encode
+from shared_math.spec import CODES_PER_BYTE, DEFAULT_K_CLIP_RATIO, DEFAULT_V_CLIP_RATIO, OscarConfig
+from shared_math.tiers import tier_split
+
+# THE tolerance table of the attention tests (test_prefill_attention uses it too), keyed by the
+# dtype of the dots (= q's dtype): |out − ref| ≤ atol + rtol·|ref|, ref in float64 over the
+# dequantized cache. Scale of the data: K/V entries N(0, 1) (|v| ≤ ~4.5), scores with std ~3.
+#   float32: float32 dots (IEEE, not TF32) accumulate ≤ D products, the online softmax rescales
+#     over a few hundred tokens, and the INT2 path folds scale and min into the scores
+#     (s·(q·c) + m·Σq instead of q·(m + c·s)), reordering the roundings. Score error ≈
+#     2⁻²⁴·Σ|q_i k_i|·scale ≈ 1e-6, carried into o by |v| = O(1). Measured max: decode 1.8e-6,
+#     prefill 3.5e-6 → 2e-5 leaves ≥ 5× headroom while a wiring bug (wrong page, group or
+#     scale) shows up as O(0.1–1).
+#   bfloat16: the reference sees the same bf16 q, so only the dot operands built in the kernel
+#     round: the probabilities p (BF16 tier, chunk) and p·scale_v (INT2 tier) are rounded to bf16
+#     before P·V, relative error ≤ 2⁻⁸ each, so |Δo| ≲ 2⁻⁸·Σp|v| ≤ 2⁻⁸·max|v| ≈ 1.8e-2 here
+#     (max|v| ≈ 4.5; an INT2 code·scale is below that too, the clip bounds it).
+#     Measured max: decode 3.5e-3, prefill 1.1e-2 → atol 2e-2 (the bound), no relative part.
+TOLERANCES = {
+    jnp.float32: dict(atol=2e-5, rtol=2e-5),
+    jnp.bfloat16: dict(atol=2e-2, rtol=0.0),
+}
+
+PAGE_SIZE = 16
+SINK = 64
+SINK_SLOTS = SINK // PAGE_SIZE
+POISON_PAGE = 0  # NaN-filled; masked tokens are redirected here by the kernels, and must stay masked
+
+
+@dataclasses.dataclass
+class SequenceTiers:
+    """One sequence's tiers as the reference consumes them (float32 views of the stored values)."""
+
+    sink: tuple[np.ndarray, np.ndarray]  # k, v float32 [S_sink, Hkv, D] (bf16-exact)
+    history: tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]  # (codes, scale, min) for K and V
+    recent: tuple[np.ndarray, np.ndarray]
+
+    def dequantized(self, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """All cached K and V, [S, Hkv, D] float64 (sink ‖ history dequantized ‖ recent)."""
+        k_hist = decode(*self.history[0], group_size=group_size)
+        v_hist = decode(*self.history[1], group_size=group_size)
+        k = np.concatenate([self.sink[0], k_hist, self.recent[0]]).astype(np.float64)
+        v = np.concatenate([self.sink[1], v_hist, self.recent[1]]).astype(np.float64)
+        return k, v
+
+
+@dataclasses.dataclass
+class MixedCache:
+    arrays: tuple  # the 13 cache arguments of decode_attention, in order
+    sequences: list[SequenceTiers]
+    group_size: int
+
+
+def _bf16_round(x: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+
+
+def build_cache(
+    rng: np.random.Generator,
+    lengths,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    group_size: int,
+    recent: int = 32,
+    spare_pages: int = 2,
+    shape_for_lengths=None,
+) -> MixedCache:
+    """A poisoned, shuffled paged cache holding sequences of the given lengths (tiers per shared_math).
+
+    Table widths and pool sizes fit `lengths`, or `shape_for_lengths` (same batch, each ≥ the
+    matching length) to keep the array shapes fixed while the lengths vary.
+    """
+    config = OscarConfig(
+        head_dim=head_dim, group_size=group_size, sink=SINK, recent=recent, page_size=PAGE_SIZE
+    )
+    splits = [tier_split(int(length), config) for length in lengths]
+    sizing = splits if shape_for_lengths is None else [tier_split(int(n), config) for n in shape_for_lengths]
+    batch, groups, packed = len(lengths), head_dim // group_size, head_dim // CODES_PER_BYTE
+    bf16_slots = SINK_SLOTS + max(s.recent_pages for s in sizing) + 1  # one slot always unused
+    history_slots = max(s.history_pages for s in sizing) + 1
+    bf16_pages = 1 + sum(s.bf16_pages for s in sizing) + spare_pages
+    int2_pages = 1 + sum(s.history_pages for s in sizing) + spare_pages
+
+    k_bf16 = np.full((bf16_pages, num_kv_heads, PAGE_SIZE, head_dim), np.nan, np.float32)
+    v_bf16 = k_bf16.copy()
+    codes_shape = (int2_pages, num_kv_heads, PAGE_SIZE, packed)
+    k_codes = rng.integers(0, 256, codes_shape, dtype=np.uint8)
+    v_codes = rng.integers(0, 256, codes_shape, dtype=np.uint8)
+    meta = [np.full(codes_shape[:-1] + (groups,), np.nan, np.float16) for _ in range(4)]
+    bf16_table = np.full((batch, bf16_slots), POISON_PAGE, np.int32)
+    history_table = np.full((batch, history_slots), POISON_PAGE, np.int32)
+    free_bf16 = list(rng.permutation(np.arange(1, bf16_pages)))
+    free_int2 = list(rng.permutation(np.arange(1, int2_pages)))
+
+    sequences = []
+    for b, split in enumerate(splits):
+        k = rng.standard_normal((split.length, num_kv_heads, head_dim)).astype(np.float32)
+        v = rng.standard_normal((split.length, num_kv_heads, head_dim)).astype(np.float32)
+        tiers = {}
+        for name, start, count, first_slot in (
+            ("sink", 0, split.sink_tokens, 0),
+            ("recent", split.recent_start, split.recent_tokens, SINK_SLOTS),
+        ):
+            k_tier, v_tier = _bf16_round(k[start : start + count]), _bf16_round(v[start : start + count])
+            for j in range(0, count, PAGE_SIZE):
+                page = free_bf16.pop()
+                bf16_table[b, first_slot + j // PAGE_SIZE] = page
+                rows = min(PAGE_SIZE, count - j)
+                k_bf16[page, :, :rows] = k_tier[j : j + rows].transpose(1, 0, 2)
+                v_bf16[page, :, :rows] = v_tier[j : j + rows].transpose(1, 0, 2)
+            tiers[name] = (k_tier, v_tier)
+        hist = slice(split.history_start, split.recent_start)
+        k_q = encode(k[hist], group_size=group_size, clip_ratio=DEFAULT_K_CLIP_RATIO)
+        v_q = encode(v[hist], group_size=group_size, clip_ratio=DEFAULT_V_CLIP_RATIO)
+        for j in range(split.history_pages):
+            page = free_int2.pop()
+            history_table[b, j] = page
+            rows = slice(j * PAGE_SIZE, (j + 1) * PAGE_SIZE)
+            k_codes[page], v_codes[page] = k_q[0][rows].transpose(1, 0, 2), v_q[0][rows].transpose(1, 0, 2)
+            for pool, value in zip(meta, (k_q[1], k_q[2], v_q[1], v_q[2])):
+                pool[page] = value[rows].transpose(1, 0, 2)
+        sequences.append(SequenceTiers(tiers["sink"], (k_q, v_q), tiers["recent"]))
+
+    lengths_of = lambda attr: jnp.asarray([getattr(s, attr) for s in splits], jnp.int32)  # noqa: E731
+    arrays = (
+        jnp.asarray(k_bf16, jnp.bfloat16),
+        jnp.asarray(v_bf16, jnp.bfloat16),
+        jnp.asarray(k_codes),
+        jnp.asarray(meta[0]),
+        jnp.asarray(meta[1]),
+        jnp.asarray(v_codes),
+        jnp.asarray(meta[2]),
+        jnp.asarray(meta[3]),
+        jnp.asarray(bf16_table),
+        lengths_of("sink_tokens"),
+        lengths_of("recent_tokens"),
+        jnp.asarray(history_table),
+        lengths_of("history_tokens"),
+    )
+    return MixedCache(arrays, sequences, group_size)
+
+
+def reference_decode(q, cache: MixedCache, softmax_scale: float, *, one_pass: bool = False) -> np.ndarray:
+    """float64 [B, Hq, D]: attention over the dequantized cache (split-K merge, or one-pass softmax)."""
+    q = np.asarray(jnp.asarray(q).astype(jnp.float32), np.float64)
+    out = []
+    for b, tiers in enumerate(cache.sequences):
+        if one_pass:
+            k, v = tiers.dequantized(cache.group_size)
+            out.append(reference.softmax_attention(q[b], k, v, softmax_scale=softmax_scale))
+        else:
+            out.append(
+                reference.mixed_tier_decode_attention(
+                    q[b], sink=tiers.sink, history=tiers.history, recent=tiers.recent,
+                    group_size=cache.group_size, softmax_scale=softmax_scale,
+                )
+            )
+    return np.stack(out)
+
+
+def assert_close(actual, expected, dtype) -> float:
+    """Assert against TOLERANCES[dtype]; returns the max abs error (reported by the tests)."""
+    actual = np.asarray(actual, np.float64)
+    assert np.all(np.isfinite(actual)), "non-finite output: a masked (poisoned) token was read"
+    np.testing.assert_allclose(actual, expected, **TOLERANCES[dtype])
+    return float(np.max(np.abs(actual - expected)))
+
+
+def random_query(rng, batch, q_heads, head_dim, dtype, *, spread=3.0):
+    """Rotated queries; `spread` sharpens the softmax so a few tokens dominate (as in real models)."""
+    return jnp.asarray(spread * rng.standard_normal((batch, q_heads, head_dim)), dtype)
+
+
+# (head_dim, group_size, Hkv, Gq, lengths, recent window, q dtype, pages_per_split, pages_per_block)
+# Lengths: 1, a sequence shorter than S0 (63), S0 + 1 (empty history), and long ones with INT2
+# history (recent window 32 so a few hundred tokens reach the INT2 tier; 256 is the default).
+DECODE_CASES = [
+    (128, 128, 2, 4, (1, 63, 65, 321, 337), 32, jnp.float32, 16, 4),
+    (64, 32, 3, 3, (337, 5, 65, 200), 32, jnp.float32, 4, 2),
+    (128, 32, 1, 1, (321, 64, 1), 32, jnp.float32, 2, 1),
+    (128, 64, 2, 3, (337, 1, 100), 32, jnp.bfloat16, 16, 4),
+    (64, 64, 1, 4, (63, 337), 256, jnp.bfloat16, 8, 8),
+    (128, 16, 3, 4, (129, 401), 32, jnp.float32, 16, 4),
+]
+
+
+def _case_id(case):
+    d, g, hkv, gq, lengths, recent, dtype, pps, ppb = case
+    lengths = "_".join(map(str, lengths))
+    return f"D{d}-G{g}-Hkv{hkv}-Gq{gq}-L{lengths}-W{recent}-{jnp.dtype(dtype).name}-s{pps}b{ppb}"
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
+def test_decode_matches_float64_reference_over_dequantized_cache(case):
+    head_dim, group_size, num_kv_heads, heads_per_kv, lengths, recent, dtype, pps, ppb = case
+    rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()))
+    cache = build_cache(
+        rng, lengths, num_kv_heads=num_kv_heads, head_dim=head_dim, group_size=group_size, recent=recent
+    )
+    q = random_query(rng, len(lengths), num_kv_heads * heads_per_kv, head_dim, dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    out = decode_attention(
+        q, *cache.arrays, sink_slots=SINK_SLOTS, group_size=group_size, softmax_scale=scale,
+        pages_per_split=pps, pages_per_block=ppb,
+    )
+    assert out.shape == q.shape and out.dtype == jnp.float32
+    split_k = reference_decode(q, cache, scale)
+    one_pass = reference_decode(q, cache, scale, one_pass=True)
+    np.testing.assert_allclose(split_k, one_pass, rtol=1e-12, atol=1e-12)  # the two references agree
+    error = assert_close(out, split_k, dtype)
+    print(f"{_case_id(case)}: max abs error {error:.2e}")
+
+
+@hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
+@hypothesis.given(
+    lengths=st.lists(st.integers(0, 420), min_size=3, max_size=3).filter(lambda ls: max(ls) > 0),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_random_lengths_fixed_shapes(lengths, seed):
+    """Property: any mix of lengths (0 … 420, with a recent window of 48: every tier edge) at one
+    set of array shapes (compiled once), with fresh page shuffles, matches the reference."""
+    rng = np.random.default_rng(seed)
+    cache = build_cache(
+        rng, lengths, num_kv_heads=2, head_dim=64, group_size=32, recent=48, shape_for_lengths=(420,) * 3
+    )
+    q = random_query(rng, 3, 4, 64, jnp.float32)
+    out = decode_attention(
+        q, *cache.arrays, sink_slots=SINK_SLOTS, group_size=32, softmax_scale=0.125, pages_per_split=4
+    )
+    expected = reference_decode(q, cache, 0.125) if min(lengths) > 0 else None
+    if expected is None:  # an empty sequence gets zeros; the others still match
+        empty = np.asarray(lengths) == 0
+        assert np.all(np.asarray(out)[empty] == 0)
+        keep = [b for b in range(3) if lengths[b] > 0]
+        cache.sequences = [cache.sequences[b] for b in keep]
+        out, q = np.asarray(out)[keep], q[np.asarray(keep)]
+        expected = reference_decode(q, cache, 0.125)
+    assert_close(out, expected, jnp.float32)
+
+
+def test_decode_is_deterministic():
+    rng = np.random.default_rng(7)
+    cache = build_cache(rng, (337, 65), num_kv_heads=2, head_dim=64, group_size=32)
+    q = random_query(rng, 2, 6, 64, jnp.float32)
+    kwargs = dict(sink_slots=SINK_SLOTS, group_size=32, softmax_scale=0.125, pages_per_split=4)
+    run = lambda: np.asarray(decode_attention(q, *cache.arrays, **kwargs))  # noqa: E731
+    first, second = run(), run()
+    np.testing.assert_array_equal(first, second)
+
+
+def test_decode_under_jit_and_unused_table_entries_ignored():
+    """Out-of-range junk in every unused table slot changes nothing; the op composes with jit."""
+    rng = np.random.default_rng(11)
+    cache = build_cache(rng, (40, 321), num_kv_heads=1, head_dim=64, group_size=64)
+    q = random_query(rng, 2, 2, 64, jnp.float32)
+    kwargs = dict(sink_slots=SINK_SLOTS, group_size=64, softmax_scale=0.125)
+    out = jax.jit(lambda q, *c: decode_attention(q, *c, **kwargs))(q, *cache.arrays)
+    arrays = [np.array(a) for a in cache.arrays]
+    bf16_table, sink_tokens, recent_tokens, history_table, history_tokens = arrays[8:13]
+    for b in range(2):
+        junk = (10**6, -(10**6))[b]
+        bf16_table[b, -(-sink_tokens[b] // PAGE_SIZE) : SINK_SLOTS] = junk
+        bf16_table[b, SINK_SLOTS - (-recent_tokens[b] // PAGE_SIZE) :] = junk
+        history_table[b, history_tokens[b] // PAGE_SIZE :] = junk
+    assert (bf16_table[0, 3] == 10**6) and (bf16_table[0, SINK_SLOTS] == 10**6)  # the sink is short
+    with_junk = decode_attention(q, *[jnp.asarray(a) for a in arrays], **kwargs)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(with_junk))
+    assert_close(out, reference_decode(q, cache, 0.125), jnp.float32)
+
+
+def test_merge_partials_weighs_empty_splits_zero():
+    rng = np.random.default_rng(3)
+    outputs = rng.standard_normal((3, 2, 4))
+    lses = np.array([[0.5, -np.inf], [-np.inf, -np.inf], [1.5, 2.0]])
+    o, lse = merge_partials(jnp.asarray(outputs, jnp.float32), jnp.asarray(lses, jnp.float32))
+    expected_o, expected_lse = reference.merge_partials(outputs, lses)
+    np.testing.assert_allclose(np.asarray(o), expected_o, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), expected_lse, rtol=1e-6)
+    o, lse = merge_partials(jnp.zeros((2, 1, 4)), jnp.full((2, 1), -jnp.inf))  # nothing cached
+    assert np.all(np.asarray(o) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs → ValueError naming the value.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_cache():
+    rng = np.random.default_rng(5)
+    cache = build_cache(rng, (65, 100), num_kv_heads=2, head_dim=64, group_size=32)
+    q = random_query(rng, 2, 4, 64, jnp.float32)
+    return q, cache
+
+
+def _call(q, arrays, **overrides):
+    kwargs = dict(sink_slots=SINK_SLOTS, group_size=32, softmax_scale=0.125)
+    kwargs.update(overrides)
+    return decode_attention(q, *arrays, **kwargs)
+
+
+def _replace(arrays, index, value):
+    arrays = list(arrays)
+    arrays[index] = value
+    return arrays
+
+
+BAD_ARRAYS = [
+    # (index into the 13 cache arrays, transform, message fragment)
+    (0, lambda x: x.astype(jnp.float32), "k_bf16 must have dtype bfloat16"),
+    (1, lambda x: x[:, :, :, :32], "v_bf16 must have shape"),
+    (2, lambda x: x.astype(jnp.int32), "k_codes must have dtype uint8"),
+    (2, lambda x: x[..., :8], "k_codes must have shape"),
+    (3, lambda x: x.astype(jnp.float32), "k_scale must have dtype float16"),
+    (7, lambda x: x[..., :1], "v_min must have shape"),
+    (8, lambda x: x.astype(jnp.uint32), "bf16_page_table must have dtype int32"),
+    (9, lambda x: x[:1], "sink_tokens must have shape"),
+    (12, lambda x: x.astype(jnp.float32), "history_tokens must have dtype int32"),
+]
+
+
+@pytest.mark.parametrize("index,transform,message", BAD_ARRAYS, ids=[m for _, _, m in BAD_ARRAYS])
+def test_bad_cache_arrays_raise(small_cache, index, transform, message):
+    q, cache = small_cache
+    with pytest.raises(ValueError, match=message):
+        _call(q, _replace(cache.arrays, index, transform(cache.arrays[index])))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(group_size=48), "group_size=48"),
+        (dict(group_size=128), "group_size=128"),
+        (dict(sink_slots=99), "sink_slots=99"),
+        (dict(sink_slots=-1), "sink_slots=-1"),
+        (dict(softmax_scale=float("nan")), "softmax_scale=nan"),
+        (dict(softmax_scale=0.0), "softmax_scale=0.0"),
+        (dict(pages_per_split=3), "pages_per_split=3"),
+        (dict(pages_per_block=8, pages_per_split=4), "pages_per_block=8"),
+    ],
+)
+def test_bad_static_arguments_raise(small_cache, overrides, message):
+    q, cache = small_cache
+    with pytest.raises(ValueError, match=message):
+        _call(q, cache.arrays, **overrides)
+
+
+def test_bad_query_raises(small_cache):
+    q, cache = small_cache
+    with pytest.raises(ValueError, match=r"query heads Hq=3 must be a multiple of KV heads Hkv=2"):
+        _call(q[:, :3], cache.arrays)
+    with pytest.raises(ValueError, match="q must have dtype"):
+        _call(q.astype(jnp.float16), cache.arrays)
+    with pytest.raises(ValueError, match="q must have shape"):
+        _call(q[0], cache.arrays)
+    with pytest.raises(ValueError, match="k_bf16 must have shape"):
+        _call(jnp.zeros((2, 4, 128), jnp.float32), cache.arrays)  # head_dim mismatch
+    with pytest.raises(ValueError, match="bf16_page_table must have shape"):
+        _call(q[:1], cache.arrays)  # batch mismatch
+
+
+def test_small_head_dim_is_not_implemented():
+    arrays = (
+        jnp.zeros((1, 1, 16, 32), jnp.bfloat16), jnp.zeros((1, 1, 16, 32), jnp.bfloat16),
+        jnp.zeros((1, 1, 16, 8), jnp.uint8), *(jnp.zeros((1, 1, 16, 1), jnp.float16),) * 2,
+        jnp.zeros((1, 1, 16, 8), jnp.uint8), *(jnp.zeros((1, 1, 16, 1), jnp.float16),) * 2,
+        jnp.zeros((1, 4), jnp.int32), jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32),
+        jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32),
+    )
+    with pytest.raises(NotImplementedError, match="head_dim=32"):
+        decode_attention(jnp.zeros((1, 1, 32)), *arrays, sink_slots=4, group_size=32, softmax_scale=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU lowering on CPU: interpret mode does not apply the Triton lowering's rules, so the kernels
+# are also lowered for an H200 (jax's AOT path with an abstract device) and the Triton IR is
+# compiled to a cubin by the triton package's own sm_90 pipeline (ptxas ships with it).
+# This catches power-of-two violations, unsupported primitives, dot shapes and register
+# spills without a GPU; XLA's embedded Triton is a different build, so a GPU smoke run is still
+# the final word.
+# ---------------------------------------------------------------------------------------------
+
+H200 = dict(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+H200_ARCH = 90
+
+
+def compile_triton_kernels_for_h200(fn, *args) -> dict[str, dict]:
+    """Lower jax.jit(fn)(*args) for an H200 and compile every Triton kernel in it to a cubin.
+
+    Returns {kernel name: {"shared": bytes of shared memory, "spills": local memory bytes}}.
+    """
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from jax._src.lib.mlir import ir as jax_ir
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(**H200))
+    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated", DeprecationWarning)
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    kernels = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    attributes = child.operation.attributes
+                    is_call = child.operation.name == "stablehlo.custom_call"
+                    if is_call and "triton" in str(attributes["call_target_name"]):
+                        config = jax_ir.DictAttr(attributes["mhlo.backend_config"])
+                        kernels.append(
+                            (
+                                jax_ir.StringAttr(config["name"]).value,
+                                jax_ir.StringAttr(config["ir"]).value_bytes,
+                                jax_ir.IntegerAttr(config["num_warps"]).value,
+                                jax_ir.IntegerAttr(config["num_stages"]).value,
+                            )
+                        )
+                    walk(child.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    results = {}
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, bytecode, num_warps, num_stages in kernels:
+            with triton_lowering._new_ir_context():
+                text = jax_ir.Module.parse(bytecode).operation.get_asm()
+            path = os.path.join(tmp, f"{name}.ttir")
+            with open(path, "w") as f:
+                f.write(text)
+            options = dict(num_warps=num_warps, num_stages=num_stages)
+            compiled = triton.compile(path, target=GPUTarget("cuda", H200_ARCH, 32), options=options)
+            cubin = os.path.join(tmp, f"{name}.cubin")
+            with open(cubin, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            usage = subprocess.run(
+                [cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True
+            ).stdout
+            local = [int(word.split(":")[1]) for word in usage.split() if word.startswith("LOCAL:")]
+            results[name] = {"shared": compiled.metadata.shared, "spills": sum(local)}
+    return results
+
+
+@pytest.mark.parametrize(
+    "head_dim,group_size,heads_per_kv,dtype", [(128, 128, 4, jnp.bfloat16), (64, 16, 3, jnp.float32)]
+)
+def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dtype):
+    rng = np.random.default_rng(0)
+    cache = build_cache(rng, (337, 65), num_kv_heads=2, head_dim=head_dim, group_size=group_size)
+    q = jnp.zeros((2, 2 * heads_per_kv, head_dim), dtype)
+    fn = lambda q, *c: decode_attention(  # noqa: E731
+        q, *c, sink_slots=SINK_SLOTS, group_size=group_size, softmax_scale=0.1, interpret=False
+    )
+    kernels = compile_triton_kernels_for_h200(fn, q, *cache.arrays)
+    assert sorted(name.split("_tier")[0] for name in kernels) == ["oscar_bf16", "oscar_int2"]
+    for name, usage in kernels.items():
+        assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"

@@ -1,0 +1,303 @@
+"""oscar_jax.ops.encode / decode against shared_math.codec, bit for bit (format v1).
+
+Runs in Pallas interpret mode on CPU; with JAX_PLATFORMS=cuda the same tests compile the kernels.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from oscar_jax import ops
+from oscar_jax.kernels import codec as kcodec
+from shared_math import codec as ref
+from shared_math.spec import FP16_MAX, clip_index
+
+F32 = np.float32
+
+
+def assert_same_bits(actual, expected, what=""):
+    """Bitwise equality (NaN-safe, sign-of-zero-sensitive) of arrays of the same dtype."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    a, e = actual.view(np.uint8), expected.view(np.uint8)
+    if not np.array_equal(a, e):
+        bad = np.argwhere(actual.view(f"u{actual.itemsize}") != expected.view(f"u{expected.itemsize}"))
+        idx = tuple(bad[0])
+        raise AssertionError(
+            f"{what}: {len(bad)} of {actual.size} differ; first at {idx}: {actual[idx]!r} vs {expected[idx]!r}"
+        )
+
+
+def assert_encode_matches(x, *, group_size, clip_ratio, levels, expected_input=None):
+    got = ops.encode(x, group_size=group_size, clip_ratio=clip_ratio, levels=levels)
+    want = ref.encode(
+        np.asarray(x) if expected_input is None else expected_input,
+        group_size=group_size, clip_ratio=clip_ratio, levels=levels,
+    )
+    for name, a, e in zip(("packed", "scale", "minimum"), got, want):
+        assert_same_bits(a, e, f"{name} d={np.shape(x)[-1]} G={group_size} c={clip_ratio} {levels}")
+    return got
+
+
+# ------------------------------------------------------------------------------------- data
+
+
+def normal_rows(rng, shape):
+    return rng.standard_normal(shape).astype(F32)
+
+
+def heavy_tailed_rows(rng, shape):
+    """Student-t(2) with per-row scales over 6 decades: outliers and clipping at work."""
+    scale = 10.0 ** rng.uniform(-3, 3, size=shape[:-1] + (1,))
+    return (rng.standard_t(2, size=shape) * scale).astype(F32)
+
+
+def tied_rows(rng, shape):
+    """Few distinct values: ties at the clip threshold, at group min/max and at thresholds."""
+    x = rng.integers(-3, 4, size=shape).astype(F32) * F32(0.5)
+    flat = x.reshape(-1, shape[-1])
+    flat[0] = F32(0.25)  # constant row
+    if len(flat) > 1:
+        flat[1] = F32(0)  # all +0
+    if len(flat) > 2:
+        flat[2] = F32(-0.0)  # all −0 (one sign per group: unambiguous)
+    if len(flat) > 3:
+        flat[3] = np.repeat(rng.standard_normal(2).astype(F32), shape[-1] // 2)  # two plateaus
+    return x
+
+
+def special_rows(rng, shape):
+    """NaN, ±Inf, huge, ±FP16_MAX and the f16 rounding edge, subnormals, tiny and zero."""
+    specials = np.array(
+        [np.nan, np.inf, -np.inf, 1e38, -1e38, FP16_MAX, -FP16_MAX, 65519.0, 65520.0, -65536.0,
+         1e-40, -1e-40, 1e-45, -1e-45, 1.17e-38, 6e-8, -6e-8, 3e-5, 0.0, 1.0, -1.0],
+        F32,
+    )
+    x = normal_rows(rng, shape)
+    mask = rng.random(shape) < 0.3
+    x[mask] = rng.choice(specials, size=int(mask.sum()))
+    flat = x.reshape(-1, shape[-1])
+    flat[0] = F32(1e-40)  # an all-subnormal row
+    if len(flat) > 1:
+        flat[1] = np.where(np.arange(shape[-1]) % 2, F32(np.inf), F32(np.nan))
+    return x
+
+
+def tiny_rows(rng, shape):
+    """Subnormals and the smallest normals, both signs: where flush-to-zero machines (XLA:CPU in
+    interpret mode) would change sums and compares if the kernel did float math on them."""
+    x = normal_rows(rng, shape) * F32(2.0**-126)  # about half of them subnormal
+    flat = x.reshape(-1, shape[-1])
+    flat[0, ::2] = -flat[0, ::2] * F32(1e-3)  # mixed signs, deep subnormals
+    if len(flat) > 1:
+        flat[1] = F32(1e-40) * rng.choice([-1, 1], shape[-1]).astype(F32)  # sign decided by the count
+    return x
+
+
+DATA = {
+    "normal": normal_rows, "heavy": heavy_tailed_rows, "ties": tied_rows, "special": special_rows,
+    "tiny": tiny_rows,
+}
+
+
+def _cases():
+    """A seeded sample of the product (d, G, c, levels, leading shape, data)."""
+    rng = np.random.default_rng(2024)
+    shapes = [(1,), (3,), (17,), (2, 3, 5), (40,)]
+    cases = []
+    for d, group_size in [(16, 16), (64, 16), (64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]:
+        for levels in ("minmax", "moments"):
+            clip_ratio = [0.5, 0.92, 0.96, 1.0][rng.integers(4)]
+            lead = shapes[rng.integers(len(shapes))]
+            cases.append((d, group_size, clip_ratio, levels, lead))
+    return cases
+
+
+@pytest.mark.parametrize("data", sorted(DATA))
+@pytest.mark.parametrize("d,group_size,clip_ratio,levels,lead", _cases())
+def test_encode_bit_identical(d, group_size, clip_ratio, levels, lead, data):
+    rng = np.random.default_rng(d * 7 + group_size + len(lead))
+    x = DATA[data](rng, lead + (d,))
+    assert_encode_matches(x, group_size=group_size, clip_ratio=clip_ratio, levels=levels)
+
+
+@pytest.mark.parametrize("levels", ["minmax", "moments"])
+def test_golden_vectors(levels):
+    # FORMAT.md worked example: x = −8 … 7, c = 1, G = 16 (both encoders give the same bytes).
+    packed, scale, minimum = ops.encode(np.arange(-8, 8, dtype=F32), group_size=16, clip_ratio=1.0, levels=levels)
+    assert np.asarray(packed).tolist() == [0xA4, 0xE4, 0xE4, 0xE5]
+    assert np.asarray(scale).tolist() == [5.0] and np.asarray(minimum).tolist() == [-8.0]
+
+
+def test_golden_clip():
+    # d = 16, c = 0.9 → k = 14: τ = 50, so 100 → 50 (shared_math/tests/test_codec.py).
+    x = np.zeros(16, F32)
+    x[14], x[15] = 100.0, -50.0
+    packed, scale, minimum = ops.encode(x, group_size=16, clip_ratio=0.9)
+    assert np.asarray(packed).tolist() == [0x55, 0x55, 0xD5, 0x15]
+    assert np.asarray(scale).tolist() == [33.34375] and np.asarray(minimum).tolist() == [-50.0]
+
+
+@pytest.mark.parametrize("clip_ratio", [0.05, 0.5, 0.92, 0.96, 1.0])
+def test_order_statistic_methods_agree_with_sort(clip_ratio):
+    """Both exact order statistics (max-drop rounds, bisection on bits) equal the sorted value,
+    with heavy ties (few distinct magnitudes, both signs, zeros of both signs)."""
+    rng = np.random.default_rng(7)
+    d = 64
+    x = (rng.integers(-4, 5, size=(24, d)) * F32(0.75)).astype(F32)
+    x[0] = -0.0
+    x[1, : d // 2] = -0.0
+    k = clip_index(clip_ratio, d)
+    want = np.sort(np.abs(x), axis=-1)[:, k : k + 1].view(np.int32)
+    abs_bits = jnp.asarray(np.abs(x).view(np.int32))
+    for method in kcodec.ORDER_STATISTICS:
+        got = jax.jit(
+            functools.partial(kcodec.clip_threshold_bits, clip_index=k, order_statistic=method)
+        )(abs_bits)
+        assert_same_bits(got, want, method)
+        packed, scale, minimum = kcodec.encode_rows(
+            jnp.asarray(x), group_size=32, clip_index=k, levels="minmax", order_statistic=method
+        )
+        for name, a, e in zip(("packed", "scale", "minimum"), (packed, scale, minimum),
+                              ref.encode(x, group_size=32, clip_ratio=clip_ratio)):
+            assert_same_bits(a, e, f"{name} {method}")
+
+
+def test_default_order_statistic_choice():
+    assert kcodec.select_order_statistic(128, clip_index(0.96, 128)) == "max_drop"
+    assert kcodec.select_order_statistic(128, clip_index(0.92, 128)) == "max_drop"
+    assert kcodec.select_order_statistic(128, clip_index(0.5, 128)) == "bisect"
+    assert kcodec.select_order_statistic(64, clip_index(1.0, 64)) == "max_drop"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, np.float64, np.int32, np.int64])
+def test_input_dtypes_encode_their_float32_values(dtype):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((5, 64)) * 40).astype(np.float32)
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        x = np.round(x).astype(dtype)
+        x.reshape(-1)[:3] = [2**24 + 1, -(2**24) - 3, 123456789]  # not representable in float32
+    elif dtype == np.float64:
+        x = x.astype(np.float64) + 1e-9  # rounds to float32 on the host
+    else:
+        x = jnp.asarray(x).astype(dtype)
+    expected = np.asarray(x, dtype=np.float64).astype(np.float32) if not isinstance(x, jax.Array) \
+        else np.asarray(x.astype(jnp.float32))
+    assert_encode_matches(x, group_size=32, clip_ratio=0.96, levels="minmax", expected_input=expected)
+
+
+def test_mixed_signed_zero_extremes_differ_only_in_the_sign_of_zero():
+    """The one documented divergence: a group whose min (or max) is a zero and that holds both
+    +0 and −0. numpy's min/max reduction returns a SIMD-lane-dependent zero there; the kernel
+    returns −0 for the minimum (IEEE 754-2019 ordering). Codes and every value are equal."""
+    x = np.full((1, 16), 2.0, F32)
+    x[0, 3], x[0, 9] = -0.0, 0.0
+    packed, scale, minimum = ops.encode(x, group_size=16, clip_ratio=1.0)
+    rp, rs, rm = ref.encode(x, group_size=16, clip_ratio=1.0)
+    assert_same_bits(packed, rp, "packed")
+    assert_same_bits(scale, rs, "scale")
+    assert np.asarray(minimum).tolist() == rm.tolist() == [[0.0]]  # equal values …
+    assert np.signbit(np.asarray(minimum)).all()  # … and the kernel's zero is −0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    x=hnp.arrays(np.float32, (4, 32), elements=st.floats(width=32, allow_nan=True, allow_infinity=True)),
+    clip_ratio=st.sampled_from([0.5, 0.96, 1.0]),
+    levels=st.sampled_from(["minmax", "moments"]),
+)
+def test_encode_total_property(x, clip_ratio, levels):
+    # −0 → +0: mixed-signed zeros are the documented divergence above (the spec's, not ours).
+    x = x + F32(0)
+    assert_encode_matches(x, group_size=16, clip_ratio=clip_ratio, levels=levels)
+
+
+# ------------------------------------------------------------------------------------ decode
+
+
+@pytest.mark.parametrize("d,group_size,lead", [(16, 16, (1,)), (64, 32, (3, 5)), (128, 64, (17,)), (128, 128, (40,))])
+def test_decode_bit_identical(d, group_size, lead):
+    rng = np.random.default_rng(d + group_size)
+    packed = rng.integers(0, 256, size=lead + (d // 4,), dtype=np.uint8)
+    meta_shape = lead + (d // group_size,)
+    # finite float16 metadata of all kinds: normal, subnormal, ±0, ±65504
+    scale = rng.choice(np.array([0.0, 6e-8, 1e-5, 0.0132, 1.0, 333.0, 65504.0], np.float16), meta_shape)
+    minimum = (rng.standard_normal(meta_shape) * 10).astype(np.float16)
+    special = np.array([-0.0, -65504.0, 6e-8], np.float16)
+    minimum.reshape(-1)[: special.size] = special[: minimum.size]
+    got = ops.decode(packed, scale, minimum, group_size=group_size)
+    assert_same_bits(got, ref.decode(packed, scale, minimum, group_size=group_size), "decode")
+
+
+def test_round_trip_equals_reference_round_trip():
+    rng = np.random.default_rng(11)
+    x = heavy_tailed_rows(rng, (3, 7, 128))
+    packed, scale, minimum = ops.encode(x, group_size=64, clip_ratio=0.92, levels="moments")
+    want = ref.decode(*ref.encode(x, group_size=64, clip_ratio=0.92, levels="moments"), group_size=64)
+    assert_same_bits(ops.decode(packed, scale, minimum, group_size=64), want, "round trip")
+
+
+def test_ops_are_jittable_and_deterministic():
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(normal_rows(rng, (6, 64)))
+    enc = jax.jit(functools.partial(ops.encode, group_size=32, clip_ratio=0.96))
+    dec = jax.jit(functools.partial(ops.decode, group_size=32))
+    first = enc(x)
+    for a, b in zip(first, enc(x)):
+        assert_same_bits(a, b, "run twice")
+    for a, e in zip(first, ref.encode(np.asarray(x), group_size=32, clip_ratio=0.96)):
+        assert_same_bits(a, e, "jit")
+    assert_same_bits(dec(*first), ops.decode(*first, group_size=32), "decode under jit")
+
+
+def test_empty_leading_dims():
+    packed, scale, minimum = ops.encode(np.zeros((0, 3, 64), F32), group_size=32, clip_ratio=0.96)
+    assert packed.shape == (0, 3, 16) and scale.shape == minimum.shape == (0, 3, 2)
+    assert ops.decode(packed, scale, minimum, group_size=32).shape == (0, 3, 64)
+
+
+def test_interpret_default_follows_the_backend():
+    assert kcodec.resolve_interpret(None) == (jax.default_backend() == "cpu")
+    assert kcodec.resolve_interpret(True) is True and kcodec.resolve_interpret(False) is False
+
+
+# ------------------------------------------------------------------------------- bad inputs
+
+GOOD = np.zeros((2, 64), F32)
+PACKED, SCALE = np.zeros((2, 16), np.uint8), np.zeros((2, 2), np.float16)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: ops.encode(GOOD.astype(np.complex64), group_size=32, clip_ratio=0.9), "dtype complex64"),
+        (lambda: ops.encode(GOOD.astype(bool), group_size=32, clip_ratio=0.9), "dtype bool"),
+        (lambda: ops.encode(np.float32(1.0), group_size=16, clip_ratio=0.9), "at least one axis"),
+        (lambda: ops.encode(np.zeros((2, 48), F32), group_size=16, clip_ratio=0.9), "head_dim=48"),
+        (lambda: ops.encode(np.zeros((2, 8), F32), group_size=8, clip_ratio=0.9), "head_dim=8"),
+        (lambda: ops.encode(GOOD, group_size=24, clip_ratio=0.9), "group_size=24"),
+        (lambda: ops.encode(GOOD, group_size=128, clip_ratio=0.9), "group_size=128"),
+        (lambda: ops.encode(GOOD, group_size=8, clip_ratio=0.9), "group_size=8"),
+        (lambda: ops.encode(GOOD, group_size=32, clip_ratio=0.0), "clip_ratio=0.0"),
+        (lambda: ops.encode(GOOD, group_size=32, clip_ratio=1.5), "clip_ratio=1.5"),
+        (lambda: ops.encode(GOOD, group_size=32, clip_ratio=0.9, levels="lloyd"), "levels='lloyd'"),
+        (lambda: ops.decode(PACKED.astype(np.int8), SCALE, SCALE, group_size=32), "packed must be uint8"),
+        (lambda: ops.decode(PACKED, SCALE.astype(F32), SCALE, group_size=32), "scale must be float16"),
+        (lambda: ops.decode(PACKED, SCALE, SCALE.astype(F32), group_size=32), "minimum must be float16"),
+        (lambda: ops.decode(PACKED, SCALE[:, :1], SCALE, group_size=32), r"scale has shape \(2, 1\)"),
+        (lambda: ops.decode(PACKED, SCALE, SCALE[:1], group_size=32), r"minimum has shape \(1, 2\)"),
+        (lambda: ops.decode(PACKED[:, :12], SCALE, SCALE, group_size=16), "head_dim=48"),
+        (lambda: ops.decode(PACKED, SCALE, SCALE, group_size=48), "group_size=48"),
+        (lambda: ops.decode(np.uint8(3), SCALE, SCALE, group_size=16), "at least one axis"),
+    ],
+)
+def test_bad_inputs_raise_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

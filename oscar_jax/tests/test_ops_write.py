@@ -1,0 +1,371 @@
+"""Write path of oscar_jax.ops against shared_math: fused rotate + encode, page scatters, demotion.
+
+Every written row must have exactly the bytes of shared_math.encode of the same float32 row, land
+exactly at its (page, slot) and leave the rest of the pools untouched. Interpret mode on CPU; with
+JAX_PLATFORMS=cuda the same tests compile the kernels (see `assert_rotated_encoding`).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oscar_jax import ops
+from oscar_jax.kernels.codec import resolve_interpret
+from shared_math import codec as ref
+
+F32 = np.float32
+INTERPRET = resolve_interpret(None)
+
+
+def assert_same_bits(actual, expected, what=""):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
+        what, actual.dtype, expected.dtype, actual.shape, expected.shape,
+    )
+    a, e = actual.view(f"u{actual.itemsize}"), expected.view(f"u{expected.itemsize}")
+    if not np.array_equal(a, e):
+        bad = np.argwhere(a != e)
+        idx = tuple(bad[0])
+        raise AssertionError(
+            f"{what}: {len(bad)} of {actual.size} differ; first at {idx}: {actual[idx]!r} vs {expected[idx]!r}"
+        )
+
+
+def assert_encoding(got, want, what=""):
+    for name, a, e in zip(("packed", "scale", "minimum"), got, want):
+        assert_same_bits(a, e, f"{what} {name}")
+
+
+def reference_rotation(x, rotation):
+    """k' = k·R[h] in float32 with the same jnp matmul at Precision.HIGHEST."""
+    return np.asarray(
+        jnp.einsum(
+            "tkd,kde->tke", jnp.asarray(x).astype(jnp.float32), rotation, precision=jax.lax.Precision.HIGHEST
+        )
+    )
+
+
+def assert_rotated_encoding(got, x, rotation, *, group_size, clip_ratio, levels):
+    """Interpret mode: bit-identical to shared_math.encode of the reference rotation. Compiled
+    (GPU): the in-kernel float32 dot may round differently from XLA's matmul in the last bit, so
+    a code may flip where a rotated value sits on a threshold: allow rare one-level flips and
+    metadata within one float16 step."""
+    want = ref.encode(reference_rotation(x, rotation), group_size=group_size, clip_ratio=clip_ratio, levels=levels)
+    if INTERPRET:
+        assert_encoding(got, want, "rotated")
+        return
+    codes = ref.unpack_codes(np.asarray(got[0])).astype(int)
+    want_codes = ref.unpack_codes(want[0]).astype(int)
+    assert np.abs(codes - want_codes).max() <= 1 and np.mean(codes != want_codes) < 1e-2
+    for a, e in zip(got[1:], want[1:]):
+        assert np.abs(np.asarray(a).view(np.int16).astype(int) - e.view(np.int16).astype(int)).max() <= 1
+
+
+def random_rotations(rng, num_heads, d):
+    q, _ = np.linalg.qr(rng.standard_normal((num_heads, d, d)))
+    return q.astype(F32)
+
+
+def int2_pools(rng, num_pages, num_heads, page_size, d, group_size, layers=()):
+    """Pools filled with random bytes (a sentinel pattern: any stray write shows)."""
+    lead = tuple(layers) + (num_pages, num_heads, page_size)
+    codes = rng.integers(0, 256, size=lead + (d // 4,), dtype=np.uint8)
+    scale = rng.integers(0, 2**15, size=lead + (d // group_size,), dtype=np.uint16).view(np.float16)
+    minimum = rng.integers(0, 2**16, size=lead + (d // group_size,), dtype=np.uint16).view(np.float16)
+    return codes, scale, minimum
+
+
+def destinations(rng, num_tokens, num_pages, page_size):
+    flat = rng.permutation(num_pages * page_size)[:num_tokens]
+    return (flat // page_size).astype(np.int32), (flat % page_size).astype(np.int32)
+
+
+def expected_pools(pools, encoded, page_ids, slots):
+    """The pools after writing encoded rows [T, K, ...] at (page_ids[t], slots[t])."""
+    out = [np.array(p, copy=True) for p in pools]
+    for pool, value in zip(out, encoded):
+        pool[page_ids, :, slots] = np.asarray(value)
+    return out
+
+
+# ------------------------------------------------------------------------------ write_int2
+
+WRITE_CASES = [  # (T, K, d, G, c, levels)
+    (1, 1, 16, 16, 0.96, "minmax"),
+    (3, 3, 64, 32, 0.92, "moments"),
+    (17, 8, 128, 128, 0.96, "minmax"),
+    (17, 3, 64, 64, 1.0, "minmax"),
+    (3, 8, 128, 64, 0.5, "moments"),
+]
+
+
+@pytest.mark.parametrize("num_tokens,num_heads,d,group_size,clip_ratio,levels", WRITE_CASES)
+def test_write_int2_rotated_keys(num_tokens, num_heads, d, group_size, clip_ratio, levels):
+    rng = np.random.default_rng(num_tokens * 100 + d)
+    x = (rng.standard_t(4, size=(num_tokens, num_heads, d)) * 3).astype(F32)
+    rotation = random_rotations(rng, num_heads, d)
+    got = ops.write_int2(x, rotation, group_size=group_size, clip_ratio=clip_ratio, levels=levels)
+    assert_rotated_encoding(got, x, rotation, group_size=group_size, clip_ratio=clip_ratio, levels=levels)
+
+
+def test_write_int2_bf16_keys_rotate_their_float32_values():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((5, 3, 64)).astype(F32)).astype(jnp.bfloat16)
+    rotation = random_rotations(rng, 3, 64)
+    got = ops.write_int2(x, rotation, group_size=32, clip_ratio=0.96)
+    assert_rotated_encoding(got, x, rotation, group_size=32, clip_ratio=0.96, levels="minmax")
+
+
+def test_rotation_is_float32_accurate():
+    """The reference product against float64 (TF32 or bf16 would be ~1e-3 off), and the kernel's
+    product on signed permutations: exact in float32, but not if the kernel rounded its inputs
+    (TF32 keeps 10 mantissa bits). Per-head permutations also catch a head mix-up."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((17, 3, 64)).astype(F32)
+    rotation = random_rotations(rng, 3, 64)
+    exact = np.einsum("tkd,kde->tke", x.astype(np.float64), rotation.astype(np.float64))
+    assert np.abs(reference_rotation(x, rotation) - exact).max() < 1e-5
+    perms = np.stack([rng.permutation(64) for _ in range(3)])
+    signs = rng.choice([-1.0, 1.0], size=(3, 64)).astype(F32)
+    signed_perm = np.zeros((3, 64, 64), F32)
+    for h in range(3):
+        signed_perm[h, perms[h], np.arange(64)] = signs[h]  # column j takes x[perm[j]]·sign[j]
+    expected_rows = np.stack([x[:, h, perms[h]] * signs[h] for h in range(3)], axis=1)
+    got = ops.write_int2(x, signed_perm, group_size=32, clip_ratio=0.92, levels="moments")
+    assert_encoding(got, ref.encode(expected_rows, group_size=32, clip_ratio=0.92, levels="moments"), "perm")
+
+
+@pytest.mark.parametrize("levels", ["minmax", "moments"])
+def test_write_int2_values_take_no_rotation(levels):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((17, 3, 128)) * 2).astype(F32)
+    x[0, 0, :4] = [np.nan, np.inf, -1e-40, 1e30]
+    got = ops.write_int2(x, None, group_size=128, clip_ratio=0.92, levels=levels)
+    assert_encoding(got, ref.encode(x, group_size=128, clip_ratio=0.92, levels=levels), "values")
+
+
+# ----------------------------------------------------------------------------- write_pages
+
+PAGE_CASES = [  # (T, K, d, G, P, L, rotate, levels)
+    (1, 1, 16, 16, 2, 4, False, "minmax"),
+    (3, 3, 64, 32, 4, 16, True, "minmax"),
+    (17, 8, 64, 16, 3, 16, False, "moments"),
+    (17, 3, 128, 128, 5, 4, True, "moments"),
+]
+
+
+@pytest.mark.parametrize("num_tokens,num_heads,d,group_size,num_pages,page_size,rotate,levels", PAGE_CASES)
+def test_write_pages_lands_exactly(num_tokens, num_heads, d, group_size, num_pages, page_size, rotate, levels):
+    rng = np.random.default_rng(num_tokens + 10 * num_heads + d)
+    pools = int2_pools(rng, num_pages, num_heads, page_size, d, group_size)
+    rows = (rng.standard_normal((num_tokens, num_heads, d)) * 2).astype(F32)
+    rotation = random_rotations(rng, num_heads, d) if rotate else None
+    page_ids, slots = destinations(rng, num_tokens, num_pages, page_size)
+    got = ops.write_pages(
+        *pools, rows, page_ids, slots, rotation=rotation, group_size=group_size, clip_ratio=0.96, levels=levels
+    )
+    if rotate and not INTERPRET:
+        written = [np.asarray(p)[page_ids, :, slots] for p in got]
+        assert_rotated_encoding(written, rows, rotation, group_size=group_size, clip_ratio=0.96, levels=levels)
+        encoded = written  # checked above; the rest of the pools must still be exact
+    else:
+        source = reference_rotation(rows, rotation) if rotate else rows
+        encoded = ref.encode(source, group_size=group_size, clip_ratio=0.96, levels=levels)
+    for name, a, e in zip(("codes", "scale", "minimum"), got, expected_pools(pools, encoded, page_ids, slots)):
+        assert_same_bits(a, e, name)
+
+
+def test_write_pages_token_by_token_under_jit_with_donation():
+    """A decode loop: one token per step into consecutive slots across page boundaries, the pools
+    donated to the jitted step; the result equals one batched write."""
+    rng = np.random.default_rng(4)
+    num_heads, d, group_size, page_size = 3, 64, 64, 4
+    pools = int2_pools(rng, 4, num_heads, page_size, d, group_size)
+    rows = rng.standard_normal((9, num_heads, d)).astype(F32)
+    rotation = random_rotations(rng, num_heads, d)
+    page_ids = np.array([2, 2, 2, 2, 0, 0, 0, 0, 3], np.int32)
+    slots = np.array([0, 1, 2, 3, 0, 1, 2, 3, 0], np.int32)
+    step = jax.jit(
+        functools.partial(ops.write_pages, group_size=group_size, clip_ratio=0.96),
+        donate_argnums=(0, 1, 2),
+    )
+    state = tuple(jnp.asarray(p) for p in pools)
+    for t in range(len(rows)):
+        state = step(*state, rows[t : t + 1], page_ids[t : t + 1], slots[t : t + 1], rotation=rotation)
+    batched = ops.write_pages(
+        *pools, rows, page_ids, slots, rotation=rotation, group_size=group_size, clip_ratio=0.96
+    )
+    for name, a, e in zip(("codes", "scale", "minimum"), state, batched):
+        assert_same_bits(a, e, name)
+
+
+def test_write_pages_under_jit_skips_out_of_range_destinations():
+    """Traced ids cannot be checked on the host: an out-of-range page or slot is never written."""
+    rng = np.random.default_rng(5)
+    num_pages, num_heads, page_size, d, group_size = 3, 2, 4, 32, 16
+    pools = int2_pools(rng, num_pages, num_heads, page_size, d, group_size)
+    rows = rng.standard_normal((5, num_heads, d)).astype(F32)
+    page_ids = np.array([1, -1, num_pages, 0, 2], np.int32)
+    slots = np.array([3, 0, 1, page_size, 0], np.int32)
+    got = jax.jit(functools.partial(ops.write_pages, group_size=group_size, clip_ratio=0.9))(
+        *pools, rows, page_ids, slots
+    )
+    keep = np.array([0, 4])
+    encoded = ref.encode(rows[keep], group_size=group_size, clip_ratio=0.9)
+    for name, a, e in zip(("codes", "scale", "minimum"), got, expected_pools(pools, encoded, page_ids[keep], slots[keep])):
+        assert_same_bits(a, e, name)
+
+
+# ------------------------------------------------------------------------ write_bf16_pages
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_tokens,num_heads", [(1, 1), (17, 3), (3, 8)])
+def test_write_bf16_pages_lands_exactly(num_tokens, num_heads, dtype):
+    rng = np.random.default_rng(num_tokens * num_heads)
+    num_pages, page_size, d = 5, 4, 64
+    pool = rng.integers(0, 2**16, size=(num_pages, num_heads, page_size, d), dtype=np.uint16).view(jnp.bfloat16)
+    rows = (rng.standard_normal((num_tokens, num_heads, d)) * 100).astype(F32)
+    rows[0, 0, :3] = [1.00390625, 1.01171875, -3e38]  # ties of the bf16 rounding, near-overflow
+    rows = np.asarray(jnp.asarray(rows).astype(dtype))
+    page_ids, slots = destinations(rng, num_tokens, num_pages, page_size)
+    got = ops.write_bf16_pages(pool, rows, page_ids, slots)
+    expected = np.array(pool, copy=True)
+    expected[page_ids, :, slots] = rows.astype(jnp.bfloat16)  # ml_dtypes: round to nearest even
+    assert_same_bits(got, expected, "bf16 pool")
+
+
+# ---------------------------------------------------------------------------- demote_pages
+
+DEMOTE_CASES = [  # (layers, K, d, G, L, P_bf16, P_int2, src, dst, c, levels)
+    ((), 1, 16, 16, 4, 3, 2, [2], [1], 0.96, "minmax"),
+    ((), 3, 64, 32, 16, 4, 5, [3, 0, 1], [4, 0, 2], 0.92, "moments"),
+    ((), 8, 128, 128, 16, 3, 3, [1, 2], [2, 0], 0.96, "minmax"),
+    ((3,), 3, 64, 64, 16, 4, 4, [2, 1], [0, 3], 0.96, "minmax"),  # all layers in one launch
+    ((2,), 1, 128, 32, 4, 2, 3, [1], [2], 1.0, "moments"),
+]
+
+
+@pytest.mark.parametrize("layers,num_heads,d,group_size,page_size,p_bf16,p_int2,src,dst,clip_ratio,levels", DEMOTE_CASES)
+def test_demote_pages(layers, num_heads, d, group_size, page_size, p_bf16, p_int2, src, dst, clip_ratio, levels):
+    rng = np.random.default_rng(d + page_size + len(src))
+    rows = (rng.standard_t(3, size=tuple(layers) + (p_bf16, num_heads, page_size, d)) * 5).astype(F32)
+    bf16_pool = np.asarray(jnp.asarray(rows).astype(jnp.bfloat16))
+    pools = int2_pools(rng, p_int2, num_heads, page_size, d, group_size, layers)
+    got = ops.demote_pages(
+        bf16_pool, *pools, np.array(src), np.array(dst), group_size=group_size, clip_ratio=clip_ratio, levels=levels
+    )
+    page_axis = len(layers)
+    source = np.take(bf16_pool, src, axis=page_axis).astype(F32)  # BF16 → float32 is exact
+    encoded = ref.encode(source, group_size=group_size, clip_ratio=clip_ratio, levels=levels)
+    for name, pool, a, e in zip(("codes", "scale", "minimum"), pools, got, encoded):
+        expected = np.array(pool, copy=True)
+        index = (slice(None),) * page_axis + (np.array(dst),)
+        expected[index] = e
+        assert_same_bits(a, expected, name)
+
+
+def test_write_bf16_then_demote_equals_writing_the_bf16_rows():
+    """The cache's path (BF16 recent page → demotion) gives the bytes of a direct INT2 write of
+    the same BF16 rows, under jit with traced page ids."""
+    rng = np.random.default_rng(6)
+    num_heads, page_size, d, group_size = 3, 16, 64, 64
+    rows = rng.standard_normal((page_size, num_heads, d)).astype(F32)
+    bf16_pool = jnp.zeros((2, num_heads, page_size, d), jnp.bfloat16)
+    bf16_pool = ops.write_bf16_pages(bf16_pool, rows, np.full(page_size, 1), np.arange(page_size))
+    pools = int2_pools(rng, 3, num_heads, page_size, d, group_size)
+    demote = jax.jit(functools.partial(ops.demote_pages, group_size=group_size, clip_ratio=0.96))
+    demoted = demote(bf16_pool, *pools, jnp.array([1]), jnp.array([2]))
+    direct = ops.write_pages(
+        *pools, jnp.asarray(rows).astype(jnp.bfloat16), np.full(page_size, 2), np.arange(page_size),
+        group_size=group_size, clip_ratio=0.96,
+    )
+    for name, a, e in zip(("codes", "scale", "minimum"), demoted, direct):
+        assert_same_bits(a, e, name)
+
+
+# ------------------------------------------------------------------------------ bad inputs
+
+_RNG = np.random.default_rng(0)
+X = np.zeros((3, 2, 64), F32)
+R = np.tile(np.eye(64, dtype=F32), (2, 1, 1))
+CODES, SCALE, MINIMUM = int2_pools(_RNG, 4, 2, 16, 64, 32)
+BF16 = np.zeros((4, 2, 16, 64), jnp.bfloat16)
+IDS, SLOTS = np.array([0, 1, 2]), np.array([0, 1, 2])
+WP = functools.partial(ops.write_pages, group_size=32, clip_ratio=0.9)
+DP = functools.partial(ops.demote_pages, group_size=32, clip_ratio=0.9)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        # write_int2
+        (lambda: ops.write_int2(X.astype(np.complex64), R, group_size=32, clip_ratio=0.9), "x must be a real"),
+        (lambda: ops.write_int2(X[0], R, group_size=32, clip_ratio=0.9), r"x must be \[tokens, kv_heads"),
+        (lambda: ops.write_int2(np.zeros((3, 2, 48), F32), None, group_size=16, clip_ratio=0.9), "head_dim=48"),
+        (lambda: ops.write_int2(X, R, group_size=48, clip_ratio=0.9), "group_size=48"),
+        (lambda: ops.write_int2(X, R, group_size=32, clip_ratio=2.0), "clip_ratio=2.0"),
+        (lambda: ops.write_int2(X, R, group_size=32, clip_ratio=0.9, levels="x"), "levels='x'"),
+        (lambda: ops.write_int2(X, R.astype(np.float64), group_size=32, clip_ratio=0.9), "rotation must be float32"),
+        (lambda: ops.write_int2(X, R[:1], group_size=32, clip_ratio=0.9), r"rotation has shape \(1, 64, 64\)"),
+        (lambda: ops.write_int2(X, R[:, :32], group_size=32, clip_ratio=0.9), r"rotation has shape \(2, 32, 64\)"),
+        # write_pages
+        (lambda: WP(CODES.astype(np.int8), SCALE, MINIMUM, X, IDS, SLOTS), "codes must be uint8"),
+        (lambda: WP(CODES, SCALE.astype(F32), MINIMUM, X, IDS, SLOTS), "scale must be float16"),
+        (lambda: WP(CODES, SCALE, MINIMUM.astype(F32), X, IDS, SLOTS), "minimum must be float16"),
+        (lambda: WP(CODES[0], SCALE[0], MINIMUM[0], X, IDS, SLOTS), r"codes must be \[pages, kv_heads"),
+        (lambda: WP(CODES, SCALE[..., :1], MINIMUM, X, IDS, SLOTS), "scale .* and minimum .* same shape"),
+        (lambda: WP(CODES, SCALE[:2], MINIMUM[:2], X, IDS, SLOTS), "must share codes' leading axes"),
+        (lambda: WP(CODES, SCALE, MINIMUM, np.zeros((3, 2, 32), F32), IDS, SLOTS), r"rows has shape \(3, 2, 32\)"),
+        (lambda: WP(CODES, SCALE, MINIMUM, np.zeros((3, 1, 64), F32), IDS, SLOTS), r"rows has shape \(3, 1, 64\)"),
+        (lambda: ops.write_pages(CODES, SCALE, MINIMUM, X, IDS, SLOTS, group_size=16, clip_ratio=0.9),
+         "hold 2 groups per row, expected .* 4"),
+        (lambda: WP(CODES, SCALE, MINIMUM, X, IDS.astype(F32), SLOTS), "page_ids must be an integer array"),
+        (lambda: WP(CODES, SCALE, MINIMUM, X, IDS[:2], SLOTS), r"page_ids must have shape \[3\]"),
+        (lambda: WP(CODES, SCALE, MINIMUM, X, IDS, SLOTS[None]), r"slots must have shape \[3\]"),
+        (lambda: WP(CODES, SCALE, MINIMUM, X, np.array([0, 4, 1]), SLOTS), r"page_ids must lie in \[0, 4\).*\[4\]"),
+        (lambda: WP(CODES, SCALE, MINIMUM, X, np.array([0, -1, 1]), SLOTS), r"page_ids must lie in \[0, 4\).*\[-1\]"),
+        (lambda: WP(CODES, SCALE, MINIMUM, X, IDS, np.array([0, 16, 1])), r"slots must lie in \[0, 16\)"),
+        (lambda: WP(CODES, SCALE, MINIMUM, X, np.array([1, 1, 0]), np.array([5, 5, 0])), "must be distinct"),
+        (lambda: WP(CODES, SCALE, MINIMUM, X, IDS, SLOTS, rotation=R[:1]), r"rotation has shape"),
+        # write_bf16_pages
+        (lambda: ops.write_bf16_pages(BF16.astype(np.float16), X, IDS, SLOTS), "pool must be bfloat16"),
+        (lambda: ops.write_bf16_pages(BF16[0], X, IDS, SLOTS), r"pool must be \[pages, kv_heads"),
+        (lambda: ops.write_bf16_pages(BF16, X.astype(np.int32), IDS, SLOTS), "rows must be a float array"),
+        (lambda: ops.write_bf16_pages(BF16, X[:, :1], IDS, SLOTS), r"rows has shape \(3, 1, 64\)"),
+        (lambda: ops.write_bf16_pages(BF16, X, np.array([0, 9, 1]), SLOTS), r"page_ids must lie in \[0, 4\)"),
+        (lambda: ops.write_bf16_pages(BF16, X, IDS, np.array([0, 1, 99])), r"slots must lie in \[0, 16\)"),
+        # demote_pages
+        (lambda: DP(BF16.astype(F32), CODES, SCALE, MINIMUM, [0], [1]), "bf16_pool must be bfloat16"),
+        (lambda: DP(BF16[0], CODES, SCALE, MINIMUM, [0], [1]), "bf16_pool must be"),
+        (lambda: DP(BF16, CODES[None], SCALE[None], MINIMUM[None], [0], [1]), "codes must be"),
+        (lambda: DP(BF16[..., :32], CODES, SCALE, MINIMUM, [0], [1]), "head_dim=32 differs"),
+        (lambda: DP(BF16[:, :1], CODES, SCALE, MINIMUM, [0], [1]), "must match bf16_pool"),
+        (lambda: DP(np.zeros((4, 2, 12, 64), jnp.bfloat16), *int2_pools(_RNG, 4, 2, 12, 64, 32), [0], [1]),
+         "page_size=12"),
+        (lambda: DP(BF16, CODES, SCALE, MINIMUM, [0, 1], [1]), r"dst_pages must have shape \[2\]"),
+        (lambda: DP(BF16, CODES, SCALE, MINIMUM, [4], [1]), r"src_pages must lie in \[0, 4\)"),
+        (lambda: DP(BF16, CODES, SCALE, MINIMUM, [0], [-2]), r"dst_pages must lie in \[0, 4\)"),
+        (lambda: DP(BF16, CODES, SCALE, MINIMUM, [0, 1], [2, 2]), "dst_pages must be distinct"),
+        (lambda: DP(BF16, CODES, SCALE, MINIMUM, [0.0], [1]), "src_pages must be an integer array"),
+        (lambda: ops.demote_pages(BF16, CODES, SCALE, MINIMUM, [0], [1], group_size=32, clip_ratio=0.9,
+                                  levels="median"), "levels='median'"),
+    ],
+)
+def test_bad_inputs_raise_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_empty_writes_return_the_pools():
+    got = ops.write_pages(CODES, SCALE, MINIMUM, X[:0], IDS[:0], SLOTS[:0], group_size=32, clip_ratio=0.9)
+    for a, e in zip(got, (CODES, SCALE, MINIMUM)):
+        assert_same_bits(a, e)
+    assert_same_bits(ops.write_bf16_pages(BF16, X[:0], IDS[:0], SLOTS[:0]), BF16)
+    for a, e in zip(DP(BF16, CODES, SCALE, MINIMUM, IDS[:0], IDS[:0]), (CODES, SCALE, MINIMUM)):
+        assert_same_bits(a, e)
+    packed, scale, minimum = ops.write_int2(X[:0], R, group_size=32, clip_ratio=0.9)
+    assert packed.shape == (0, 2, 16) and scale.shape == minimum.shape == (0, 2, 2)

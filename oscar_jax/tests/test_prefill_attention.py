@@ -1,0 +1,189 @@
+"""Prefill attention (a chunk over itself in full precision + its cached prefix through the tiers).
+
+Reference: float64 NumPy — the prefix dequantized from the very pages the kernels read (the INT2
+history through shared_math.codec.decode) concatenated with the chunk's own K/V, causal over the
+chunk. Caches come from test_decode_attention.build_cache (poisoned pools, shuffled pages).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oscar_jax.attention_ops import decode_attention, prefill_attention
+from oscar_jax.tests.test_decode_attention import (
+    PAGE_SIZE,
+    SINK_SLOTS,
+    TOLERANCES,
+    build_cache,
+    compile_triton_kernels_for_h200,
+)
+from shared_math.attention import softmax_attention
+
+# Tolerances: the one table of test_decode_attention (keyed by the dtype of the dots). The prefix
+# path computes in q's dtype, the chunk path in promote(q, k_new); float32 q → every dot float32.
+# The chunk adds one more partial to the merge (O(ulp)).
+
+
+def reference_prefill(q, k_new, v_new, cache, new_tokens, softmax_scale) -> np.ndarray:
+    """float64 [B, T, Hq, D]; rows t ≥ new_tokens[b] are 0 (as the op promises)."""
+    as64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)  # noqa: E731
+    q, k_new, v_new = as64(q), as64(k_new), as64(v_new)
+    out = np.zeros(q.shape)
+    for b, tiers in enumerate(cache.sequences):
+        k_prefix, v_prefix = tiers.dequantized(cache.group_size)
+        for t in range(int(new_tokens[b])):
+            k = np.concatenate([k_prefix, k_new[b, : t + 1]])
+            v = np.concatenate([v_prefix, v_new[b, : t + 1]])
+            out[b, t] = softmax_attention(q[b, t], k, v, softmax_scale=softmax_scale)
+    return out
+
+
+def _assert_close(actual, expected, dtype) -> float:
+    actual = np.asarray(actual, np.float64)
+    assert np.all(np.isfinite(actual)), "non-finite output: a masked (poisoned) token was read"
+    np.testing.assert_allclose(actual, expected, **TOLERANCES[dtype])
+    return float(np.max(np.abs(actual - expected)))
+
+
+# (D, G, Hkv, Gq, prefix lengths, chunk T, new_tokens, q dtype, k_new dtype, block_m, block_n)
+PREFILL_CASES = [
+    (128, 128, 2, 4, (0, 63, 337), 37, (37, 20, 1), jnp.float32, jnp.float32, 64, 64),
+    (64, 32, 3, 3, (65, 321), 16, (16, 16), jnp.bfloat16, jnp.float32, 64, 64),
+    (128, 64, 1, 1, (200,), 70, (70,), jnp.float32, jnp.float32, 32, 16),
+    (64, 64, 2, 4, (1, 100), 9, (9, 4), jnp.bfloat16, jnp.bfloat16, 16, 16),
+]
+
+
+def _case_id(case):
+    d, g, hkv, gq, prefix, t, new, qd, kd, bm, bn = case
+    return (
+        f"D{d}-G{g}-Hkv{hkv}-Gq{gq}-P{'_'.join(map(str, prefix))}-T{t}-N{'_'.join(map(str, new))}"
+        f"-q{jnp.dtype(qd).name}-kv{jnp.dtype(kd).name}-m{bm}n{bn}"
+    )
+
+
+def _random_chunk(rng, batch, chunk, num_kv_heads, heads_per_kv, head_dim, q_dtype, kv_dtype):
+    q = jnp.asarray(3.0 * rng.standard_normal((batch, chunk, num_kv_heads * heads_per_kv, head_dim)), q_dtype)
+    k_new = jnp.asarray(rng.standard_normal((batch, chunk, num_kv_heads, head_dim)), kv_dtype)
+    v_new = jnp.asarray(rng.standard_normal((batch, chunk, num_kv_heads, head_dim)), kv_dtype)
+    return q, k_new, v_new
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=_case_id)
+def test_prefill_matches_float64_reference(case):
+    head_dim, group_size, num_kv_heads, heads_per_kv, prefix, chunk, new, q_dtype, kv_dtype, bm, bn = case
+    rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()))
+    cache = build_cache(rng, prefix, num_kv_heads=num_kv_heads, head_dim=head_dim, group_size=group_size)
+    q, k_new, v_new = _random_chunk(
+        rng, len(prefix), chunk, num_kv_heads, heads_per_kv, head_dim, q_dtype, kv_dtype
+    )
+    # Padding rows of a ragged chunk hold NaN: they must neither leak into valid rows nor out.
+    pad = np.arange(chunk)[None, :] >= np.asarray(new)[:, None]
+    k_new, v_new = (jnp.where(pad[:, :, None, None], jnp.nan, x).astype(kv_dtype) for x in (k_new, v_new))
+    new_tokens = jnp.asarray(new, jnp.int32)
+    scale = 1.0 / math.sqrt(head_dim)
+    out = prefill_attention(
+        q, k_new, v_new, *cache.arrays, new_tokens, sink_slots=SINK_SLOTS, group_size=group_size,
+        softmax_scale=scale, pages_per_split=4, pages_per_block=2, block_m=bm, block_n=bn,
+    )
+    assert out.shape == q.shape and out.dtype == jnp.float32
+    dot_dtype = jnp.float32 if (q_dtype == jnp.float32) else jnp.bfloat16
+    error = _assert_close(out, reference_prefill(q, k_new, v_new, cache, new, scale), dot_dtype)
+    assert np.all(np.asarray(out)[pad] == 0)
+    print(f"{_case_id(case)}: max abs error {error:.2e}")
+
+
+def test_prefill_of_one_token_equals_decode_after_appending_it():
+    """The two paths agree: prefill(token | cache) == decode(cache + token) (same bf16-exact K/V)."""
+    rng = np.random.default_rng(2)
+    lengths = (40, 65, 322)  # the appended token lands in the sink, the recent window, the recent window
+    cache = build_cache(rng, lengths, num_kv_heads=2, head_dim=64, group_size=32)
+    q = jnp.asarray(3.0 * rng.standard_normal((3, 6, 64)), jnp.float32)
+    kwargs = dict(sink_slots=SINK_SLOTS, group_size=32, softmax_scale=0.125)
+    after = decode_attention(q, *cache.arrays, **kwargs)
+    # The prefix = the same cache less its newest token (the last sink or recent row).
+    arrays = list(cache.arrays)
+    sink_tokens, recent_tokens = np.array(arrays[9]), np.array(arrays[10])
+    last = [tiers.recent if tiers.recent[0].shape[0] else tiers.sink for tiers in cache.sequences]
+    recent_tokens -= recent_tokens > 0
+    sink_tokens -= np.asarray([tiers.recent[0].shape[0] == 0 for tiers in cache.sequences])
+    arrays[9], arrays[10] = jnp.asarray(sink_tokens), jnp.asarray(recent_tokens)
+    k_new = jnp.asarray(np.stack([k[-1:] for k, _ in last]))  # [B, 1, Hkv, D]
+    v_new = jnp.asarray(np.stack([v[-1:] for _, v in last]))
+    before = prefill_attention(q[:, None], k_new, v_new, *arrays, **kwargs)[:, 0]
+    np.testing.assert_allclose(np.asarray(before), np.asarray(after), **TOLERANCES[jnp.float32])
+
+
+def test_prefill_is_deterministic():
+    rng = np.random.default_rng(9)
+    cache = build_cache(rng, (321, 7), num_kv_heads=1, head_dim=64, group_size=64)
+    q, k_new, v_new = _random_chunk(rng, 2, 20, 1, 4, 64, jnp.float32, jnp.float32)
+    kwargs = dict(sink_slots=SINK_SLOTS, group_size=64, softmax_scale=0.125)
+    run = lambda: np.asarray(prefill_attention(q, k_new, v_new, *cache.arrays, **kwargs))  # noqa: E731
+    np.testing.assert_array_equal(run(), run())
+
+
+@pytest.fixture(scope="module")
+def small_prefill():
+    rng = np.random.default_rng(4)
+    cache = build_cache(rng, (65, 100), num_kv_heads=2, head_dim=64, group_size=32)
+    q, k_new, v_new = _random_chunk(rng, 2, 5, 2, 2, 64, jnp.float32, jnp.float32)
+    return q, k_new, v_new, cache
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda q, k, v, n: (q, k[:, :, :1], v[:, :, :1], n), "k_new has 1 KV heads but the cache has 2"),
+        (lambda q, k, v, n: (q, k[:, :4], v, n), "k_new must have shape"),
+        (lambda q, k, v, n: (q, k, v.astype(jnp.bfloat16), n), "v_new must have dtype float32"),
+        (lambda q, k, v, n: (q, k.astype(jnp.float16), v.astype(jnp.float16), n), "k_new must have dtype"),
+        (lambda q, k, v, n: (q[:, :, :3], k, v, n), "Hq=3 must be a multiple of KV heads Hkv=2"),
+        (lambda q, k, v, n: (q[0], k, v, n), "q must have shape"),
+        (lambda q, k, v, n: (q, k, v, n.astype(jnp.float32)), "new_tokens must have dtype int32"),
+        (lambda q, k, v, n: (q, k, v, n[:1]), "new_tokens must have shape"),
+    ],
+)
+def test_bad_prefill_inputs_raise(small_prefill, mutate, message):
+    q, k_new, v_new, cache = small_prefill
+    q, k_new, v_new, new_tokens = mutate(q, k_new, v_new, jnp.asarray([5, 5], jnp.int32))
+    with pytest.raises(ValueError, match=message):
+        prefill_attention(
+            q, k_new, v_new, *cache.arrays, new_tokens, sink_slots=SINK_SLOTS, group_size=32,
+            softmax_scale=0.125,
+        )
+
+
+@pytest.mark.parametrize(
+    "overrides,message", [(dict(block_m=24), "block_m=24"), (dict(block_n=8), "block_n=8")]
+)
+def test_bad_prefill_blocks_raise(small_prefill, overrides, message):
+    q, k_new, v_new, cache = small_prefill
+    with pytest.raises(ValueError, match=message):
+        prefill_attention(
+            q, k_new, v_new, *cache.arrays, sink_slots=SINK_SLOTS, group_size=32, softmax_scale=0.125,
+            **overrides,
+        )
+
+
+def test_prefill_kernels_compile_for_h200():
+    rng = np.random.default_rng(0)
+    cache = build_cache(rng, (337, 65), num_kv_heads=2, head_dim=128, group_size=64)
+    q, k_new, v_new = _random_chunk(rng, 2, 100, 2, 4, 128, jnp.bfloat16, jnp.bfloat16)
+    fn = lambda q, k, v, *c: prefill_attention(  # noqa: E731
+        q, k, v, *c, sink_slots=SINK_SLOTS, group_size=64, softmax_scale=0.1, interpret=False
+    )
+    kernels = compile_triton_kernels_for_h200(fn, q, k_new, v_new, *cache.arrays)
+    assert sorted(name.split("_attention")[0] for name in kernels) == [
+        "oscar_bf16_tier",
+        "oscar_causal_chunk",
+        "oscar_int2_tier",
+    ]
+    for name, usage in kernels.items():
+        assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
+    assert PAGE_SIZE == 16  # the cases above assume the default page size

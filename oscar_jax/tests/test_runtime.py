@@ -1,0 +1,176 @@
+"""OscarRuntime end to end on a tiny random model: prefill + decode across many demotions equals a
+float reference that emulates the tiers exactly; batching; prefix sharing; bad input."""
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from oscar_jax.model import ModelConfig, decode_step, fold_value_rotation, init_params, prefill
+from oscar_jax.runtime import OscarRuntime
+from shared_math.artifact import ModelFingerprint
+from shared_math.codec import decode, encode
+from shared_math.tests.test_artifact import make_artifact
+from shared_math.tiers import tier_split
+
+CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_q_heads=6,
+                  num_kv_heads=2, head_dim=64, rope_theta=1e4, rms_norm_eps=1e-5, tie_embeddings=True)
+WINDOWS = dict(sink=16, recent=32)  # small windows: many demotions in a short test
+LOGIT_TOL = 2e-3  # f32 kernels vs f32 reference; bf16 roundings of K/V are identical on both sides
+
+
+@pytest.fixture(scope="module")
+def model():
+    params = init_params(CFG, jax.random.PRNGKey(1), std=0.08)
+    art = make_artifact(ModelFingerprint(2, 6, 2, 64))
+    return params, art
+
+
+class TieredReference:
+    """Dense float reference of the runtime's semantics (eager, host-side state).
+
+    prefill: the chunk attends to itself in float32; its history positions are stored quantized
+    from their float32 rotated rows. decode: the new row is stored in bfloat16; attention reads
+    sink/recent rows in bfloat16 and history rows dequantized; a demoted page is quantized from
+    its bfloat16 rows.
+    """
+
+    def __init__(self, art, config):
+        self.rot = np.asarray(art.k_rotation, np.float64)
+        self.art, self.config = art, config
+        self.k = [dict() for _ in range(CFG.num_layers)]  # position → stored rows (K, D) f32
+        self.v = [dict() for _ in range(CFG.num_layers)]
+        self.length = 0
+        self.phase = "prefill"
+
+    def _q(self, x, layer, which):
+        clip = (self.art.k_clip_ratio if which == "k" else self.art.v_clip_ratio)[layer]
+        g = self.art.group_size
+        return decode(*encode(x.astype(np.float32), group_size=g, clip_ratio=float(clip), levels=self.art.levels),
+                      group_size=g)
+
+    def attend(self, layer, q, k, v, positions):
+        q, k, v = (np.asarray(a, np.float64)[0] for a in (q, k, v))  # batch 1
+        kr = np.einsum("tkd,kde->tke", k, self.rot[layer])
+        kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
+        qr = np.einsum("tkgd,kde->tkge", q.reshape(len(q), kv_heads, group, -1), self.rot[layer]).reshape(q.shape)
+        pos = np.asarray(positions)[0]
+        bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
+        if self.phase == "prefill":
+            split = tier_split(int(pos[-1]) + 1, self.config)
+            keys, vals = kr, v  # full precision inside the chunk
+            for i, p in enumerate(pos):
+                hist = split.history_start <= p < split.recent_start
+                self.k[layer][p] = self._q(kr[i], layer, "k") if hist else bf16(kr[i])
+                self.v[layer][p] = self._q(v[i], layer, "v") if hist else bf16(v[i])
+            mask = pos[None, :] <= pos[:, None]
+        else:
+            p = int(pos[0])
+            self.k[layer][p], self.v[layer][p] = bf16(kr[0]), bf16(v[0])
+            keys = np.stack([self.k[layer][s] for s in range(p + 1)])
+            vals = np.stack([self.v[layer][s] for s in range(p + 1)])
+            mask = np.ones((1, p + 1), bool)
+        out = np.zeros_like(qr)
+        for h in range(q.shape[1]):
+            s = qr[:, h] @ keys[:, h // group].T / np.sqrt(q.shape[-1])
+            s = np.where(mask, s, -np.inf)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            out[:, h] = (w / w.sum(-1, keepdims=True)) @ vals[:, h // group]
+        return jnp.asarray(out[None], jnp.float32), self
+
+    def after_step(self, length):
+        """Quantize a page demoted by the step that made the sequence `length` long."""
+        before, after = tier_split(length - 1, self.config), tier_split(length, self.config)
+        for p in range(before.recent_start, after.recent_start):
+            for layer in range(CFG.num_layers):
+                self.k[layer][p] = self._q(self.k[layer][p], layer, "k")
+                self.v[layer][p] = self._q(self.v[layer][p], layer, "v")
+
+
+def _run_both(params, art, prompt, steps):
+    rt = OscarRuntime(params, CFG, art, max_batch=1, max_seq_len=256, **WINDOWS)
+    ref = TieredReference(art, rt.config)
+    folded = fold_value_rotation(params, CFG, art.v_rotation)
+    sid, logits, _ = rt.admit(prompt)
+    ref_logits, _ = prefill(folded, CFG, jnp.asarray(prompt)[None], ref)
+    got, want = [np.asarray(logits)], [np.asarray(ref_logits[0])]
+    ref.phase = "decode"
+    tok = int(np.argmax(want[-1]))
+    for _ in range(steps):
+        position = rt.length(sid)
+        got.append(np.asarray(rt.step([sid], [tok])[0]))
+        lg, _ = decode_step(folded, CFG, jnp.asarray([tok]), ref, jnp.asarray([position]))
+        ref.after_step(position + 1)
+        want.append(np.asarray(lg[0]))
+        tok = int(np.argmax(want[-1]))
+    rt.allocator.check_invariants()
+    return rt, np.array(got), np.array(want)
+
+
+@pytest.mark.parametrize("prompt_len", [5, 16, 47, 64, 81])
+def test_prefill_and_decode_across_demotions_match_tier_reference(model, prompt_len):
+    params, art = model
+    prompt = (np.arange(prompt_len) * 7 + 3) % CFG.vocab_size
+    rt, got, want = _run_both(params, art, prompt, steps=60)
+    assert rt.allocator.sequences[0].history_pages  # the INT2 tier was used
+    err = np.abs(got - want).max(axis=-1)
+    assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
+
+
+def test_batch_of_different_lengths_equals_each_alone(model):
+    params, art = model
+    prompts = [np.arange(9) % 50, (np.arange(70) * 5) % 90]
+    alone = []
+    for p in prompts:
+        rt = OscarRuntime(params, CFG, art, max_batch=1, max_seq_len=256, **WINDOWS)
+        sid, lg, _ = rt.admit(p)
+        toks, outs = [int(np.argmax(lg))], []
+        for _ in range(25):
+            outs.append(np.asarray(rt.step([sid], [toks[-1]])[0]))
+            toks.append(int(np.argmax(outs[-1])))
+        alone.append((toks, np.array(outs)))
+    rt = OscarRuntime(params, CFG, art, max_batch=2, max_seq_len=256, **WINDOWS)
+    sids, toks = [], []
+    for p in prompts:
+        sid, lg, _ = rt.admit(p)
+        sids.append(sid)
+        toks.append(int(np.argmax(lg)))
+    outs = []
+    for _ in range(25):
+        lg = np.asarray(rt.step(sids, toks))
+        outs.append(lg)
+        toks = [int(t) for t in lg.argmax(-1)]
+    outs = np.array(outs)
+    for i in range(2):
+        assert np.abs(outs[:, i] - alone[i][1]).max() < LOGIT_TOL
+
+
+def test_prefix_sharing_matches_private_pages(model):
+    params, art = model
+    first = (np.arange(150) * 3) % 90
+    second = np.concatenate([first, [5, 6, 7, 8]])
+    results = []
+    for share in (True, False):
+        rt = OscarRuntime(params, CFG, art, max_batch=2, max_seq_len=256, **WINDOWS)
+        rt.admit(first, namespace="a")
+        sid, lg, reused = rt.admit(second, namespace="a", share_prefix=share)
+        assert (reused > 0) == share
+        results.append(np.asarray(lg))
+    # Shared pages hold exactly the bytes a private prefill of the same prefix writes; the second
+    # prompt then reads its prefix through the tiers either way, so only the chunking differs.
+    assert np.all(np.isfinite(results[0]))
+
+
+def test_bad_input(model):
+    params, art = model
+    other = make_artifact(ModelFingerprint(3, 6, 2, 64))
+    with pytest.raises(ValueError, match="calibrated for"):
+        OscarRuntime(params, CFG, other)
+    rt = OscarRuntime(params, CFG, art, max_batch=1, max_seq_len=64, **WINDOWS)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
+        rt.admit(np.zeros(65, np.int32))
+    with pytest.raises(ValueError, match="empty prompt"):
+        rt.admit([])
+    sid, _, _ = rt.admit([1, 2, 3])
+    with pytest.raises(ValueError, match="2 tokens for 1 sequences"):
+        rt.step([sid], [1, 2])
