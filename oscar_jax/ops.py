@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax.kernels.codec import decode_rows, encode_rows
+from oscar_jax.kernels.codec import decode_rows, encode_rows, resolve_interpret
 from oscar_jax.kernels.write import (
     demote_pages_rows,
     write_bf16_pages_rows,
@@ -107,6 +107,19 @@ def _as_int32(ids):
     return ids.astype(jnp.int32)
 
 
+def _check_byte_addressable(a, name: str, interpret: bool | None) -> None:
+    """The Triton lowering indexes arrays of ≤ 4 GiB with 32-bit element offsets, which wrap
+    (sign-extended) past 2^31 elements: only uint8 arrays of 2–4 GiB can reach that. (On the H200,
+    a write to the last page of a 2.17 GB codes pool landed elsewhere.)"""
+    if resolve_interpret(interpret) or jnp.dtype(a.dtype).itemsize != 1:
+        return
+    if 2**31 < math.prod(a.shape) <= 2**32:
+        raise NotImplementedError(
+            f"{name} holds {math.prod(a.shape)} bytes: uint8 arrays of 2–4 GiB overflow the Triton "
+            f"lowering's 32-bit offsets; use a pool below 2 GiB or above 4 GiB"
+        )
+
+
 def _codec_args(d: int, group_size: int, clip_ratio: float, levels: str) -> int:
     validate_codec_shape(d, group_size)
     validate_levels(levels)
@@ -134,6 +147,7 @@ def encode(x, *, group_size: int, clip_ratio: float, levels: str = "minmax", int
     k = _codec_args(d, group_size, clip_ratio, levels)
     lead = tuple(x.shape[:-1])
     num_rows = math.prod(lead)
+    _check_byte_addressable(jax.ShapeDtypeStruct(lead + (d // CODES_PER_BYTE,), jnp.uint8), "packed", interpret)
     if num_rows == 0:
         return (
             jnp.zeros(lead + (d // CODES_PER_BYTE,), jnp.uint8),
@@ -160,6 +174,7 @@ def decode(packed, scale, minimum, *, group_size: int, interpret: bool | None = 
         raise ValueError(f"packed must have at least one axis, got shape {packed.shape}")
     d = packed.shape[-1] * CODES_PER_BYTE
     validate_codec_shape(d, group_size)
+    _check_byte_addressable(packed, "packed", interpret)
     lead = tuple(packed.shape[:-1])
     meta_shape = lead + (d // group_size,)
     why = f"for packed {tuple(packed.shape)} and {group_size=}"
@@ -257,6 +272,9 @@ def write_int2(
     num_tokens, num_heads, d = x.shape
     k = _codec_args(d, group_size, clip_ratio, levels)
     rotation = _rotation(rotation, num_heads, d)
+    _check_byte_addressable(
+        jax.ShapeDtypeStruct((num_tokens, num_heads, d // CODES_PER_BYTE), jnp.uint8), "packed", interpret
+    )
     if num_tokens == 0:
         return (
             jnp.zeros((0, num_heads, d // CODES_PER_BYTE), jnp.uint8),
@@ -308,6 +326,7 @@ def write_pages(
     _check_range(page_ids, "page_ids", num_pages, "pages in the pool")
     _check_range(slots, "slots", page_size, "the page size")
     _check_distinct([page_ids, slots], "(page_id, slot) destinations")
+    _check_byte_addressable(codes, "codes", interpret)
     if num_tokens == 0:
         return codes, scale, minimum
     return tuple(
@@ -406,6 +425,7 @@ def demote_pages(
     _check_range(src_pages, "src_pages", num_src, "pages in bf16_pool")
     _check_range(dst_pages, "dst_pages", codes.shape[1], "pages in the INT2 pools")
     _check_distinct([dst_pages], "dst_pages")
+    _check_byte_addressable(codes, "codes", interpret)
     if src_pages.shape[0] > 0:
         codes, scale, minimum = demote_pages_rows(
             bf16_pool,

@@ -102,7 +102,6 @@ def _write_int2_kernel(
     store_block(scale_ref, scale, mask)
     store_block(minimum_ref, minimum, mask)
 
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -173,7 +172,6 @@ def _destinations(page_ref, slot_ref, mask, *, num_pages: int, page_size: int):
         valid = valid & mask
     return jnp.where(valid, page, num_pages), jnp.where(valid, slot, 0), valid
 
-
 def _scatter_rows(pool_ref, head, page, slot, valid, value):
     """pool_ref [P, K, L, W] ← value [R, W] at (page[r], head, slot[r], :) where valid[r]."""
     rows, width = value.shape
@@ -186,7 +184,6 @@ def _scatter_rows(pool_ref, head, page, slot, valid, value):
         value,
         mask=jnp.broadcast_to(valid, shape),
     )
-
 
 def _write_pages_kernel(
     x_ref,  # [R, D] float (tokens of one kv head)
@@ -211,7 +208,6 @@ def _write_pages_kernel(
     _scatter_rows(codes_ref, head, page, slot, valid, packed)
     _scatter_rows(scale_ref, head, page, slot, valid, scale)
     _scatter_rows(minimum_ref, head, page, slot, valid, minimum)
-
 
 @functools.partial(
     jax.jit,
@@ -277,7 +273,6 @@ def write_pages_rows(
         name=f"oscar_write_pages_d{d}_g{group_size}_k{clip_index}_{levels}_rot{int(rotate)}_r{rows}",
     )(*operands)
 
-
 def _write_bf16_pages_kernel(
     x_ref,  # [R, D] float (tokens of one kv head)
     page_ref,  # [R] int32
@@ -294,7 +289,6 @@ def _write_bf16_pages_kernel(
     )
     x = load_block(x_ref, mask).astype(pool_ref.dtype)  # round-to-nearest-even
     _scatter_rows(pool_ref, pl.program_id(0), page, slot, valid, x)
-
 
 @functools.partial(jax.jit, static_argnames=("block_tokens", "num_warps", "interpret"))
 def write_bf16_pages_rows(
@@ -371,7 +365,6 @@ def _demote_pages_kernel(
             value,
             mask=jnp.broadcast_to(valid, vshape),
         )
-
 
 @functools.partial(
     jax.jit,

@@ -215,7 +215,8 @@ def test_write_pages_under_jit_skips_out_of_range_destinations():
     )
     keep = np.array([0, 4])
     encoded = ref.encode(rows[keep], group_size=group_size, clip_ratio=0.9)
-    for name, a, e in zip(("codes", "scale", "minimum"), got, expected_pools(pools, encoded, page_ids[keep], slots[keep])):
+    expected = expected_pools(pools, encoded, page_ids[keep], slots[keep])
+    for name, a, e in zip(("codes", "scale", "minimum"), got, expected):
         assert_same_bits(a, e, name)
 
 
@@ -249,7 +250,9 @@ DEMOTE_CASES = [  # (layers, K, d, G, L, P_bf16, P_int2, src, dst, c, levels)
 ]
 
 
-@pytest.mark.parametrize("layers,num_heads,d,group_size,page_size,p_bf16,p_int2,src,dst,clip_ratio,levels", DEMOTE_CASES)
+@pytest.mark.parametrize(
+    "layers,num_heads,d,group_size,page_size,p_bf16,p_int2,src,dst,clip_ratio,levels", DEMOTE_CASES
+)
 def test_demote_pages(layers, num_heads, d, group_size, page_size, p_bf16, p_int2, src, dst, clip_ratio, levels):
     rng = np.random.default_rng(d + page_size + len(src))
     rows = (rng.standard_t(3, size=tuple(layers) + (p_bf16, num_heads, page_size, d)) * 5).astype(F32)
@@ -369,3 +372,17 @@ def test_empty_writes_return_the_pools():
         assert_same_bits(a, e)
     packed, scale, minimum = ops.write_int2(X[:0], R, group_size=32, clip_ratio=0.9)
     assert packed.shape == (0, 2, 16) and scale.shape == minimum.shape == (0, 2, 2)
+
+
+def test_uint8_arrays_of_2_to_4_gib_are_refused_when_compiled():
+    """The Triton lowering's 32-bit offsets wrap past 2^31 elements of a ≤ 4 GiB array."""
+    check = ops._check_byte_addressable
+    for size, refused in ((2**31, False), (2**31 + 1, True), (2**32, True), (2**32 + 1, False)):
+        spec = jax.ShapeDtypeStruct((size,), jnp.uint8)
+        check(spec, "codes", interpret=True)  # the interpreter has no such limit
+        if refused:
+            with pytest.raises(NotImplementedError, match=f"codes holds {size} bytes"):
+                check(spec, "codes", interpret=False)
+        else:
+            check(spec, "codes", interpret=False)
+    check(jax.ShapeDtypeStruct((2**31 + 1,), jnp.float16), "scale", interpret=False)  # 2-byte: fine

@@ -1,0 +1,500 @@
+"""The KV-cache methods the quality evaluation compares, each defined by the bytes it would store.
+
+A method answers four questions for a window of T tokens decoded one token at a time:
+  rotations   R_K [L, Hkv, D, D] or None: keys are stored as k·R_K and queries are rotated the
+              same way (q·R_K), so scores are unchanged up to quantization; R_V [L, Hkv, D, D] or
+              None: folded into W_v / W_o (oscar_jax.model.fold_value_rotation), as the runtime does.
+  quantizers  `quantize_keys(layer, x)` / `quantize_values(layer, x)`: x float32 [B, T, Hkv, D]
+              (rotated, already rounded to bfloat16 — the cache stores BF16 before it demotes)
+              → the dequantized float32 values attention reads for those tokens.
+  tiers       `history_intervals(T)`: for every query position t, the key positions [start, end)
+              that decoding at t reads through the quantizer (one interval for K, one for V);
+              every other position ≤ t is read from BF16.
+  bytes       `kv_bytes(L, num_kv_heads, head_dim)`: bytes of K and of V one layer stores for a
+              sequence of L tokens (codes, fp16 metadata, BF16 tiers, residual buffers), counted
+              at rest after the L-th token. Rotations are per-model constants, not per-token
+              storage, and are not counted. bits/element = 8·(K + V bytes) / (2·L·Hkv·D).
+
+The methods and their source configurations (`parse_method` builds them from a spec string
+`name[:key=value[:key=value…]]`, e.g. `oscar:windows=0/0`, `kivi2:group=64`):
+
+  bf16        The reference: every K/V row stored in bfloat16, nothing quantized. 16 bits.
+  naive-int2  Per-token symmetric INT2, no rotation, no clipping: per group of G channels
+              (default G = head_dim, i.e. one group per token-head row) s = f16(max|x| / 1.5) and
+              the four levels are {−1.5, −0.5, +0.5, +1.5}·s (so ±max|x| and ±max|x|/3, symmetric
+              about zero); code = nearest level. Stores D/4 code bytes + one fp16 scale per group.
+              Keeps OSCAR's BF16 windows (sink 64, recent 256) by default so that it differs from
+              quarot-int2 only in rotation and quantizer; `naive-int2:windows=0/0` drops them
+              (that leaves only the < 16-token page that has not been demoted yet in BF16).
+  quarot-int2 QuaRot's KV treatment (Ashkboos et al. 2024, github.com/spcl/QuaRot): a normalised
+              Walsh–Hadamard rotation of every K and V head (keys after RoPE, online; values folded
+              into W_v / W_o), then per-token asymmetric quantization of each head row. Here the
+              quantizer is format v1's INT2 codec with exactly the codec of the `oscar` method in
+              the same run (group size, clip ratios per layer, levels — from the artifact when
+              one is given, else the format defaults G = min(D, 128), c_K 0.96, c_V 0.92,
+              min/max levels) and OSCAR's windows (64/256), so quarot-int2 vs oscar isolates the
+              rotation. QuaRot itself keeps no BF16 windows and its CLI default KV clip ratio is
+              1.0 (a range scale, not an order statistic): `quarot-int2:clip=1/1:windows=0/0`.
+  kivi2       KIVI (Liu et al. 2024, github.com/jy-yuan/KIVI, models/llama_kivi.py): no rotation;
+              keys quantized per channel over groups of G = 32 consecutive tokens, values per
+              token over groups of G = 32 channels; asymmetric min/max 2-bit with fp16 scale and
+              minimum per group; a full-precision residual of R = 128 tokens (the paper's
+              published G = 32, R = 128). Decode-faithful tiers follow KIVI's decode step: keys
+              accumulate in the residual and all R are quantized together once it holds R (after
+              that step's attention), so query t reads keys [0, R·⌊t/R⌋) quantized; values keep
+              the newest R tokens plus the new one in full precision, so query t reads values
+              [0, t − R) quantized. No sink. The residual is BF16 here (KIVI keeps fp16), and the
+              quantizer is format v1's min/max codec with clip ratio 1 (no clip) on rows of G
+              values, which rounds to the nearest level exactly like KIVI's (x − mn)/scale.
+              At G = 32 it stores 3 bits per quantized element (2 + 32 bits of metadata / 32);
+              `kivi2:group=64` (values: one group per row at D = 64) is the matched-bits variant.
+  oscar       OSCAR_SPEC: the artifact's rotations R_K = U_Q·H·P, R_V = U_S·H·P per (layer, KV head),
+              its per-layer clip ratios and its codec (group size, levels); sink 64 and recent 256
+              tokens in BF16, page 16 (DESIGN.md §2 defaults). Options override windows, clip,
+              levels, group.
+  int4        Reference point: per-token asymmetric INT4 (16 uniform levels between the group's
+              min and max, round to nearest, fp16 scale and minimum per group; G = head_dim by
+              default, i.e. 4 + 32/64 = 4.5 bits at D = 64), no rotation, OSCAR's windows.
+
+Window options (`windows=S0/W`, `page=N`) use shared_math.tiers, so the tier of every position
+is exactly the runtime's: a page of the recent window is demoted when the window reaches
+W + page tokens. `windows=0/0` therefore still holds up to page − 1 newest tokens in BF16 (the
+runtime's granularity); add `page=…` to change that (e.g. `page=1`... must be a power of two).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from shared_math.codec import decode, encode
+from shared_math.hadamard import hadamard_matrix
+from shared_math.spec import (
+    BF16_BYTES,
+    CODES_PER_BYTE,
+    DEFAULT_K_CLIP_RATIO,
+    DEFAULT_PAGE_SIZE,
+    DEFAULT_RECENT,
+    DEFAULT_SINK,
+    DEFAULT_V_CLIP_RATIO,
+    FP16_MAX,
+    LEVELS,
+    METADATA_BYTES,
+    OscarConfig,
+    clip_index,
+    default_group_size,
+    is_power_of_two,
+    validate_codec_shape,
+)
+from shared_math.tiers import tier_split
+
+METHOD_NAMES = ("bf16", "naive-int2", "quarot-int2", "kivi2", "oscar", "int4")
+DEFAULT_METHODS = METHOD_NAMES
+KIVI_GROUP_SIZE = 32  # KIVI's published group size (tokens per key group, channels per value group)
+KIVI_RESIDUAL = 128  # KIVI's published full-precision residual length
+BF16_BITS = 8 * BF16_BYTES
+
+
+class HistoryIntervals(NamedTuple):
+    """Per query position t (int64 [T] each): keys in [k_start[t], k_end[t]) and values in
+    [v_start[t], v_end[t]) are read through the quantizer; every other position ≤ t from BF16."""
+
+    k_start: np.ndarray
+    k_end: np.ndarray
+    v_start: np.ndarray
+    v_end: np.ndarray
+
+    def any_history(self) -> bool:
+        return bool(np.any(self.k_end > self.k_start) or np.any(self.v_end > self.v_start))
+
+
+class KVMethod(Protocol):
+    name: str
+    k_rotation: np.ndarray | None
+    v_rotation: np.ndarray | None
+
+    def quantize_keys(self, layer: int, x: np.ndarray) -> np.ndarray: ...
+    def quantize_values(self, layer: int, x: np.ndarray) -> np.ndarray: ...
+    def history_intervals(self, length: int) -> HistoryIntervals: ...
+    def kv_bytes(self, length: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]: ...
+    def describe(self) -> dict[str, Any]: ...
+
+
+def bits_per_element(method: KVMethod, length: int, num_kv_heads: int, head_dim: int) -> float:
+    """8 × stored K and V bytes / (2 · length · Hkv · D) — the same for every layer."""
+    if length < 1:
+        raise ValueError(f"{length=} must be positive")
+    k_bytes, v_bytes = method.kv_bytes(length, num_kv_heads, head_dim)
+    return 8.0 * (k_bytes + v_bytes) / (2 * length * num_kv_heads * head_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Row quantizers: float32 [..., D] → dequantized float32 [..., D], and the bytes of one row.
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return np.clip(x, -FP16_MAX, FP16_MAX).astype(np.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatV1Codec:
+    """Format v1's INT2 codec (shared_math.codec): clip per row, 4 levels per group of G channels."""
+
+    group_size: int
+    k_clip_ratios: tuple[float, ...]  # one per layer
+    v_clip_ratios: tuple[float, ...]
+    levels: str = "minmax"
+    bits = 2
+
+    def __post_init__(self):
+        if self.levels not in LEVELS:
+            raise ValueError(f"levels={self.levels!r} must be one of {LEVELS}")
+        for ratio in self.k_clip_ratios + self.v_clip_ratios:
+            clip_index(float(ratio), 16)
+
+    def quantize(self, x: np.ndarray, clip_ratio: float) -> np.ndarray:
+        g = self.group_size
+        return decode(*encode(x, group_size=g, clip_ratio=float(clip_ratio), levels=self.levels), group_size=g)
+
+    def quantize_keys(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return self.quantize(x, self.k_clip_ratios[layer])
+
+    def quantize_values(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return self.quantize(x, self.v_clip_ratios[layer])
+
+    def row_bytes(self, head_dim: int) -> int:
+        validate_codec_shape(head_dim, self.group_size)
+        return head_dim // CODES_PER_BYTE + 2 * (head_dim // self.group_size) * METADATA_BYTES
+
+    def describe(self) -> dict[str, Any]:
+        ks, vs = sorted(set(self.k_clip_ratios)), sorted(set(self.v_clip_ratios))
+        return {"codec": "format v1 INT2", "group_size": self.group_size, "levels": self.levels,
+                "k_clip_ratio": ks[0] if len(ks) == 1 else list(self.k_clip_ratios),
+                "v_clip_ratio": vs[0] if len(vs) == 1 else list(self.v_clip_ratios)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SymmetricInt2:
+    """Naive symmetric 4-level quantizer: s = f16(max|x| / 1.5) per group, levels (j − 1.5)·s."""
+
+    group_size: int
+    bits = 2
+
+    def quantize(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, np.float32)
+        d = x.shape[-1]
+        groups = x.reshape(x.shape[:-1] + (d // self.group_size, self.group_size))
+        scale = _f16(np.abs(groups).max(axis=-1, keepdims=True) / np.float32(1.5)).astype(np.float32)
+        safe = np.where(scale > 0, scale, np.float32(1))
+        codes = np.clip(np.floor(groups / safe + np.float32(2.0)), 0, 3)  # nearest of (j − 1.5)·s
+        return ((codes - np.float32(1.5)) * scale).reshape(x.shape).astype(np.float32)
+
+    quantize_keys = quantize_values = lambda self, layer, x: self.quantize(x)  # noqa: E731
+
+    def row_bytes(self, head_dim: int) -> int:
+        validate_codec_shape(head_dim, self.group_size)
+        return head_dim // CODES_PER_BYTE + (head_dim // self.group_size) * METADATA_BYTES
+
+    def describe(self) -> dict[str, Any]:
+        return {"codec": "symmetric INT2, levels {-1.5,-0.5,0.5,1.5}*f16(absmax/1.5)",
+                "group_size": self.group_size, "clip": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class AsymmetricInt:
+    """Uniform asymmetric quantizer with 2^bits levels: scale = f16((hi − lo)/(2^bits − 1)),
+    minimum = f16(lo) per group, code = round((x − minimum)/scale) clamped."""
+
+    bits: int
+    group_size: int
+
+    def quantize(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, np.float32)
+        d = x.shape[-1]
+        top = np.float32((1 << self.bits) - 1)
+        groups = x.reshape(x.shape[:-1] + (d // self.group_size, self.group_size))
+        lo, hi = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
+        scale = _f16((hi - lo) / top).astype(np.float32)
+        minimum = _f16(lo).astype(np.float32)
+        safe = np.where(scale > 0, scale, np.float32(1))
+        codes = np.clip(np.rint((groups - minimum) / safe), 0, top)
+        return (minimum + codes * scale).reshape(x.shape).astype(np.float32)
+
+    quantize_keys = quantize_values = lambda self, layer, x: self.quantize(x)  # noqa: E731
+
+    def row_bytes(self, head_dim: int) -> int:
+        if head_dim % self.group_size or (head_dim * self.bits) % 8:
+            raise ValueError(f"{head_dim=} must be a multiple of group_size={self.group_size} and hold whole bytes")
+        return head_dim * self.bits // 8 + 2 * (head_dim // self.group_size) * METADATA_BYTES
+
+    def describe(self) -> dict[str, Any]:
+        return {"codec": f"asymmetric INT{self.bits} min/max, fp16 scale+minimum", "group_size": self.group_size,
+                "clip": None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """OSCAR-style BF16 windows: sink S0 tokens, recent W tokens, demotion by pages."""
+
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
+    page_size: int = DEFAULT_PAGE_SIZE
+
+    def __post_init__(self):
+        OscarConfig(head_dim=16, sink=self.sink, recent=self.recent, page_size=self.page_size)  # validates
+
+    def config(self) -> OscarConfig:
+        return OscarConfig(head_dim=16, sink=self.sink, recent=self.recent, page_size=self.page_size)
+
+    def history_counts(self, length: int) -> tuple[int, int]:
+        """(first history position, history tokens) of a sequence of `length` tokens."""
+        split = tier_split(length, self.config())
+        return split.history_start, split.history_tokens
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TieredMethod:
+    """Sink + history + recent tiers (OSCAR's layout); history rows through a row quantizer.
+
+    quantizer None means nothing is ever quantized (the BF16 reference)."""
+
+    name: str
+    family: str
+    quantizer: FormatV1Codec | SymmetricInt2 | AsymmetricInt | None
+    windows: Windows = Windows()
+    k_rotation: np.ndarray | None = None  # [L, Hkv, D, D]
+    v_rotation: np.ndarray | None = None
+    rotation: str = "none"
+    source: str = ""
+
+    def quantize_keys(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return self.quantizer.quantize_keys(layer, x)
+
+    def quantize_values(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return self.quantizer.quantize_values(layer, x)
+
+    def history_intervals(self, length: int) -> HistoryIntervals:
+        start = np.zeros(length, np.int64)
+        end = np.zeros(length, np.int64)
+        if self.quantizer is not None:
+            for t in range(length):  # decoding at t holds t + 1 tokens
+                first, count = self.windows.history_counts(t + 1)
+                start[t], end[t] = first, first + count
+        return HistoryIntervals(start, end, start.copy(), end.copy())
+
+    def kv_bytes(self, length: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+        if self.quantizer is None:
+            per_side = length * head_dim * BF16_BYTES
+        else:
+            _, history = self.windows.history_counts(length)
+            per_side = (length - history) * head_dim * BF16_BYTES + history * self.quantizer.row_bytes(head_dim)
+        return per_side * num_kv_heads, per_side * num_kv_heads
+
+    def describe(self) -> dict[str, Any]:
+        out = {"family": self.family, "rotation": self.rotation, "source": self.source}
+        if self.quantizer is None:
+            out.update(storage="bfloat16 for every token", windows=None)
+        else:
+            out.update(self.quantizer.describe())
+            out["windows"] = {"sink": self.windows.sink, "recent": self.windows.recent,
+                              "page_size": self.windows.page_size}
+        return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KiviMethod:
+    """KIVI-2: keys per channel over groups of G tokens, values per token, residual of R tokens."""
+
+    name: str
+    group_size: int = KIVI_GROUP_SIZE
+    residual: int = KIVI_RESIDUAL
+    family: str = "kivi2"
+    k_rotation: None = None
+    v_rotation: None = None
+    bits = 2
+
+    def __post_init__(self):
+        g, r = self.group_size, self.residual
+        if not is_power_of_two(g) or g < 16:
+            raise ValueError(f"kivi group_size={g} must be a power of two ≥ 16 (format v1 codec rows)")
+        if r < g or r % g:
+            raise ValueError(f"kivi residual={r} must be a positive multiple of group_size={g}")
+
+    def _codec(self, x: np.ndarray) -> np.ndarray:
+        g = self.group_size
+        return decode(*encode(x, group_size=g, clip_ratio=1.0, levels="minmax"), group_size=g)
+
+    def quantize_keys(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """Per channel over consecutive groups of G tokens from position 0; x [B, T, Hkv, D].
+
+        Tokens of a trailing partial group are returned unchanged (KIVI never quantizes them:
+        the residual flushes R tokens at a time and R is a multiple of G)."""
+        x = np.asarray(x, np.float32)
+        b, t, h, d = x.shape
+        full = (t // self.group_size) * self.group_size
+        out = x.copy()
+        if full:
+            blocks = x[:, :full].reshape(b, full // self.group_size, self.group_size, h, d)
+            rows = blocks.transpose(0, 1, 3, 4, 2)  # [B, T/G, Hkv, D, G]: one row per channel
+            out[:, :full] = self._codec(rows).transpose(0, 1, 4, 2, 3).reshape(b, full, h, d)
+        return out
+
+    def quantize_values(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """Per token over groups of G channels; x [..., D]."""
+        x = np.asarray(x, np.float32)
+        if x.shape[-1] < self.group_size:
+            raise ValueError(f"head_dim={x.shape[-1]} is smaller than kivi group_size={self.group_size}")
+        return self._codec(x)
+
+    def history_intervals(self, length: int) -> HistoryIntervals:
+        t = np.arange(length, dtype=np.int64)
+        zeros = np.zeros(length, np.int64)
+        k_end = (t // self.residual) * self.residual  # flushed before step t's attention
+        v_end = np.maximum(0, t - self.residual)  # the residual holds R + 1 values during attention
+        return HistoryIntervals(zeros, k_end, zeros.copy(), v_end)
+
+    def kv_bytes(self, length: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+        g, r = self.group_size, self.residual
+        if head_dim % g:
+            raise ValueError(f"{head_dim=} must be a multiple of kivi group_size={g}")
+        k_quant = (length // r) * r  # at rest after token `length`: every full residual flushed
+        group_bytes = g // CODES_PER_BYTE + 2 * METADATA_BYTES  # G codes + fp16 scale and minimum
+        k = (k_quant // g) * head_dim * group_bytes + (length - k_quant) * head_dim * BF16_BYTES
+        v_quant = max(0, length - r)
+        v_row = head_dim // CODES_PER_BYTE + 2 * (head_dim // g) * METADATA_BYTES
+        v = v_quant * v_row + (length - v_quant) * head_dim * BF16_BYTES
+        return k * num_kv_heads, v * num_kv_heads
+
+    def describe(self) -> dict[str, Any]:
+        return {"family": self.family, "rotation": "none", "group_size": self.group_size,
+                "residual": self.residual, "windows": None,
+                "codec": "asymmetric INT2 min/max (format v1 codec, clip 1), fp16 scale+minimum",
+                "keys": f"per channel over groups of {self.group_size} tokens",
+                "values": f"per token over groups of {self.group_size} channels",
+                "source": "KIVI (Liu et al. 2024), published G=32, R=128; no sink"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Spec parsing
+
+_OPTIONS = {
+    "bf16": set(),
+    "naive-int2": {"windows", "page", "group"},
+    "int4": {"windows", "page", "group"},
+    "quarot-int2": {"windows", "page", "group", "clip", "levels"},
+    "oscar": {"windows", "page", "group", "clip", "levels"},
+    "kivi2": {"group", "residual"},
+}
+
+
+def _pair(text: str, kind, key: str):
+    parts = text.split("/")
+    if len(parts) != 2:
+        raise ValueError(f"method option {key}={text!r} must be two values 'a/b'")
+    try:
+        return kind(parts[0]), kind(parts[1])
+    except ValueError:
+        raise ValueError(f"method option {key}={text!r}: not two {kind.__name__} values") from None
+
+
+def _int(text: str, key: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"method option {key}={text!r} must be an integer") from None
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """'oscar:windows=0/0:levels=moments' → ('oscar', {'windows': '0/0', 'levels': 'moments'})."""
+    name, *items = spec.strip().split(":")
+    if name not in _OPTIONS:
+        raise ValueError(f"unknown method {name!r} in {spec!r}: known methods are {list(METHOD_NAMES)}")
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not value:
+            raise ValueError(f"method option {item!r} in {spec!r} must be key=value")
+        if key not in _OPTIONS[name]:
+            raise ValueError(f"method {name!r} has no option {key!r} (options: {sorted(_OPTIONS[name]) or 'none'})")
+        options[key] = value
+    return name, options
+
+
+def parse_method_list(text: str) -> list[str]:
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    if not specs:
+        raise ValueError("--methods names no method")
+    if len(set(specs)) != len(specs):
+        raise ValueError(f"--methods lists a method twice: {specs}")
+    for spec in specs:
+        parse_spec(spec)
+    return specs
+
+
+def _windows(options: dict[str, str]) -> Windows:
+    sink, recent = _pair(options["windows"], int, "windows") if "windows" in options else (DEFAULT_SINK, DEFAULT_RECENT)
+    page = _int(options["page"], "page") if "page" in options else DEFAULT_PAGE_SIZE
+    return Windows(sink, recent, page)
+
+
+def _hadamard_rotations(num_layers: int, num_kv_heads: int, head_dim: int) -> np.ndarray:
+    h = hadamard_matrix(head_dim, np.float32)
+    return np.broadcast_to(h, (num_layers, num_kv_heads, head_dim, head_dim)).copy()
+
+
+def _codec_from(options, artifact, num_layers: int, head_dim: int) -> FormatV1Codec:
+    if artifact is not None:
+        group, levels = artifact.group_size, artifact.levels
+        k_clip = tuple(float(c) for c in artifact.k_clip_ratio)
+        v_clip = tuple(float(c) for c in artifact.v_clip_ratio)
+    else:
+        group, levels = default_group_size(head_dim), "minmax"
+        k_clip, v_clip = (DEFAULT_K_CLIP_RATIO,) * num_layers, (DEFAULT_V_CLIP_RATIO,) * num_layers
+    if "group" in options:
+        group = _int(options["group"], "group")
+    if "levels" in options:
+        levels = options["levels"]
+    if "clip" in options:
+        kc, vc = _pair(options["clip"], float, "clip")
+        k_clip, v_clip = (kc,) * num_layers, (vc,) * num_layers
+    validate_codec_shape(head_dim, group)
+    return FormatV1Codec(group, k_clip, v_clip, levels)
+
+
+def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int, artifact=None) -> KVMethod:
+    """Build a method from its spec; `artifact` (a RotationArtifact) is required by 'oscar'."""
+    name, options = parse_spec(spec)
+    if name == "bf16":
+        return TieredMethod(spec, name, None, source="no quantization: the BF16 cache")
+    if name == "kivi2":
+        return KiviMethod(spec, group_size=_int(options.get("group", str(KIVI_GROUP_SIZE)), "group"),
+                          residual=_int(options.get("residual", str(KIVI_RESIDUAL)), "residual"))
+    windows = _windows(options)
+    if name in ("naive-int2", "int4"):
+        group = _int(options["group"], "group") if "group" in options else head_dim
+        if name == "naive-int2":
+            validate_codec_shape(head_dim, group)
+            quantizer = SymmetricInt2(group)
+            source = "per-token symmetric INT2, no rotation, no clip"
+        else:
+            if group < 1 or head_dim % group:
+                raise ValueError(f"int4 group={group} must divide {head_dim=}")
+            quantizer = AsymmetricInt(4, group)
+            source = "per-token asymmetric INT4 reference point, no rotation"
+        return TieredMethod(spec, name, quantizer, windows, source=source)
+    codec = _codec_from(options, artifact, num_layers, head_dim)
+    if name == "quarot-int2":
+        rot = _hadamard_rotations(num_layers, num_kv_heads, head_dim)
+        return TieredMethod(spec, name, codec, windows, rot, rot, rotation="hadamard (K and V)",
+                            source="QuaRot-style Hadamard rotation; codec and windows of the oscar method")
+    if artifact is None:
+        raise ValueError(f"method {spec!r} needs a calibration artifact (--artifact DIR)")
+    return TieredMethod(spec, name, codec, windows, np.asarray(artifact.k_rotation, np.float32),
+                        np.asarray(artifact.v_rotation, np.float32), rotation="artifact (R_K, R_V per layer and KV head)",
+                        source="OSCAR: artifact rotations, clip ratios and codec")

@@ -1,0 +1,360 @@
+"""Decode-faithful emulation against token-by-token decoding, and the evaluation CLI on a tiny model."""
+
+import json
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from calibration import evaluate
+from calibration.emulation import EmulatedCache, _band_of, emulated_logits, mixed_attention, prepare_params
+from calibration.methods import HistoryIntervals, KiviMethod, TieredMethod, parse_method
+from calibration.tests.test_methods import make_artifact
+from oscar_jax.model import ModelConfig, decode_step, init_params, prefill
+from shared_math.artifact import write_artifact
+
+CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_q_heads=6,
+                  num_kv_heads=2, head_dim=64, rope_theta=1e4, rms_norm_eps=1e-5, tie_embeddings=True,
+                  max_seq_len=512)
+# One pass vs T decode steps differ in float32 op order; a K/V element rounded to bfloat16 the
+# other way can then move a quantization group's min/max or flip a code. Measured: ≤ 1e-3 (bf16),
+# ≤ 4e-3 (KIVI's 16-token key groups) on logits of std ≈ 1.6. One key read from the wrong tier
+# moves them by 0.1–3 (the off-by-one mutant below).
+LOGIT_ATOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.PRNGKey(0), std=0.2)  # std 0.2: attention far from uniform
+
+
+@pytest.fixture(scope="module")
+def artifact():
+    return make_artifact(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim)
+
+
+def build(spec, artifact=None):
+    return parse_method(spec, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim,
+                        artifact=artifact)
+
+
+def tokens_of(length, seed=1):
+    return jax.random.randint(jax.random.PRNGKey(seed), (1, length), 0, CFG.vocab_size)
+
+
+class DecodeReference:
+    """A dense cache decoded one token at a time, holding the tiers literally.
+
+    Tiered methods: append to the sink while it is not full, else to the recent list; when the
+    recent list reaches W + page rows, quantize its oldest page into the history (the runtime's
+    demotion). KIVI: its decode step (keys flushed R at a time after attention, values kept R + 1
+    during attention). Attention is a float64 softmax over [sink, history, recent] / KIVI's lists.
+    """
+
+    def __init__(self, method):
+        self.m = method
+        self.state = {}
+
+    def _rotate(self, x, layer):
+        if self.m.k_rotation is None:
+            return np.asarray(x, np.float32)
+        rot = self.m.k_rotation[layer]  # [K, D, D]
+        t, h, d = x.shape
+        xg = np.asarray(x, np.float32).reshape(t, rot.shape[0], h // rot.shape[0], d)
+        return np.einsum("tkgd,kde->tkge", xg, rot).reshape(t, h, d).astype(np.float32)
+
+    @staticmethod
+    def _bf16(x):
+        return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+
+    def attend(self, layer, q, k, v, positions):
+        assert q.shape[1] == 1
+        q = self._rotate(np.asarray(q[0]), layer)[0]  # [Hq, D]
+        k = self._bf16(self._rotate(np.asarray(k[0]), layer))[0]  # [K, D]
+        v = self._bf16(np.asarray(v[0], np.float32))[0]
+        keys, values = (self._kivi if isinstance(self.m, KiviMethod) else self._tiered)(layer, k, v)
+        hq, d = q.shape
+        kv = keys.shape[1]
+        qg = q.reshape(kv, hq // kv, d).astype(np.float64)
+        scores = np.einsum("kgd,skd->kgs", qg, keys.astype(np.float64)) / np.sqrt(d)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out = np.einsum("kgs,skd->kgd", p, values.astype(np.float64)).reshape(1, 1, hq, d)
+        return jnp.asarray(out, jnp.float32), self
+
+    def _tiered(self, layer, k, v):
+        w = self.m.windows
+        st = self.state.setdefault(layer, {"sink": [], "history": [], "recent": []})
+        (st["sink"] if len(st["sink"]) < w.sink else st["recent"]).append((k, v))
+        if len(st["recent"]) == w.recent + w.page_size:
+            page, st["recent"] = st["recent"][: w.page_size], st["recent"][w.page_size :]
+            pk = self.m.quantize_keys(layer, np.stack([p[0] for p in page])[None])[0]
+            pv = self.m.quantize_values(layer, np.stack([p[1] for p in page])[None])[0]
+            st["history"] += list(zip(pk, pv))
+        rows = st["sink"] + st["history"] + st["recent"]
+        return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+
+    def _kivi(self, layer, k, v):
+        r = self.m.residual
+        st = self.state.setdefault(layer, {"kq": [], "kf": [], "vq": [], "vf": []})
+        st["kf"].append(k)
+        keys = np.stack(st["kq"] + st["kf"])  # attention reads these, then the flush happens
+        if len(st["kf"]) == r:
+            st["kq"] += list(self.m.quantize_keys(layer, np.stack(st["kf"])[None])[0])
+            st["kf"] = []
+        st["vf"].append(v)
+        values = np.stack(st["vq"] + st["vf"])
+        if len(st["vf"]) > r:
+            st["vq"].append(self.m.quantize_values(layer, st["vf"][0][None, None])[0, 0])
+            st["vf"] = st["vf"][1:]
+        return keys, values
+
+
+def decode_reference_logits(params, method, tokens):
+    p = prepare_params(params, CFG, method)
+    cache = DecodeReference(method)
+    out = []
+    for t in range(tokens.shape[1]):
+        logits, cache = decode_step(p, CFG, tokens[:, t], cache, jnp.full((1,), t, jnp.int32))
+        out.append(np.asarray(logits[0]))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("spec,length", [
+    ("oscar:windows=16/16", 72),
+    ("quarot-int2:windows=0/16:page=16", 56),
+    ("naive-int2:windows=16/32", 72),
+    ("kivi2:group=16:residual=32", 75),
+])
+def test_emulation_matches_token_by_token_decoding(params, artifact, spec, length):
+    method = build(spec, artifact)
+    tokens = tokens_of(length)
+    emulated = np.asarray(emulated_logits(params, CFG, tokens, method, query_chunk=24)[0])
+    reference = decode_reference_logits(params, method, tokens)
+    np.testing.assert_allclose(emulated, reference, atol=LOGIT_ATOL, rtol=0)
+    # ...and the tolerance can see a wrong tier: quantizing one more key per query is far outside it
+    mutant = np.asarray(emulated_logits(params, CFG, tokens, OneMoreHistoryKey(method), query_chunk=24)[0])
+    assert np.abs(mutant - reference).max() > 10 * LOGIT_ATOL
+
+
+class OneMoreHistoryKey:
+    """A method whose K history interval ends one position later (an off-by-one tier bug)."""
+
+    def __init__(self, method):
+        self.method, self.name = method, method.name + "+1"
+        self.k_rotation, self.v_rotation = method.k_rotation, method.v_rotation
+        self.quantize_keys, self.quantize_values = method.quantize_keys, method.quantize_values
+
+    def history_intervals(self, length):
+        iv = self.method.history_intervals(length)
+        k_end = np.where(iv.k_end > iv.k_start, np.minimum(iv.k_end + 1, np.arange(length) + 1), iv.k_end)
+        return iv._replace(k_end=k_end)
+
+
+def test_emulated_logits_equal_prefill_with_the_emulated_cache(params, artifact):
+    method = build("oscar:windows=16/16", artifact)
+    tokens = tokens_of(48)
+    via_prefill, _ = prefill(prepare_params(params, CFG, method), CFG, tokens, EmulatedCache(method), all_logits=True)
+    fast = emulated_logits(params, CFG, tokens, method, query_chunk=16)
+    np.testing.assert_allclose(np.asarray(fast), np.asarray(via_prefill), atol=LOGIT_ATOL, rtol=0)
+    rows = np.array([3, 40, 47])
+    some = emulated_logits(params, CFG, tokens, method, query_chunk=16, rows=rows)
+    np.testing.assert_allclose(np.asarray(some), np.asarray(fast)[:, rows], atol=1e-5, rtol=0)
+
+
+def test_emulated_cache_rejects_other_positions(params):
+    cache = EmulatedCache(build("bf16"))
+    q = jnp.zeros((1, 2, 6, 64))
+    kv = jnp.zeros((1, 2, 2, 64))
+    with pytest.raises(ValueError, match="positions must be 0..T-1"):
+        cache.attend(0, q, kv, kv, jnp.array([[5, 6]]))
+    with pytest.raises(TypeError, match="without jax.jit"):
+        jax.jit(lambda p: cache.attend(0, q, kv, kv, p))(jnp.array([[0, 1]]))
+
+
+def _dense_mixed_attention(q, k_hi, k_lo, v_hi, v_lo, iv):
+    """Per-(query, key) selection with dense masks, float64."""
+    b, t, hq, d = q.shape
+    kv = k_hi.shape[2]
+    s = np.arange(t)
+    in_k = (s >= iv.k_start[:, None]) & (s < iv.k_end[:, None])  # [T, S]
+    in_v = (s >= iv.v_start[:, None]) & (s < iv.v_end[:, None])
+    qg = q.astype(np.float64).reshape(b, t, kv, hq // kv, d)
+    sc_hi = np.einsum("btkgd,bskd->bkgts", qg, k_hi) / np.sqrt(d)
+    sc_lo = np.einsum("btkgd,bskd->bkgts", qg, k_lo) / np.sqrt(d)
+    sc = np.where(in_k, sc_lo, sc_hi)
+    sc = np.where(s[None, :] <= s[:, None], sc, -np.inf)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bkgts,bskd->btkgd", np.where(in_v, 0, p), v_hi) + np.einsum("bkgts,bskd->btkgd", np.where(in_v, p, 0), v_lo)
+    return out.reshape(b, t, hq, d)
+
+
+def _intervals(kind, t, rng):
+    pos = np.arange(t)
+    if kind == "random":
+        a, c = rng.integers(0, t, (2, t)), rng.integers(0, t, (2, t))
+        return HistoryIntervals(np.minimum(a[0], c[0]), np.maximum(a[0], c[0]), np.minimum(a[1], c[1]), np.maximum(a[1], c[1]))
+    if kind == "oscar":
+        return build("naive-int2:windows=16/64").history_intervals(t)
+    if kind == "kivi":
+        return KiviMethod("kivi2", 16, 32).history_intervals(t)
+    return HistoryIntervals(np.full(t, 3), np.maximum(3, pos - 5), np.zeros(t, int), pos // 2)
+
+
+@pytest.mark.parametrize("kind,t,chunk", [("random", 37, 10), ("skewed", 37, 10), ("oscar", 300, 64),
+                                          ("kivi", 290, 48), ("random", 200, 256)])
+def test_mixed_attention_against_dense_selection(kind, t, chunk):
+    """Chunks and bands (keys whose tier differs inside a chunk) against dense per-(query, key) masks."""
+    rng = np.random.default_rng(0)
+    hq, kv, d = 4, 2, 16
+    q, k_hi, k_lo, v_hi, v_lo = (rng.normal(size=s).astype(np.float32) for s in [(1, t, hq, d)] + [(1, t, kv, d)] * 4)
+    iv = _intervals(kind, t, rng)
+    out = mixed_attention(*(jnp.asarray(a) for a in (q, k_hi, k_lo, v_hi, v_lo)), iv, query_chunk=chunk)
+    np.testing.assert_allclose(np.asarray(out), _dense_mixed_attention(q, k_hi, k_lo, v_hi, v_lo, iv), atol=2e-5, rtol=0)
+    if kind == "oscar":  # no history at all: the lo arrays may be absent
+        none = HistoryIntervals(*(np.zeros(t, int),) * 4)
+        plain = mixed_attention(*(jnp.asarray(a) for a in (q, k_hi)), None, jnp.asarray(v_hi), None, none, query_chunk=chunk)
+        np.testing.assert_allclose(np.asarray(plain), _dense_mixed_attention(q, k_hi, k_hi, v_hi, v_hi, none), atol=2e-5)
+
+
+def test_band_plan_is_narrow_for_tiered_methods():
+    """For OSCAR-style tiers the per-chunk band spans about one chunk (plus a page), not all keys."""
+    iv = build("naive-int2").history_intervals(2048)
+    q_pos = np.arange(1024, 1280)
+    base_lo, start, width = _band_of(iv.k_start[1024:1280], iv.k_end[1024:1280], q_pos, 1280)
+    assert width <= 256 + 64 and base_lo[64:start].all() and not base_lo[:64].any() and start > 64
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluate_methods and the CLI
+
+
+def test_bf16_against_itself_and_metric_sanity(params, artifact):
+    windows = np.asarray(tokens_of(3 * 40, seed=7)).reshape(3, 40)
+    methods = [build("bf16"), build("naive-int2:windows=0/0"), build("oscar:windows=16/16", artifact)]
+    res = evaluate.evaluate_methods(params, CFG, windows, methods, progress=False, query_chunk=16)
+    assert res["bf16"]["kl_vs_bf16"] == 0.0 and res["bf16"]["top1_agreement"] == 1.0
+    assert res["bf16"]["perplexity_vs_bf16"] == 1.0 and res["bf16"]["bits_per_element"] == 16.0
+    naive = res["naive-int2:windows=0/0"]
+    assert naive["kl_vs_bf16"] > 0 and naive["top1_agreement"] < 1 and len(naive["per_window"]) == 3
+    # pooled perplexity = exp(mean NLL) = geometric mean of equal-length windows' perplexities
+    assert naive["perplexity"] == pytest.approx(np.exp(np.mean([np.log(w["perplexity"]) for w in naive["per_window"]])))
+    # a reference that is not requested is still computed (KL needs it) but not reported
+    res2 = evaluate.evaluate_methods(params, CFG, windows[:1], methods[1:2], progress=False, query_chunk=16)
+    assert list(res2) == ["naive-int2:windows=0/0"]
+    assert res2["naive-int2:windows=0/0"]["kl_vs_bf16"] == pytest.approx(naive["per_window"][0]["kl_vs_bf16"])
+
+
+class ByteTokenizer:
+    eos_id = 0
+
+    def encode(self, text):
+        return [1 + b % (CFG.vocab_size - 1) for b in text.encode("utf-8")]
+
+
+def _args(tmp_path, *extra):
+    text = tmp_path / "prose.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(20)))
+    return evaluate.parse_args(["--text-file", str(text), "--context", "64", "--num-windows", "2",
+                                "--json", str(tmp_path / "out.json"), "--no-progress", *extra])
+
+
+def test_cli_json_shape(params, artifact, tmp_path):
+    art_dir = tmp_path / "art"
+    write_artifact(art_dir, artifact)
+    args = _args(tmp_path, "--methods", "bf16,naive-int2,quarot-int2,kivi2:group=16:residual=32,oscar,int4",
+                 "--artifact", str(art_dir))
+    report = evaluate.run(args, "cmd", model=(CFG, params), tokenizer=ByteTokenizer())
+    json.loads(json.dumps(report))  # serialisable
+    assert set(report) == {"methods", "config", "environment"}
+    assert list(report["methods"]) == args.method_specs
+    for r in report["methods"].values():
+        assert {"perplexity", "kl_vs_bf16", "top1_agreement", "bits_per_element"} <= set(r)
+        assert np.isfinite(r["perplexity"]) and 0 <= r["top1_agreement"] <= 1
+    assert report["config"]["context"] == 64 and "text file" in report["config"]["split"]
+    assert report["config"]["artifact"]["codec"] == {"group_size": 64, "levels": "minmax"}
+    assert report["environment"]["jax_backend"] == "cpu"
+    out = evaluate.plot(report["methods"], tmp_path / "plot.png")
+    assert out.stat().st_size > 0
+
+
+def test_cli_errors(params, artifact, tmp_path, capsys):
+    model = dict(model=(CFG, params), tokenizer=ByteTokenizer())
+    with pytest.raises(SystemExit):
+        _args(tmp_path, "--methods", "bf16,int3")
+    assert "unknown method 'int3'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _args(tmp_path, "--context", "1")
+    with pytest.raises(ValueError, match="too short for 50 windows × 64 tokens"):
+        evaluate.run(_args(tmp_path, "--num-windows", "50", "--methods", "bf16"), "cmd", **model)
+    with pytest.raises(ValueError, match="needs a calibration artifact"):
+        evaluate.run(_args(tmp_path, "--methods", "oscar"), "cmd", **model)
+    with pytest.raises(ValueError, match="exceeds the model's trained context"):
+        evaluate.run(_args(tmp_path, "--context", "1024", "--methods", "bf16"), "cmd", **model)
+    # the artifact's own calibration file cannot be the evaluation text
+    args = _args(tmp_path, "--methods", "bf16")
+    calibrated_here = make_artifact(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim)
+    calibrated_here.provenance["data"] = args.text_file
+    with pytest.raises(ValueError, match="overlap calibration"):
+        evaluate.check_no_calibration_overlap(args.text_file, calibrated_here)
+    assert "calibration reads only the calibration split" in evaluate.check_no_calibration_overlap("wiki", None)
+    with pytest.raises(ValueError, match="windows must be int"):
+        evaluate.evaluate_methods(None, CFG, np.zeros((2, 1), np.int32), [build("bf16")], progress=False)
+
+
+@pytest.mark.slow
+def test_smollm2_smoke(tmp_path):
+    """Real SmolLM2 and wiki evaluation text: one short window, bf16 vs naive INT2 vs INT4."""
+    rc = evaluate.main(["--data", "wiki", "--context", "128", "--num-windows", "1", "--no-progress",
+                        "--methods", "bf16,naive-int2:windows=0/0,int4:windows=0/0", "--json", str(tmp_path / "o.json")])
+    assert rc == 0
+    res = json.loads((tmp_path / "o.json").read_text())["methods"]
+    assert 1 < res["bf16"]["perplexity"] < 200
+    assert res["int4:windows=0/0"]["kl_vs_bf16"] < res["naive-int2:windows=0/0"]["kl_vs_bf16"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ablations (planning, caching and de-duplication; the calibration itself is faked)
+
+
+def test_ablations_cache_and_deduplicate(params, tmp_path):
+    import dataclasses
+
+    from calibration import ablations
+    from calibration.calibrate import CalibrationOptions
+
+    calls = []
+
+    def fake_calibrate(opts, command=None):
+        calls.append(opts)
+        art = make_artifact(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, group_size=opts.group_size or 64,
+                            levels=opts.levels, seed=len(calls))
+        art.provenance["options"] = dataclasses.asdict(opts)
+        write_artifact(opts.output_dir, art)
+        return art, {}
+
+    base = CalibrationOptions(model_path="tiny", calib_tokens=256)
+    windows = np.asarray(tokens_of(40, seed=3))
+    groups = ["windows", "clip", "granularity"]
+    table = ablations.run_ablations(params, CFG, windows, base=base, cache_dir=tmp_path, groups=groups,
+                                    progress=False, calibrate_fn=fake_calibrate, query_chunk=16)
+    assert len(calls) == 3  # base, fitted clip, per layer
+    assert list(table) == ["granularity", "clip", "windows"] and list(table["windows"]) == ["0/0", "16/64", "64/256", "128/512"]
+    base_row = table["windows"]["64/256"]
+    # the same (artifact, method) is evaluated once and reported under every group that uses it
+    assert table["clip"]["fixed 0.96/0.92"]["kl_vs_bf16"] == base_row["kl_vs_bf16"]
+    assert table["granularity"]["per (layer, KV head)"]["artifact"] == base_row["artifact"]
+    assert table["windows"]["0/0"]["bits_per_element"] < base_row["bits_per_element"]
+    assert table["clip"]["fitted per layer"]["calibration"] == {"fit_clip": True}
+    ablations.run_ablations(params, CFG, windows, base=base, cache_dir=tmp_path, groups=["clip"],
+                            progress=False, calibrate_fn=fake_calibrate, query_chunk=16)
+    assert len(calls) == 3  # cached artifacts reused
+    assert "rotation" in ablations.GROUPS and "calibration_tokens" in ablations.GROUPS
+    labels = [v.label for v in ablations.variants(8192, 64) if v.group == "calibration_tokens"]
+    assert labels == ["2K", "8K", "32K"]
+    with pytest.raises(ValueError, match="no ablation group"):
+        ablations.run_ablations(params, CFG, windows, base=base, cache_dir=tmp_path, groups=["nope"],
+                                calibrate_fn=fake_calibrate)

@@ -1,0 +1,251 @@
+"""KV methods: tier intervals against brute force, bytes against hand counts, quantizers do what they claim."""
+
+import numpy as np
+import pytest
+
+from calibration.methods import (
+    AsymmetricInt,
+    FormatV1Codec,
+    KiviMethod,
+    SymmetricInt2,
+    TieredMethod,
+    Windows,
+    bits_per_element,
+    parse_method,
+    parse_method_list,
+)
+from shared_math.artifact import ModelFingerprint, RotationArtifact
+from shared_math.hadamard import hadamard_matrix
+from shared_math.spec import OscarConfig
+from shared_math.tiers import kv_bytes_per_layer, tier_split
+
+L, HKV, D = 2, 3, 64
+
+
+def make_artifact(num_layers=L, num_kv_heads=HKV, head_dim=D, group_size=64, levels="minmax", seed=0):
+    rng = np.random.default_rng(seed)
+
+    def orthogonal():
+        q, _ = np.linalg.qr(rng.normal(size=(num_layers, num_kv_heads, head_dim, head_dim)))
+        return q.astype(np.float32)
+
+    eig = np.sort(rng.random((num_layers, num_kv_heads, head_dim)), axis=-1).astype(np.float32)
+    return RotationArtifact(
+        k_rotation=orthogonal(), v_rotation=orthogonal(), k_eigenvalues=eig, v_eigenvalues=eig.copy(),
+        k_clip_ratio=np.linspace(0.9, 0.96, num_layers).astype(np.float32),
+        v_clip_ratio=np.full(num_layers, 0.92, np.float32),
+        model=ModelFingerprint(num_layers, num_kv_heads * 3, num_kv_heads, head_dim),
+        codec={"group_size": group_size, "levels": levels}, provenance={"data": "wiki"},
+    )
+
+
+def build(spec, artifact=None):
+    return parse_method(spec, num_layers=L, num_kv_heads=HKV, head_dim=D, artifact=artifact)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiers
+
+
+@pytest.mark.parametrize("windows", [Windows(64, 256, 16), Windows(16, 32, 16), Windows(0, 0, 16), Windows(4, 8, 4)])
+def test_tiered_history_intervals_match_tier_split_per_position(windows):
+    method = TieredMethod("m", "naive-int2", SymmetricInt2(D), windows)
+    length = windows.sink + windows.recent + 5 * windows.page_size + 3
+    iv = method.history_intervals(length)
+    cfg = OscarConfig(head_dim=D, sink=windows.sink, recent=windows.recent, page_size=windows.page_size)
+    for t in range(length):
+        split = tier_split(t + 1, cfg)  # the cache while decoding position t
+        for s in range(t + 1):
+            history = split.tier_of(s) == "history"
+            assert (iv.k_start[t] <= s < iv.k_end[t]) == history, (t, s)
+            assert (iv.v_start[t] <= s < iv.v_end[t]) == history, (t, s)
+
+
+def test_bf16_has_no_history():
+    iv = build("bf16").history_intervals(50)
+    assert not iv.any_history()
+
+
+def _kivi_state_machine(length, group, residual):
+    """KIVI's decode step literally (models/llama_kivi.py): which positions each query reads quantized."""
+    k_quant, k_full, v_quant, v_full = [], [], [], []
+    seen_k, seen_v = [], []
+    for t in range(length):
+        k_full.append(t)
+        seen_k.append(set(k_quant))  # attention reads the quantized keys, then the full ones
+        if len(k_full) == residual:  # flush after attention
+            k_quant += k_full
+            k_full = []
+        v_full.append(t)
+        seen_v.append(set(v_quant))
+        if len(v_full) > residual:
+            v_quant.append(v_full.pop(0))
+    return seen_k, seen_v
+
+
+@pytest.mark.parametrize("group,residual", [(16, 32), (32, 128), (16, 16)])
+def test_kivi_history_intervals_match_its_decode_loop(group, residual):
+    length = 3 * residual + 7
+    iv = KiviMethod("kivi2", group, residual).history_intervals(length)
+    seen_k, seen_v = _kivi_state_machine(length, group, residual)
+    for t in range(length):
+        assert set(range(iv.k_start[t], iv.k_end[t])) == seen_k[t]
+        assert set(range(iv.v_start[t], iv.v_end[t])) == seen_v[t]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes
+
+
+def test_bits_per_element_hand_counts():
+    art = make_artifact()
+    # OSCAR at G = D = 64, T = 2048: sink 64 + recent 256 rows BF16 (128 B), 1728 history rows of
+    # 16 code bytes + 2 fp16 (4 B) = 20 B.
+    assert bits_per_element(build("oscar", art), 2048, HKV, D) == pytest.approx((320 * 128 + 1728 * 20) * 8 / (2048 * 64))
+    assert bits_per_element(build("oscar", art), 2048, HKV, D) == pytest.approx(4.609375)
+    # the same count as shared_math.tiers
+    cfg = OscarConfig(head_dim=D, group_size=64)
+    for length in (1, 63, 64, 335, 336, 2048, 131072):
+        k, v = build("oscar", art).kv_bytes(length, HKV, D)
+        assert k + v == kv_bytes_per_layer(length, cfg, HKV).stored_bytes
+    # naive INT2: one fp16 scale per row → 18 B per history row
+    assert bits_per_element(build("naive-int2"), 2048, HKV, D) == pytest.approx((320 * 128 + 1728 * 18) * 8 / (2048 * 64))
+    # INT4: 32 code bytes + 4 B metadata
+    assert bits_per_element(build("int4"), 2048, HKV, D) == pytest.approx((320 * 128 + 1728 * 36) * 8 / (2048 * 64))
+    assert bits_per_element(build("int4"), 1 << 24, HKV, D) == pytest.approx(4.5, abs=1e-3)
+    assert bits_per_element(build("bf16"), 2048, HKV, D) == 16.0
+    # KIVI G=32, R=128 at 2048: keys all flushed → (8 code bytes + 4 B) per 32 elements = 3 bits;
+    # values: 1920 rows × (16 + 2 groups × 4 B) = 24 B = 3 bits, 128 residual rows BF16.
+    kivi = build("kivi2")
+    assert bits_per_element(kivi, 2048, HKV, D) == pytest.approx((3.0 + (1920 * 3 + 128 * 16) / 2048) / 2)
+    # 2047 tokens: 15 flushed key blocks, 127 key residual rows; 1919 quantized values
+    k_bits = (1920 * 3 + 127 * 16) / 2047
+    v_bits = (1919 * 3 + 128 * 16) / 2047
+    assert bits_per_element(kivi, 2047, HKV, D) == pytest.approx((k_bits + v_bits) / 2)
+    assert bits_per_element(build("kivi2:group=64"), 1 << 24, HKV, D) == pytest.approx(2.5, abs=1e-3)
+    # windows 0/0 leave at most one unfinished page in BF16
+    assert bits_per_element(build("oscar:windows=0/0", art), 2048, HKV, D) == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="length=0"):
+        bits_per_element(kivi, 0, HKV, D)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizers
+
+
+def test_naive_int2_is_symmetric_four_levels():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(5, 7, D)).astype(np.float32) * np.float32(3)
+    q = SymmetricInt2(D).quantize(x)
+    scale = (np.abs(x).max(-1, keepdims=True) / 1.5).astype(np.float16).astype(np.float32)
+    levels = q / scale
+    assert np.allclose(levels, np.round(levels - 0.5) + 0.5) and np.abs(levels).max() <= 1.5  # {±0.5, ±1.5}
+    assert np.abs(q - x).max(-1).max() <= (scale / 2 * 1.001).max()  # nearest level (absmax f16-rounded)
+    assert np.array_equal(SymmetricInt2(D).quantize(-x), -q)
+    assert np.all(SymmetricInt2(D).quantize(np.zeros((2, D), np.float32)) == 0)
+    assert SymmetricInt2(32).row_bytes(64) == 16 + 2 * 2
+
+
+def test_int4_has_sixteen_levels_and_half_step_error():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(40, D)).astype(np.float32)
+    quant = AsymmetricInt(4, D)
+    q = quant.quantize(x)
+    for row, qrow in zip(x, q):
+        assert len(np.unique(qrow)) <= 16
+        step = np.float32(np.float16((row.max() - row.min()) / 15))
+        assert np.abs(qrow - row).max() <= step / 2 + 1e-2 * step  # fp16 minimum rounding
+    assert quant.row_bytes(64) == 32 + 4
+
+
+def test_kivi_keys_are_grouped_per_channel_over_tokens():
+    kivi = KiviMethod("kivi2", group_size=16, residual=32)
+    rng = np.random.default_rng(3)
+    # Each channel takes 4 evenly spaced fp16-exact values within each group of 16 tokens → exact.
+    levels = rng.integers(0, 4, size=(1, 32, 2, D)).astype(np.float32)
+    levels[:, 0], levels[:, 3], levels[:, 16], levels[:, 19] = 0, 3, 0, 3  # every level range spans 0..3
+    offset = rng.integers(-8, 8, size=(1, 2, 1, 2, D)).repeat(16, axis=2).reshape(1, 32, 2, D)
+    x = (levels * 0.25 + offset).astype(np.float32)
+    assert np.array_equal(kivi.quantize_keys(0, x), x)
+    # Groups are independent: changing a token of group 2 changes nothing in group 1.
+    y = x.copy()
+    y[:, 20] += 100.0
+    qx, qy = kivi.quantize_keys(0, x), kivi.quantize_keys(0, y)
+    assert np.array_equal(qx[:, :16], qy[:, :16]) and not np.array_equal(qx[:, 16:], qy[:, 16:])
+    # Per channel: an outlier channel does not disturb the others (per-token would).
+    z = rng.normal(size=(1, 16, 1, D)).astype(np.float32)
+    z_out = z.copy()
+    z_out[..., 5] *= 1000
+    qz, qz_out = kivi.quantize_keys(0, z), kivi.quantize_keys(0, z_out)
+    others = np.arange(D) != 5
+    assert np.array_equal(qz[..., others], qz_out[..., others])
+    # A trailing partial group stays exact (still in KIVI's residual).
+    w = rng.normal(size=(1, 21, 1, D)).astype(np.float32)
+    assert np.array_equal(kivi.quantize_keys(0, w)[:, 16:], w[:, 16:])
+
+
+def test_kivi_values_are_per_token():
+    kivi = KiviMethod("kivi2", group_size=32, residual=128)
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(1, 6, 2, D)).astype(np.float32)
+    y = x.copy()
+    y[:, 3] *= 50
+    qx, qy = kivi.quantize_values(0, x), kivi.quantize_values(0, y)
+    keep = np.arange(6) != 3
+    assert np.array_equal(qx[:, keep], qy[:, keep])
+    # two groups of 32 channels per row: each has at most 4 distinct values
+    for half in (slice(0, 32), slice(32, 64)):
+        assert all(len(np.unique(r)) <= 4 for r in qx[..., half].reshape(-1, 32))
+
+
+def test_rotation_baselines():
+    art = make_artifact()
+    quarot, oscar = build("quarot-int2", art), build("oscar", art)
+    h = hadamard_matrix(D, np.float32)
+    assert np.array_equal(quarot.k_rotation[1, 2], h) and np.array_equal(quarot.v_rotation[0, 0], h)
+    assert quarot.quantizer == oscar.quantizer  # same codec: the comparison isolates the rotation
+    assert quarot.windows == oscar.windows == Windows(64, 256, 16)
+    assert np.array_equal(oscar.k_rotation, art.k_rotation) and np.array_equal(oscar.v_rotation, art.v_rotation)
+    assert oscar.quantizer.k_clip_ratios == tuple(float(c) for c in art.k_clip_ratio)
+    x = np.random.default_rng(5).normal(size=(1, 4, HKV, D)).astype(np.float32)
+    codec = FormatV1Codec(64, (0.9, 0.96), (0.92, 0.92), "minmax")
+    assert np.array_equal(oscar.quantize_keys(1, x), codec.quantize(x, art.k_clip_ratio[1]))
+    # without an artifact quarot uses the format defaults
+    plain = build("quarot-int2")
+    assert plain.quantizer == FormatV1Codec(64, (0.96,) * L, (0.92,) * L, "minmax")
+    overridden = build("quarot-int2:clip=1/1:windows=0/0:levels=moments", art)
+    assert overridden.quantizer.k_clip_ratios == (1.0, 1.0) and overridden.quantizer.levels == "moments"
+    assert overridden.windows == Windows(0, 0, 16)
+
+
+def test_describe_states_windows_and_source():
+    art = make_artifact()
+    for spec in ("bf16", "naive-int2", "quarot-int2", "kivi2", "oscar", "int4"):
+        desc = build(spec, art).describe()
+        assert "windows" in desc and desc["family"] == spec
+    assert build("kivi2", art).describe()["windows"] is None
+    assert build("oscar", art).describe()["windows"] == {"sink": 64, "recent": 256, "page_size": 16}
+
+
+def test_spec_errors():
+    with pytest.raises(ValueError, match="unknown method 'int3'"):
+        build("int3")
+    with pytest.raises(ValueError, match="needs a calibration artifact"):
+        build("oscar")
+    with pytest.raises(ValueError, match="no option 'clip'"):
+        build("kivi2:clip=1/1")
+    with pytest.raises(ValueError, match="must be key=value"):
+        build("oscar:windows")
+    with pytest.raises(ValueError, match="two int values"):
+        build("naive-int2:windows=a/b")
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        build("naive-int2:windows=10/20")
+    with pytest.raises(ValueError, match="residual=48 must be a positive multiple"):
+        build("kivi2:residual=48")
+    with pytest.raises(ValueError, match="group_size=128"):
+        build("quarot-int2:group=128")
+    with pytest.raises(ValueError, match="twice"):
+        parse_method_list("bf16,oscar,bf16")
+    with pytest.raises(ValueError, match="names no method"):
+        parse_method_list(" , ")
+    assert parse_method_list("bf16, kivi2:group=64") == ["bf16", "kivi2:group=64"]

@@ -1,0 +1,103 @@
+"""Save and restore an OscarRuntime's cache: pools with orbax, the allocator's state as JSON.
+
+A snapshot taken after a long prefill can be restored into a runtime built from the same model
+and artifact; decoding then resumes bit-identically. Restoring checks the cache configuration,
+the model fingerprint and every array's shape and dtype before touching the runtime.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from oscar_jax.allocator import Demotion, Sequence
+from oscar_jax.cache import POOL_NAMES
+
+SNAPSHOT_VERSION = 1
+
+
+def _describe(runtime) -> dict:
+    cache = runtime.cache
+    return {
+        "snapshot_version": SNAPSHOT_VERSION,
+        "config": runtime.config.to_dict(),
+        "model": dataclasses.asdict(runtime.cfg),
+        "k_clip_ratio": list(cache.k_clip_ratio),
+        "v_clip_ratio": list(cache.v_clip_ratio),
+        "pools": {name: [list(getattr(cache, name).shape), str(getattr(cache, name).dtype)] for name in POOL_NAMES},
+    }
+
+
+def _pool_state(pool) -> dict:
+    return {"free": list(pool.free), "refs": pool.refs.tolist(),
+            "cached": [[p, k.hex()] for p, k in pool.cached.items()],
+            "registry": [[k.hex(), p] for k, p in pool.registry.items()]}
+
+
+def _load_pool(pool, state) -> None:
+    pool.free = collections.deque(int(p) for p in state["free"])
+    pool.refs = np.asarray(state["refs"], np.int64)
+    pool.cached = collections.OrderedDict((int(p), bytes.fromhex(k)) for p, k in state["cached"])
+    pool.registry = {bytes.fromhex(k): int(p) for k, p in state["registry"]}
+    pool.key_of = {p: k for k, p in pool.registry.items()}
+
+
+def save_snapshot(runtime, directory: str | Path) -> Path:
+    """Write `directory` (must not exist): cache/ (orbax), state.json."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    if directory.exists():
+        raise FileExistsError(f"snapshot directory {directory} already exists")
+    directory.mkdir(parents=True)
+    arrays = {name: getattr(runtime.cache, name) for name in POOL_NAMES}
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(directory / "cache", arrays)
+    checkpointer.wait_until_finished()
+    alloc = runtime.allocator
+    state = {
+        **_describe(runtime),
+        "sequences": {str(sid): {"namespace": s.namespace, "tokens": s.tokens, "sink_pages": s.sink_pages,
+                                 "history_pages": s.history_pages, "recent_pages": s.recent_pages}
+                      for sid, s in alloc.sequences.items()},
+        "pending": [dataclasses.asdict(d) for d in alloc._pending.values()],
+        "next_id": alloc._next_id,
+        "bf16_pool": _pool_state(alloc.bf16),
+        "int2_pool": _pool_state(alloc.int2),
+    }
+    (directory / "state.json").write_text(json.dumps(state))
+    return directory
+
+
+def restore_snapshot(runtime, directory: str | Path) -> None:
+    """Load a snapshot into a runtime built with the same model, artifact and cache sizes."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    state_file = directory / "state.json"
+    if not state_file.is_file():
+        raise FileNotFoundError(f"{state_file} not found: not an OSCAR snapshot")
+    try:
+        state = json.loads(state_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{state_file} is not valid JSON ({e})") from None
+    expected = _describe(runtime)
+    for key, value in expected.items():
+        if state.get(key) != value:
+            raise ValueError(f"snapshot {key} {state.get(key)!r} does not match this runtime's {value!r}")
+    target = {name: jax.ShapeDtypeStruct(getattr(runtime.cache, name).shape, getattr(runtime.cache, name).dtype)
+              for name in POOL_NAMES}
+    arrays = ocp.StandardCheckpointer().restore(directory / "cache", target)
+    alloc = runtime.allocator
+    alloc.sequences = {int(sid): Sequence(**s) for sid, s in state["sequences"].items()}
+    alloc._pending = {d["seq_id"]: Demotion(**d) for d in state["pending"]}
+    alloc._next_id = int(state["next_id"])
+    _load_pool(alloc.bf16, state["bf16_pool"])
+    _load_pool(alloc.int2, state["int2_pool"])
+    alloc.check_invariants()
+    runtime.cache = dataclasses.replace(runtime.cache, **arrays)

@@ -1,0 +1,352 @@
+"""Public attention ops over OSCAR's paged mixed-precision KV cache: validate, launch, merge.
+
+The torch twin of oscar_jax.attention_ops: same op names, argument order, layout and semantics.
+
+Cache layout (DESIGN.md §2 "Pages"; per layer; every tier holds ROTATED K/V):
+  BF16 tier  k_bf16, v_bf16                      bfloat16[P, Hkv, L, D]
+  INT2 tier  k_codes, v_codes                    uint8[P2, Hkv, L, D/4]  (quartered packing)
+             k_scale, k_min, v_scale, v_min      float16[P2, Hkv, L, D/G];  x̂ = min + code·scale
+  per sequence b:
+    bf16_page_table[b]    int32[NB]: slots [0, sink_slots) the sink pages, then the recent pages
+    sink_tokens[b]        tokens valid in the sink slots (≤ S0), filling pages in order
+    recent_tokens[b]      tokens valid in the recent slots, in order
+    history_page_table[b] int32[NH]: the INT2 pages
+    history_tokens[b]     a multiple of L
+Table entries that hold no valid token may hold any value and are never dereferenced; entries
+that do must be in range (they are not clamped). Token order does not matter (RoPE is applied).
+
+decode_attention: one rotated query per sequence → two split-K first-stage Triton kernels (BF16
+tier, INT2 tier; `oscar_torch.kernels.decode_attention`) → `merge_partials` (plain torch).
+prefill_attention: a chunk of T rotated queries → the same two kernels over the cached prefix
+(T·Gq query rows) + a causal full-precision kernel over the chunk itself
+(`oscar_torch.kernels.prefill_attention`) → one merge.
+
+Precision: the compute dtype of the dots is q's dtype. float32 q: IEEE float32 dots throughout;
+bfloat16 q: bfloat16 dot operands (the probabilities are rounded to bfloat16 before P·V), float32
+accumulation. Softmax statistics are always float32. Outputs are float32.
+A sequence with no cached token (decode) gets a zero output row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from oscar_torch import library
+from oscar_torch.kernels.decode_attention import MIN_DOT_DIM
+from oscar_torch.validation import (
+    check_devices,
+    check_positive_float,
+    check_static_int,
+    check_tensor,
+)
+from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
+
+# Split-K: by default the history table is cut into about TARGET_SPLITS splits (B·Hkv·splits
+# programs: a few per SM of an H200 at batch 1–8, and few partials to merge at long context).
+TARGET_SPLITS = 32
+DEFAULT_PAGES_PER_BLOCK = 4
+DEFAULT_PREFILL_BLOCK_M = 64
+DEFAULT_PREFILL_BLOCK_N = 64
+QUERY_DTYPES = (torch.float32, torch.bfloat16)
+_INT32 = (torch.int32,)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def merge_partials(outputs: torch.Tensor, lses: torch.Tensor):
+    """Exact softmax over the union of splits: o = Σ_s exp(lse_s − lse)·o_s, lse = logsumexp(lse_s).
+
+    outputs float32[..., S, M, D] (normalised partials), lses float32[..., S, M]. Splits with
+    lse = −inf (no token) weigh zero; rows where every split is empty get o = 0, lse = −inf.
+    Returns (o float32[..., M, D], lse float32[..., M]).
+    """
+    lse_max = torch.amax(lses, dim=-2)
+    lse_max = torch.where(torch.isfinite(lse_max), lse_max, torch.zeros_like(lse_max))
+    weights = torch.exp(lses - lse_max.unsqueeze(-2))  # [..., S, M], 0 for empty splits
+    total = weights.sum(dim=-2)
+    safe_total = torch.where(total > 0, total, torch.ones_like(total))
+    o = (weights.unsqueeze(-1) * outputs).sum(dim=-3) / safe_total.unsqueeze(-1)
+    lse = torch.where(total > 0, lse_max + torch.log(safe_total), torch.full_like(total, -math.inf))
+    return o, lse
+
+
+# --------------------------------------------------------------------------------------------
+# Validation.
+# --------------------------------------------------------------------------------------------
+
+
+def _validate_cache(
+    q_heads: int,
+    head_dim: int,
+    batch: int,
+    k_bf16,
+    v_bf16,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    bf16_page_table,
+    sink_tokens,
+    recent_tokens,
+    history_page_table,
+    history_tokens,
+    *,
+    sink_slots,
+    group_size,
+    softmax_scale,
+    pages_per_split,
+    pages_per_block,
+) -> tuple[int, int]:
+    """Validate the cache arguments shared by decode and prefill; returns (Hkv, page size)."""
+    check_static_int("group_size", group_size)
+    validate_codec_shape(head_dim, group_size)  # ValueError naming head_dim / group_size
+    check_tensor("k_bf16", k_bf16, dtypes=(torch.bfloat16,), shape=(None, None, None, head_dim))
+    num_pages, num_kv_heads, page_size, _ = k_bf16.shape
+    if num_pages < 1 or num_kv_heads < 1:
+        raise ValueError(f"k_bf16 must hold at least one page and one KV head, got shape {tuple(k_bf16.shape)}")
+    check_tensor("v_bf16", v_bf16, dtypes=(torch.bfloat16,), shape=tuple(k_bf16.shape))
+    if not is_power_of_two(page_size):
+        raise ValueError(f"page size {page_size} (k_bf16.shape[2]) must be a power of two")
+    if q_heads % num_kv_heads:
+        raise ValueError(f"query heads Hq={q_heads} must be a multiple of KV heads Hkv={num_kv_heads}")
+    packed, groups = head_dim // CODES_PER_BYTE, head_dim // group_size
+    check_tensor("k_codes", k_codes, dtypes=(torch.uint8,), shape=(None, num_kv_heads, page_size, packed))
+    int2_pages = k_codes.shape[0]
+    meta = (int2_pages, num_kv_heads, page_size, groups)
+    check_tensor("k_scale", k_scale, dtypes=(torch.float16,), shape=meta)
+    check_tensor("k_min", k_min, dtypes=(torch.float16,), shape=meta)
+    check_tensor("v_codes", v_codes, dtypes=(torch.uint8,), shape=tuple(k_codes.shape))
+    check_tensor("v_scale", v_scale, dtypes=(torch.float16,), shape=meta)
+    check_tensor("v_min", v_min, dtypes=(torch.float16,), shape=meta)
+    check_tensor("bf16_page_table", bf16_page_table, dtypes=_INT32, shape=(batch, None))
+    check_tensor("history_page_table", history_page_table, dtypes=_INT32, shape=(batch, None))
+    for name, lengths in (
+        ("sink_tokens", sink_tokens),
+        ("recent_tokens", recent_tokens),
+        ("history_tokens", history_tokens),
+    ):
+        check_tensor(name, lengths, dtypes=_INT32, shape=(batch,))
+    if history_page_table.shape[1] > 0 and int2_pages < 1:
+        raise ValueError(
+            f"history_page_table has {history_page_table.shape[1]} slots but the INT2 pool "
+            f"k_codes {tuple(k_codes.shape)} holds no page"
+        )
+    check_static_int("sink_slots", sink_slots)
+    if sink_slots > bf16_page_table.shape[1]:
+        raise ValueError(f"{sink_slots=} exceeds the BF16 page table's {bf16_page_table.shape[1]} slots")
+    check_positive_float("softmax_scale", softmax_scale)
+    check_static_int("pages_per_block", pages_per_block, power_of_two=True, minimum=1)
+    check_static_int("pages_per_split", pages_per_split, power_of_two=True, minimum=1)
+    if pages_per_block > pages_per_split:
+        raise ValueError(f"{pages_per_block=} must not exceed {pages_per_split=}")
+    if pages_per_block * page_size < MIN_DOT_DIM:
+        raise ValueError(
+            f"{pages_per_block=} × page size {page_size} must be >= {MIN_DOT_DIM} tokens (dot tile)"
+        )
+    return num_kv_heads, page_size
+
+
+def default_pages_per_split(history_slots: int, pages_per_block: int) -> int:
+    """Pages per split when none is given: ≈ history_slots / TARGET_SPLITS, a power of two
+    ≥ pages_per_block."""
+    return max(pages_per_block, _next_power_of_two(-(-history_slots // TARGET_SPLITS)))
+
+
+def _resolve_pages_per_split(pages_per_split, pages_per_block, history_page_table):
+    if pages_per_split is not None:
+        return pages_per_split
+    check_static_int("pages_per_block", pages_per_block, power_of_two=True, minimum=1)
+    slots = history_page_table.shape[1] if isinstance(history_page_table, torch.Tensor) and history_page_table.dim() == 2 else 0
+    return default_pages_per_split(slots, pages_per_block)
+
+
+_CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min",
+                "bf16_page_table", "sink_tokens", "recent_tokens", "history_page_table", "history_tokens")
+
+
+# --------------------------------------------------------------------------------------------
+# Prefix (cache) partials shared by decode and prefill.
+# --------------------------------------------------------------------------------------------
+
+
+def _cache_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split,
+                    pages_per_block, block_m):
+    """Partials of q_rows [B, Hkv, M, D] over both tiers, concatenated on the split axis."""
+    (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
+     bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
+    outputs, lses = library.bf16_tier_partials(
+        q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots,
+        softmax_scale, pages_per_split, pages_per_block, block_m,
+    )
+    if history_page_table.shape[1] == 0:
+        return outputs, lses
+    int2_outputs, int2_lses = library.int2_tier_partials(
+        q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
+        group_size, softmax_scale, pages_per_split, pages_per_block, block_m,
+    )
+    return torch.cat([outputs, int2_outputs], dim=2), torch.cat([lses, int2_lses], dim=2)
+
+
+def decode_attention(
+    q,
+    k_bf16,
+    v_bf16,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    bf16_page_table,
+    sink_tokens,
+    recent_tokens,
+    history_page_table,
+    history_tokens,
+    *,
+    sink_slots: int,
+    group_size: int,
+    softmax_scale: float,
+    pages_per_split: int | None = None,
+    pages_per_block: int = DEFAULT_PAGES_PER_BLOCK,
+):
+    """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
+
+    Args:
+      q: float32 or bfloat16 [B, Hq, D], already rotated (q·R_K); query head h reads KV head
+        h // (Hq / Hkv).
+      k_bf16 … history_tokens: the cache of one layer (module docstring for the layout).
+      sink_slots: the number of leading BF16 table slots that are sink pages (S0 / page size).
+      group_size: G of the INT2 pages (format v1).
+      softmax_scale: multiplies q·k (typically 1/√D).
+      pages_per_split: pages of one split-K program (a power of two); None → about
+        NH / TARGET_SPLITS (`default_pages_per_split`).
+      pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16).
+    Returns:
+      float32 [B, Hq, D].
+    """
+    check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
+    batch, q_heads, head_dim = q.shape
+    cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
+             bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
+    pages_per_split = _resolve_pages_per_split(pages_per_split, pages_per_block, history_page_table)
+    num_kv_heads, _ = _validate_cache(
+        q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
+        softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
+    )
+    check_devices(q=q, **dict(zip(_CACHE_NAMES, cache)))
+    heads_per_kv = q_heads // num_kv_heads
+    rows = max(MIN_DOT_DIM, _next_power_of_two(heads_per_kv))  # GQA group padded for dot's M ≥ 16
+    q_rows = q.reshape(batch, num_kv_heads, heads_per_kv, head_dim)
+    q_rows = torch.nn.functional.pad(q_rows, (0, 0, 0, rows - heads_per_kv)).contiguous()
+    outputs, lses = _cache_partials(
+        q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=float(softmax_scale),
+        pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows,
+    )
+    # Drop the padding rows before the merge: [B, Hkv, S, Gq, D] → o [B, Hkv, Gq, D].
+    o, _ = merge_partials(outputs[..., :heads_per_kv, :], lses[..., :heads_per_kv])
+    return o.reshape(batch, q_heads, head_dim)
+
+
+def prefill_attention(
+    q,
+    k_new,
+    v_new,
+    k_bf16,
+    v_bf16,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    bf16_page_table,
+    sink_tokens,
+    recent_tokens,
+    history_page_table,
+    history_tokens,
+    new_tokens=None,
+    *,
+    sink_slots: int,
+    group_size: int,
+    softmax_scale: float,
+    pages_per_split: int | None = None,
+    pages_per_block: int = DEFAULT_PAGES_PER_BLOCK,
+    block_m: int = DEFAULT_PREFILL_BLOCK_M,
+    block_n: int = DEFAULT_PREFILL_BLOCK_N,
+):
+    """Attention of a chunk of T new tokens: causal over the chunk (full precision) + the cached prefix.
+
+    Args:
+      q: float32 or bfloat16 [B, T, Hq, D], rotated queries of the chunk.
+      k_new, v_new: float32 or bfloat16 (same dtype) [B, T, Hkv, D], the chunk's own rotated K/V.
+      k_bf16 … history_tokens: the cache holding the prefix before the chunk (layout as in
+        `decode_attention`); every chunk token sees all of it. The prefix is read through the
+        tiers exactly as decode reads it (the INT2 pages through the INT2 kernel).
+      new_tokens: int32 [B], valid tokens of each chunk (default: T). Rows t ≥ new_tokens[b] are 0.
+      block_m, block_n: query rows / chunk keys per block (powers of two ≥ 16; capped by the chunk).
+      Other keywords as in `decode_attention`.
+    Returns:
+      float32 [B, T, Hq, D].
+    """
+    check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None, None))
+    batch, chunk, q_heads, head_dim = q.shape
+    check_tensor("k_new", k_new, dtypes=QUERY_DTYPES, shape=(batch, chunk, None, head_dim))
+    num_kv_heads = k_new.shape[2]
+    check_tensor("v_new", v_new, dtypes=(k_new.dtype,), shape=tuple(k_new.shape))
+    if chunk < 1:
+        raise ValueError(f"the chunk must hold at least one token, got q of shape {tuple(q.shape)}")
+    cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
+             bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
+    pages_per_split = _resolve_pages_per_split(pages_per_split, pages_per_block, history_page_table)
+    cache_kv_heads, _ = _validate_cache(
+        q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
+        softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
+    )
+    if num_kv_heads != cache_kv_heads:
+        raise ValueError(f"k_new has {num_kv_heads} KV heads but the cache has {cache_kv_heads}")
+    if new_tokens is None:
+        new_tokens = torch.full((batch,), chunk, dtype=torch.int32, device=q.device)
+    check_tensor("new_tokens", new_tokens, dtypes=_INT32, shape=(batch,))
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        check_static_int(name, value, power_of_two=True, minimum=MIN_DOT_DIM)
+    check_devices(q=q, k_new=k_new, v_new=v_new, new_tokens=new_tokens, **dict(zip(_CACHE_NAMES, cache)))
+    softmax_scale = float(softmax_scale)
+
+    heads_per_kv = q_heads // num_kv_heads
+    rows = chunk * heads_per_kv
+    block_m = min(block_m, max(MIN_DOT_DIM, _next_power_of_two(rows)))
+    padded_rows = -(-rows // block_m) * block_m
+    block_n = min(block_n, max(MIN_DOT_DIM, _next_power_of_two(chunk)))
+    padded_chunk = -(-chunk // block_n) * block_n
+
+    # Rows of KV head h, token-major: r = t·Gq + g.
+    q_rows = q.reshape(batch, chunk, num_kv_heads, heads_per_kv, head_dim).permute(0, 2, 1, 3, 4)
+    q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_dim)
+    q_rows = torch.nn.functional.pad(q_rows, (0, 0, 0, padded_rows - rows)).contiguous()
+    prefix_outputs, prefix_lses = _cache_partials(
+        q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
+        pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=block_m,
+    )
+
+    chunk_dtype = torch.promote_types(q.dtype, k_new.dtype)  # the chunk stays in full precision
+    k_chunk, v_chunk = (
+        torch.nn.functional.pad(x.permute(0, 2, 1, 3), (0, 0, 0, padded_chunk - chunk)).to(chunk_dtype).contiguous()
+        for x in (k_new, v_new)
+    )  # [B, Hkv, T_pad, D]
+    self_outputs, self_lses = library.causal_chunk_partials(
+        q_rows.to(chunk_dtype), k_chunk, v_chunk, new_tokens, heads_per_kv, softmax_scale, block_m, block_n,
+    )
+    o, _ = merge_partials(
+        torch.cat([prefix_outputs, self_outputs], dim=2)[..., :rows, :],
+        torch.cat([prefix_lses, self_lses], dim=2)[..., :rows],
+    )
+    o = o.reshape(batch, num_kv_heads, chunk, heads_per_kv, head_dim).permute(0, 2, 1, 3, 4)
+    o = o.reshape(batch, chunk, q_heads, head_dim)
+    valid_rows = torch.arange(chunk, device=q.device)[None, :] < new_tokens[:, None]  # ragged chunks
+    return torch.where(valid_rows[:, :, None, None], o, torch.zeros_like(o))

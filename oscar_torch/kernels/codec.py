@@ -1,0 +1,459 @@
+"""Format v1 INT2 codec as Triton kernels: encode and decode rows of D values (DESIGN.md §2).
+
+The block bodies `encode_block` / `decode_block` are @triton.jit functions on register tiles,
+shared by the codec launchers here and the write-path kernels in write.py. They follow
+shared_math/codec.py step by step, and oscar_jax/kernels/codec.py line by line (same names,
+same order), so the bytes are identical on every backend:
+
+  1. sanitize   NaN → 0, clamp to ±FP16_MAX
+  2. clip       τ = the k-th smallest |x| (0-based), found exactly on the int32 bit patterns of
+                |x| (monotone for non-negative floats) — no sort; x ← clamp(x, −τ, τ)
+  3. metadata   minmax: scale = f16((hi − lo)·f32(1/3)), minimum = f16(lo)
+                moments: μ = tree_sum(x)·f32(1/G), mad = tree_sum(|x − μ|)·f32(1/G),
+                         scale = f16sat(mad·1.25), minimum = f16sat(μ − 1.5·f32(scale))
+  4. codes      code = Σ_j [x ≥ m + (j + 0.5)·s]  (comparisons, no division)
+  5. pack       byte[i] = c[i] | c[i+Q]<<2 | c[i+2Q]<<4 | c[i+3Q]<<6, Q = D/4 ("quartered")
+
+Machine behaviours kept away from the bytes (the same measures as the Pallas kernels):
+  * signs of zeros: Triton lowers float min/max to minnum/maxnum and negation to 0 − x, so the
+    clamp of step 2 and the group min/max run on int32 keys, and −τ flips the sign bit;
+  * flushing of subnormals: compares run on int32 keys, and the moments sums run on a copy
+    scaled by 2^MOMENTS_SCALE_EXP where every value is normal;
+  * the Triton interpreter (TRITON_INTERPRET=1) truncates f32 → bf16 casts and computes bf16
+    `tl.dot` wrongly: bfloat16 input is read as its 16-bit pattern and widened with integer ops
+    (exact), never cast. f32 → f16 casts are round-to-nearest-even both in the interpreter
+    (numpy `astype`) and on the GPU (`cvt.rn.f16.f32`), so `to_f16_saturating` is a plain cast.
+The one documented divergence from numpy (a group whose min or max is a zero and that holds both
++0 and −0: the kernel returns −0 / +0, numpy a SIMD-lane-dependent zero) is the same as Pallas's.
+
+Format constants come from shared_math (spec.py, codec.py) and reach the kernels as
+tl.constexpr globals or arguments; the IEEE 754 binary32 bit-pattern constants below are not
+format constants.
+
+Shapes (one vocabulary): R rows in a block, D head dim, G group size, Q = D/4 packed bytes,
+NG = D/G groups per row, N rows in total.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from shared_math.codec import MOMENTS_MINIMUM_OFFSET, ONE_THIRD_F32
+from shared_math.spec import (
+    CODE_BITS,
+    CODE_MASK,
+    CODES_PER_BYTE,
+    FP16_MAX,
+    MOMENTS_MAD_TO_SIGMA,
+    NUM_LEVELS,
+)
+
+# Format constants as compile-time constants of the kernels.
+CODE_BITS_C = tl.constexpr(CODE_BITS)
+CODE_MASK_C = tl.constexpr(CODE_MASK)
+CODES_PER_BYTE_C = tl.constexpr(CODES_PER_BYTE)
+NUM_THRESHOLDS_C = tl.constexpr(NUM_LEVELS - 1)
+FP16_MAX_C = tl.constexpr(float(FP16_MAX))
+ONE_THIRD_C = tl.constexpr(float(ONE_THIRD_F32))
+MAD_TO_SIGMA_C = tl.constexpr(float(np.float32(MOMENTS_MAD_TO_SIGMA)))
+MINIMUM_OFFSET_C = tl.constexpr(float(MOMENTS_MINIMUM_OFFSET))
+
+# IEEE 754 binary32 / bfloat16 bit-pattern constants (not format constants).
+_INT32 = np.iinfo(np.int32)
+F32_MAGNITUDE_MASK = int(_INT32.max)  # bits & mask = the bits of |x|
+F32_SIGN_BIT = int(_INT32.min)  # the sign bit as an int32
+F32_SIGN_SHIFT = _INT32.bits - 1  # arithmetic shift: 0 for x ≥ +0, all ones for x ≤ −0
+FP16_MAX_BITS = int(np.float32(FP16_MAX).view(np.int32))  # largest |x| bits after sanitize
+# Bisection over the candidates 0 … FP16_MAX_BITS halves the interval each step.
+BISECTION_STEPS = FP16_MAX_BITS.bit_length()
+ORDER_STATISTICS = ("max_drop", "bisect")
+MAX_DROP_REDUCTIONS_PER_ROUND = 2  # a max and a count; bisection does one count per step
+BF16_SHIFT = np.finfo(np.float32).bits - 16  # a bfloat16 is the top 16 bits of a float32
+_F32 = np.finfo(np.float32)
+F32_MANTISSA_MASK = (1 << int(_F32.nmant)) - 1
+F32_EXPONENT_MASK = F32_MAGNITUDE_MASK & ~F32_MANTISSA_MASK
+BF16_ROUNDING_BIAS = (1 << (BF16_SHIFT - 1)) - 1  # round-to-nearest-even: + 0x7FFF + lsb
+BF16_QUIET_BIT = 1 << (int(_F32.nmant) - BF16_SHIFT - 1)  # the quiet-NaN bit of a bfloat16
+
+# levels="moments" sums in a scaled copy of the values, x·2^MOMENTS_SCALE_EXP (see
+# oscar_jax/kernels/codec.py for the derivation): every float32 there is normal and nothing
+# overflows, so the sums are exactly 2^E times numpy's sums with gradual underflow.
+MOMENTS_SCALE_EXP = 103
+SCALE_UP = float(np.float32(2.0**MOMENTS_SCALE_EXP))
+SCALE_DOWN = float(np.float32(2.0**-MOMENTS_SCALE_EXP))
+SUBNORMAL_QUANTUM_SCALED = float(np.float32(float(_F32.smallest_subnormal) * 2.0**MOMENTS_SCALE_EXP))
+NORMAL_MIN_SCALED = float(np.float32(float(_F32.smallest_normal) * 2.0**MOMENTS_SCALE_EXP))
+assert NORMAL_MIN_SCALED == SUBNORMAL_QUANTUM_SCALED * 2.0 ** int(_F32.nmant)
+
+F32_MAGNITUDE_MASK_C = tl.constexpr(F32_MAGNITUDE_MASK)
+F32_SIGN_BIT_C = tl.constexpr(F32_SIGN_BIT)
+F32_SIGN_SHIFT_C = tl.constexpr(F32_SIGN_SHIFT)
+FP16_MAX_BITS_C = tl.constexpr(FP16_MAX_BITS)
+BISECTION_STEPS_C = tl.constexpr(BISECTION_STEPS)
+TREE_SUM_MAX_STEPS_C = tl.constexpr(F32_SIGN_SHIFT)  # halvings of any int32-sized axis
+BF16_SHIFT_C = tl.constexpr(BF16_SHIFT)
+BF16_ROUNDING_BIAS_C = tl.constexpr(BF16_ROUNDING_BIAS)
+BF16_QUIET_BIT_C = tl.constexpr(BF16_QUIET_BIT)
+F32_MANTISSA_MASK_C = tl.constexpr(F32_MANTISSA_MASK)
+F32_EXPONENT_MASK_C = tl.constexpr(F32_EXPONENT_MASK)
+SCALE_UP_C = tl.constexpr(SCALE_UP)
+SCALE_DOWN_C = tl.constexpr(SCALE_DOWN)
+SUBNORMAL_QUANTUM_SCALED_C = tl.constexpr(SUBNORMAL_QUANTUM_SCALED)
+NORMAL_MIN_SCALED_C = tl.constexpr(NORMAL_MIN_SCALED)
+
+DEFAULT_BLOCK_ROWS = 16  # power of two; also tl.dot's minimum M for the fused key rotation
+DEFAULT_NUM_WARPS = 4
+
+
+# Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when this package is imported.
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def interpreting() -> bool:
+    """True when Triton runs the kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return INTERPRETING
+
+
+def select_order_statistic(head_dim: int, clip_index: int) -> str:
+    """The cheaper exact method for τ: `max_drop` costs 2 row reductions per round and needs
+    d − k rounds (d − k is 5–10 at the default clip ratios); `bisect` costs one per step."""
+    rounds = head_dim - clip_index
+    return "max_drop" if MAX_DROP_REDUCTIONS_PER_ROUND * rounds <= BISECTION_STEPS else "bisect"
+
+
+def block_rows_for(num_rows: int, block_rows: int) -> int:
+    if block_rows < 1 or block_rows & (block_rows - 1):
+        raise ValueError(f"{block_rows=} must be a power of two")
+    return min(block_rows, triton.next_power_of_2(max(num_rows, 1)))
+
+
+# --------------------------------------------------------------------------------- bit helpers
+
+
+@triton.jit
+def widen_bf16_bits(bits):
+    """bfloat16 bit patterns (int16) → float32 values, exactly (integer ops only)."""
+    return (bits.to(tl.int32) << BF16_SHIFT_C).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_bits_rne(x):
+    """float32 → bfloat16 bit patterns (int16), round-to-nearest-even with integer ops (the
+    interpreter's f32 → bf16 cast truncates). NaN → a quiet NaN of the same sign."""
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> BF16_SHIFT_C) & 1
+    rounded = (bits + BF16_ROUNDING_BIAS_C + lsb) >> BF16_SHIFT_C
+    nan = (bits >> BF16_SHIFT_C) | BF16_QUIET_BIT_C
+    return tl.where(x != x, nan, rounded).to(tl.int16)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """float32 → the nearest bfloat16 value (ties to even), kept as float32 (a dot operand)."""
+    return widen_bf16_bits(bf16_bits_rne(x))
+
+
+@triton.jit
+def load_rows_f32(ptrs, mask, INPUT_BF16: tl.constexpr):
+    """Load a tile and widen it to float32 exactly (bfloat16 arrives as int16 bit patterns)."""
+    if INPUT_BF16:
+        return widen_bf16_bits(tl.load(ptrs, mask=mask, other=0))
+    return tl.load(ptrs, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def _ieee_key(bits):
+    """int32 float bits → int32 key that compares like IEEE floats (−0 == +0), exactly."""
+    return tl.where(bits < 0, -(bits & F32_MAGNITUDE_MASK_C), bits)
+
+
+@triton.jit
+def _ordered_key(bits):
+    """int32 float bits → int32 key with the float order (−0 < +0); an involution."""
+    return bits ^ ((bits >> F32_SIGN_SHIFT_C) & F32_MAGNITUDE_MASK_C)
+
+
+# --------------------------------------------------------------------------------- block bodies
+
+
+@triton.jit
+def clip_threshold_bits(abs_bits, CLIP_INDEX: tl.constexpr, ORDER_STATISTIC: tl.constexpr):
+    """The k-th smallest (0-based) value of each row of abs_bits [R, D] (non-negative int32 ≤
+    FP16_MAX_BITS, the bit patterns of |x|), exactly, as int32 [R, 1]."""
+    ROWS: tl.constexpr = abs_bits.shape[0]
+    D: tl.constexpr = abs_bits.shape[1]
+    if ORDER_STATISTIC == "max_drop":
+        # Take the largest remaining value and drop all its copies, counting ties, until the
+        # value of rank k is reached; `remaining` = how many of the largest values still to skip.
+        tau = tl.zeros((ROWS, 1), tl.int32)
+        remaining = tl.full((ROWS, 1), D - 1 - CLIP_INDEX, tl.int32)
+        ceiling = tl.full((ROWS, 1), F32_MAGNITUDE_MASK_C, tl.int32)  # above every |x| pattern
+        for _ in range(D - CLIP_INDEX):  # each round drops ≥ 1 value
+            top = tl.max(tl.where(abs_bits < ceiling, abs_bits, -1), axis=1, keep_dims=True)
+            count = tl.sum((abs_bits == top).to(tl.int32), axis=1, keep_dims=True)
+            found = (remaining >= 0) & (count > remaining)  # only once: remaining < 0 afterwards
+            tau = tl.where(found, top, tau)
+            remaining = remaining - count
+            ceiling = top
+        return tau
+    else:
+        # Smallest v with #{|x| ≤ v} ≥ k + 1; invariant: the answer lies in [lo, hi].
+        lo = tl.zeros((ROWS, 1), tl.int32)
+        hi = tl.full((ROWS, 1), FP16_MAX_BITS_C, tl.int32)
+        for _ in range(BISECTION_STEPS_C):
+            mid = lo + ((hi - lo) >> 1)
+            count = tl.sum((abs_bits <= mid).to(tl.int32), axis=1, keep_dims=True)
+            enough = count >= CLIP_INDEX + 1
+            lo = tl.where(enough, lo, mid + 1)
+            hi = tl.where(enough, mid, hi)
+        return lo
+
+
+@triton.jit
+def tree_sum(v):
+    """Sum over the last (power-of-two) axis of v [M, N] in the pinned order v[:n/2] + v[n/2:],
+    repeated; returns [M, 1]. Explicit halves (tl.split), never a reduction (whose order is
+    unspecified)."""
+    for _ in tl.static_range(TREE_SUM_MAX_STEPS_C):  # unrolled; steps past N = 1 are no-ops
+        if v.shape[1] > 1:
+            halves = tl.permute(tl.reshape(v, (v.shape[0], 2, v.shape[1] // 2)), (0, 2, 1))
+            first, second = tl.split(halves)
+            v = first + second
+    return v
+
+
+@triton.jit
+def _scaled_exactly(bits):
+    """float32 bits → x·2^E as a normal float32, exactly, without float ops on subnormals."""
+    exponent = bits & F32_EXPONENT_MASK_C
+    normal = bits.to(tl.float32, bitcast=True) * SCALE_UP_C
+    magnitude = (bits & F32_MANTISSA_MASK_C).to(tl.float32) * SUBNORMAL_QUANTUM_SCALED_C
+    subnormal = magnitude.to(tl.int32, bitcast=True) | (bits & F32_SIGN_BIT_C)
+    return tl.where(exponent == 0, subnormal.to(tl.float32, bitcast=True), normal)
+
+
+@triton.jit
+def _round_to_subnormal_grid(v):
+    """Scaled v with |v| below the scaled normal minimum → the nearest (ties to even) multiple of
+    the scaled subnormal quantum, keeping the sign: what float32 gradual underflow does."""
+    magnitude = tl.abs(v)
+    rounded = (magnitude + NORMAL_MIN_SCALED_C) - NORMAL_MIN_SCALED_C
+    signed = rounded.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & F32_SIGN_BIT_C)
+    return tl.where(magnitude < NORMAL_MIN_SCALED_C, signed.to(tl.float32, bitcast=True), v)
+
+
+@triton.jit
+def to_f16_saturating(v):
+    """f16(clip(v, ±FP16_MAX)), round-to-nearest-even; −0 stays −0."""
+    v = tl.where(v > FP16_MAX_C, FP16_MAX_C, tl.where(v < -FP16_MAX_C, -FP16_MAX_C, v))
+    return v.to(tl.float16)
+
+
+@triton.jit
+def _moments_metadata(groups, GROUP_SIZE: tl.constexpr):
+    """levels="moments" metadata of groups [M, G] (sanitized, clipped, M = R·NG): scale and
+    minimum float16 [M, 1], as shared_math: μ = tree_sum(x)·f32(1/G), mad = tree_sum(|x − μ|)·
+    f32(1/G), scale = f16sat(mad·1.25), minimum = f16sat(μ − 1.5·f32(scale))."""
+    inv_g: tl.constexpr = 1.0 / GROUP_SIZE  # exact: G is a power of two
+    scaled = _scaled_exactly(groups.to(tl.int32, bitcast=True))
+    mu = _round_to_subnormal_grid(tree_sum(scaled) * inv_g)  # 2^E·μ exactly
+    mad = tree_sum(tl.abs(scaled - mu)) * inv_g  # 2^E·mad
+    scale = to_f16_saturating((mad * MAD_TO_SIGMA_C) * SCALE_DOWN_C)
+    minimum = to_f16_saturating(mu * SCALE_DOWN_C - MINIMUM_OFFSET_C * scale.to(tl.float32))
+    return scale, minimum
+
+
+@triton.jit
+def encode_block(
+    x,  # [R, D] float32
+    GROUP_SIZE: tl.constexpr,
+    CLIP_INDEX: tl.constexpr,
+    LEVELS: tl.constexpr,
+    ORDER_STATISTIC: tl.constexpr,
+):
+    """Encode a block of rows. Returns packed int32 [R, D/4] (byte values), scale float16
+    [R, D/G], minimum float16 [R, D/G]."""
+    ROWS: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
+    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
+    # 1. sanitize: NaN → +0, clamp to ±FP16_MAX (np.clip keeps −0).
+    x = tl.where(x != x, 0.0, x)
+    x = tl.where(x > FP16_MAX_C, FP16_MAX_C, tl.where(x < -FP16_MAX_C, -FP16_MAX_C, x))
+    # 2. clip to [−τ, τ], τ = the k-th smallest |x|, on bit patterns.
+    bits = x.to(tl.int32, bitcast=True)
+    tau_bits = clip_threshold_bits(bits & F32_MAGNITUDE_MASK_C, CLIP_INDEX, ORDER_STATISTIC)
+    # On keys (key(τ) = τ bits, key(−τ) = −τ bits); numpy's maximum/minimum keep the bound on ties.
+    key = _ieee_key(bits)
+    above_neg_tau = key > -tau_bits
+    bits = tl.where(above_neg_tau, bits, tau_bits | F32_SIGN_BIT_C)  # maximum(x, −τ)
+    key = tl.where(above_neg_tau, key, -tau_bits)
+    below_tau = key < tau_bits
+    bits = tl.where(below_tau, bits, tau_bits)  # minimum(·, τ)
+    key = tl.where(below_tau, key, tau_bits)
+    # Groups as rows of one 2-D tile: [R·NG, G].
+    group_bits = tl.reshape(bits, (ROWS * NUM_GROUPS, GROUP_SIZE))
+    groups = group_bits.to(tl.float32, bitcast=True)
+    # 3. per-group metadata, [R·NG, 1].
+    if LEVELS == "minmax":
+        ordered = _ordered_key(group_bits)
+        lo = _ordered_key(tl.min(ordered, axis=1, keep_dims=True)).to(tl.float32, bitcast=True)
+        hi = _ordered_key(tl.max(ordered, axis=1, keep_dims=True)).to(tl.float32, bitcast=True)
+        scale = to_f16_saturating((hi - lo) * ONE_THIRD_C)
+        minimum = lo.to(tl.float16)  # |lo| ≤ FP16_MAX: no saturation needed (as the spec)
+    else:
+        scale, minimum = _moments_metadata(groups, GROUP_SIZE)
+    # 4. codes by comparison against t_j = m + (j + 0.5)·s (the product is exact; t_j is a
+    #    multiple of 2^-25, never subnormal), compared on keys.
+    s = scale.to(tl.float32)
+    m = minimum.to(tl.float32)
+    group_key = tl.reshape(key, (ROWS * NUM_GROUPS, GROUP_SIZE))
+    codes = tl.zeros((ROWS * NUM_GROUPS, GROUP_SIZE), tl.int32)
+    for j in tl.static_range(NUM_THRESHOLDS_C):
+        threshold = _ieee_key((m + (j + 0.5) * s).to(tl.int32, bitcast=True))
+        codes = codes + (group_key >= threshold).to(tl.int32)
+    # 5. quartered packing: plane p (elements p·Q … p·Q + Q − 1) goes to bits CODE_BITS·p.
+    planes = tl.reshape(codes, (ROWS, CODES_PER_BYTE_C, QUARTER))
+    shifts = tl.arange(0, CODES_PER_BYTE_C)[None, :, None] * CODE_BITS_C
+    packed = tl.sum(planes << shifts, axis=1)  # disjoint bit fields: the sum is an exact OR
+    return (
+        packed,
+        tl.reshape(scale, (ROWS, NUM_GROUPS)),
+        tl.reshape(minimum, (ROWS, NUM_GROUPS)),
+    )
+
+
+@triton.jit
+def unpack_codes(packed):
+    """packed int32 [R, D/4] byte values → codes int32 [R, D] (plane p holds elements p·Q …)."""
+    ROWS: tl.constexpr = packed.shape[0]
+    QUARTER: tl.constexpr = packed.shape[1]
+    shifts = tl.arange(0, CODES_PER_BYTE_C)[None, :, None] * CODE_BITS_C
+    codes = (packed[:, None, :] >> shifts) & CODE_MASK_C  # [R, 4, Q]
+    return tl.reshape(codes, (ROWS, QUARTER * CODES_PER_BYTE_C))
+
+
+@triton.jit
+def decode_block(packed, scale, minimum, GROUP_SIZE: tl.constexpr):
+    """packed int32 [R, D/4], scale/minimum float32 [R, D/G] → float32 [R, D], x̂ = m + code·s."""
+    ROWS: tl.constexpr = packed.shape[0]
+    D: tl.constexpr = packed.shape[1] * CODES_PER_BYTE_C
+    NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
+    codes = tl.reshape(unpack_codes(packed), (ROWS, NUM_GROUPS, GROUP_SIZE)).to(tl.float32)
+    values = minimum[:, :, None] + codes * scale[:, :, None]  # code·s is exact (≤ 13 bits)
+    return tl.reshape(values, (ROWS, D))
+
+
+# ----------------------------------------------------------------------------------- encode
+
+
+@triton.jit
+def _encode_kernel(
+    x_ptr,  # [N, D] float32 / float16, or bfloat16 as int16 bit patterns
+    packed_ptr,  # [N, D/4] uint8
+    scale_ptr,  # [N, D/G] float16
+    minimum_ptr,  # [N, D/G] float16
+    num_rows,
+    D: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    CLIP_INDEX: tl.constexpr,
+    LEVELS: tl.constexpr,
+    ORDER_STATISTIC: tl.constexpr,
+    INPUT_BF16: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
+    NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
+    row = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS))[:, None]  # [R, 1]
+    row_ok = row < num_rows
+    x = load_rows_f32(x_ptr + row * D + tl.arange(0, D)[None, :], row_ok, INPUT_BF16)
+    packed, scale, minimum = encode_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
+    tl.store(packed_ptr + row * QUARTER + tl.arange(0, QUARTER)[None, :], packed.to(tl.uint8), mask=row_ok)
+    group = tl.arange(0, NUM_GROUPS)[None, :]
+    tl.store(scale_ptr + row * NUM_GROUPS + group, scale, mask=row_ok)
+    tl.store(minimum_ptr + row * NUM_GROUPS + group, minimum, mask=row_ok)
+
+
+def kernel_view(x: torch.Tensor) -> torch.Tensor:
+    """bfloat16 tensors travel to the kernels as their int16 bit patterns (see module docstring)."""
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+def encode_rows(
+    x: torch.Tensor,
+    *,
+    group_size: int,
+    clip_index: int,
+    levels: str,
+    order_statistic: str | None = None,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
+):
+    """Launch encode over x [N, D] (N ≥ 1, contiguous float32/float16/bfloat16). Arguments are
+    validated by oscar_torch.ops.encode. Returns packed u8 [N, D/4], scale, minimum f16 [N, D/G]."""
+    num_rows, d = x.shape
+    if order_statistic is None:
+        order_statistic = select_order_statistic(d, clip_index)
+    rows = block_rows_for(num_rows, block_rows)
+    packed = torch.empty((num_rows, d // CODES_PER_BYTE), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((num_rows, d // group_size), dtype=torch.float16, device=x.device)
+    minimum = torch.empty_like(scale)
+    _encode_kernel[(triton.cdiv(num_rows, rows),)](
+        kernel_view(x), packed, scale, minimum, num_rows,
+        D=d, GROUP_SIZE=group_size, CLIP_INDEX=clip_index, LEVELS=levels,
+        ORDER_STATISTIC=order_statistic, INPUT_BF16=x.dtype == torch.bfloat16, BLOCK_ROWS=rows,
+        num_warps=num_warps,
+    )
+    return packed, scale, minimum
+
+
+# ----------------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_kernel(
+    packed_ptr,  # [N, D/4] uint8
+    scale_ptr,  # [N, D/G] float16
+    minimum_ptr,  # [N, D/G] float16
+    out_ptr,  # [N, D] float32
+    num_rows,
+    D: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
+    NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
+    row = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS))[:, None]  # [R, 1]
+    row_ok = row < num_rows
+    packed = tl.load(packed_ptr + row * QUARTER + tl.arange(0, QUARTER)[None, :], mask=row_ok, other=0)
+    group = tl.arange(0, NUM_GROUPS)[None, :]
+    scale = tl.load(scale_ptr + row * NUM_GROUPS + group, mask=row_ok, other=0).to(tl.float32)
+    minimum = tl.load(minimum_ptr + row * NUM_GROUPS + group, mask=row_ok, other=0).to(tl.float32)
+    values = decode_block(packed.to(tl.int32), scale, minimum, GROUP_SIZE)
+    tl.store(out_ptr + row * D + tl.arange(0, D)[None, :], values, mask=row_ok)
+
+
+def decode_rows(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    *,
+    group_size: int,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
+) -> torch.Tensor:
+    """Launch decode over packed [N, D/4], scale/minimum [N, D/G] → float32 [N, D]."""
+    num_rows, quarter = packed.shape
+    d = quarter * CODES_PER_BYTE
+    rows = block_rows_for(num_rows, block_rows)
+    out = torch.empty((num_rows, d), dtype=torch.float32, device=packed.device)
+    _decode_kernel[(triton.cdiv(num_rows, rows),)](
+        packed, scale, minimum, out, num_rows,
+        D=d, GROUP_SIZE=group_size, BLOCK_ROWS=rows, num_warps=num_warps,
+    )
+    return out

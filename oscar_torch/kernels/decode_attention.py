@@ -1,0 +1,377 @@
+"""Split-K first-stage kernels of attention over OSCAR's paged mixed-precision KV cache (Triton).
+
+Two kernels, one per storage tier, each writing a *normalised* partial output and its
+log-sum-exp per (sequence, KV head, query-row block, split); a merge in plain torch
+(`oscar_torch.attention_ops.merge_partials`) turns all partials into the exact softmax over the
+union. The same kernels, names and tiling as oscar_jax/kernels/decode_attention.py:
+
+* `bf16_tier_partials`: the sink and recent pages (BF16). One page table per sequence: slots
+  [0, sink_slots) are the sink pages (`sink_tokens` valid tokens, filling pages in order), the
+  following slots the recent pages (`recent_tokens` valid tokens, in order).
+* `int2_tier_partials`: the history pages (INT2, format v1). One difference from the Pallas
+  kernel, on purpose: this kernel dequantizes each K/V tile in registers (x̂ = m + c·s in
+  float32, `decode_block` of codec.py, exactly the reference decode) and runs ordinary dots on
+  it, where Pallas folds scale and minimum into the scores (s·(q·c) + m·Σq). Both are exact up
+  to float32 rounding order; this form is simpler, and the parity suite compares the two
+  against one float64 reference with one tolerance table.
+
+Both kernels handle all query rows of one KV head together (GQA: the Gq query heads of a KV head,
+padded to ≥ 16 rows for `tl.dot`; prefill: T·Gq rows), so each K/V tile is loaded once per row
+block. Grid (B, K, row blocks × splits): Triton grids have three axes, so the JAX kernels' row
+block and split axes share the last one.
+
+Precision: `BF16_DOTS` (q in bfloat16) rounds the dot operands built in the kernel to bfloat16
+(the probabilities before P·V), with float32 accumulation; otherwise every dot is IEEE float32.
+On the GPU the BF16 tier's bf16 dots run on tensor cores (`TENSOR_CORES`); the Triton
+interpreter computes bf16 `tl.dot` wrongly, so there the operands are rounded to bfloat16 values
+with integer round-to-nearest-even and multiplied as float32 (the same products: a product of
+two bfloat16 values is exact in float32). The INT2 tier always uses float32 dots on the
+dequantized tile (its values are not bfloat16). BF16 pools and bfloat16 queries reach the
+kernels as int16 bit patterns and are widened with integer ops (exact everywhere).
+
+Robustness: a page-table entry that does not hold a valid token is never dereferenced (its page
+id is replaced by 0 before the gather), V rows and INT2 metadata of masked tokens are zeroed
+(stale pool memory may hold NaN), masked scores are a finite large negative value, and a split
+with no valid token writes o = 0, lse = −inf so the merge weighs it zero.
+
+Dimension vocabulary of the shape comments: B batch, K KV heads, M query rows of one KV head,
+D head dim, P pages of a pool, L page size, N tokens of one block, S splits, NB/NH table slots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from oscar_torch.kernels.codec import (
+    CODES_PER_BYTE_C,
+    decode_block,
+    interpreting,
+    kernel_view,
+    load_rows_f32,
+    round_to_bf16,
+    widen_bf16_bits,
+)
+from shared_math.spec import CODES_PER_BYTE
+
+# Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
+# running maximum finite and exp(m_old − m_new) never becomes exp(−inf + inf) = NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MASK_VALUE_C = tl.constexpr(MASK_VALUE)
+# `tl.dot` needs M, N, K ≥ 16 (mma tile); blocks are sized to respect it.
+MIN_DOT_DIM = 16
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 2
+
+
+def num_splits(table_slots: int, pages_per_split: int) -> int:
+    """Splits a tier's page table is cut into (at least one, so every tier writes a partial)."""
+    return max(1, math.ceil(table_slots / pages_per_split))
+
+
+# --------------------------------------------------------------------------------------------
+# Shared jit helpers (also used by prefill_attention.py).
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def dot_operand(x, BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr):
+    """A float32 tile as a dot operand: itself, or rounded to bfloat16 (see module docstring)."""
+    if BF16_DOTS:
+        if TENSOR_CORES:
+            return x.to(tl.bfloat16)  # round-to-nearest-even on the GPU
+        else:
+            return round_to_bf16(x)
+    else:
+        return x
+
+
+@triton.jit
+def dot_f32(a, b, BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr):
+    """a [M, C] · b [C, N] → float32 [M, N]: bf16 tensor-core dot, or IEEE float32 (no TF32)."""
+    if BF16_DOTS and TENSOR_CORES:
+        return tl.dot(a, b, out_dtype=tl.float32)
+    else:
+        return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
+
+
+@triton.jit
+def online_softmax_step(scores, valid, m_prev, l_prev):
+    """One online-softmax step on a [M, N] score tile; `valid` broadcasts to [M, N].
+
+    Returns (p, correction, m_new, l_new). Masked entries get p = 0 exactly, even while a row
+    has seen no valid score yet (then m stays MASK_VALUE and exp(scores − m) would be 1).
+    """
+    scores = tl.where(valid, scores, MASK_VALUE_C)
+    m_new = tl.maximum(m_prev, tl.max(scores, axis=1))
+    correction = tl.exp(m_prev - m_new)
+    p = tl.where(valid, tl.exp(scores - m_new[:, None]), 0.0)
+    l_new = l_prev * correction + tl.sum(p, axis=1)
+    return p, correction, m_new, l_new
+
+
+@triton.jit
+def store_partial(o_ptr, lse_ptr, o, m, l, out_row, D: tl.constexpr):
+    """Normalise and store a finished partial: o [M, D] at rows out_row [M] of a [·, D] output;
+    rows that saw no token get o = 0 and lse = −inf."""
+    nonempty = l > 0.0
+    inv_l = 1.0 / tl.where(nonempty, l, 1.0)
+    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l, 1.0)), float("-inf"))
+    tl.store(o_ptr + out_row[:, None].to(tl.int64) * D + tl.arange(0, D)[None, :], o * inv_l[:, None])
+    tl.store(lse_ptr + out_row, lse)
+
+
+@triton.jit
+def _query_rows(q_ptr, b, h, row_block, NUM_HEADS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                BLOCK_M: tl.constexpr, Q_BF16: tl.constexpr):
+    """Query rows [BLOCK_M, D] float32 of (b, h), block row_block of q [B, K, M, D]."""
+    row = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    start = ((b * NUM_HEADS + h) * ROWS + row).to(tl.int64) * D
+    return load_rows_f32(q_ptr + start[:, None] + tl.arange(0, D)[None, :], row[:, None] < ROWS, Q_BF16)
+
+
+@triton.jit
+def _output_rows(b, h, split, row_block, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row indices [BLOCK_M] into the flattened partials o [B, K, S, M] (·D) / lse [B, K, S, M]."""
+    return ((b * NUM_HEADS + h) * NUM_SPLITS + split) * ROWS + row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+
+
+# --------------------------------------------------------------------------------------------
+# BF16 tier: sink + recent pages.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bf16_tier_kernel(
+    page_table_ptr,  # [B, NB] int32: sink slots, then recent slots
+    sink_tokens_ptr,  # [B] int32
+    recent_tokens_ptr,  # [B] int32
+    q_ptr,  # [B, K, M, D] float32, or bfloat16 as int16
+    k_ptr,  # [P, K, L, D] bfloat16 as int16
+    v_ptr,  # [P, K, L, D] bfloat16 as int16
+    o_ptr,  # [B, K, S, M, D] float32: normalised partial outputs
+    lse_ptr,  # [B, K, S, M] float32: their log-sum-exp (−inf when a split holds no token)
+    table_slots,  # NB
+    NUM_HEADS: tl.constexpr,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+    SINK_SLOTS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGES_PER_SPLIT: tl.constexpr,
+    PAGES_PER_BLOCK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SOFTMAX_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    Q_BF16: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
+):
+    b, h = tl.program_id(0), tl.program_id(1)
+    row_block, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
+    BLOCK_N: tl.constexpr = PAGES_PER_BLOCK * PAGE_SIZE
+
+    n_sink = tl.load(sink_tokens_ptr + b)
+    n_recent = tl.load(recent_tokens_ptr + b)
+    recent_pages = tl.cdiv(n_recent, PAGE_SIZE)
+    # One past the last slot holding a token: the loop stops there (slots beyond are never read).
+    slot_end = tl.where(recent_pages > 0, SINK_SLOTS + recent_pages, tl.cdiv(n_sink, PAGE_SIZE))
+    first_slot = split * PAGES_PER_SPLIT
+    last_slot = tl.minimum(first_slot + PAGES_PER_SPLIT, slot_end)
+    num_blocks = tl.maximum(tl.cdiv(last_slot - first_slot, PAGES_PER_BLOCK), 0)
+
+    token = tl.arange(0, BLOCK_N)
+    offset = token % PAGE_SIZE  # [N] position inside its page
+    slot_in_block = token // PAGE_SIZE  # [N]
+    column = tl.arange(0, D)[None, :]
+    q = dot_operand(
+        _query_rows(q_ptr, b, h, row_block, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16), Q_BF16, TENSOR_CORES
+    )  # [BLOCK_M, D]
+
+    o = tl.zeros((BLOCK_M, D), tl.float32)
+    m = tl.full((BLOCK_M,), MASK_VALUE_C, tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    # A static trip count with a dynamic guard: the interpreter cannot take a loaded value as
+    # a loop bound (numpy 2.5 refuses int() of its 1-element arrays).
+    for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
+        if i < num_blocks:
+            slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
+            is_sink = slot < SINK_SLOTS
+            position = tl.where(is_sink, slot, slot - SINK_SLOTS) * PAGE_SIZE + offset
+            valid = (position < tl.where(is_sink, n_sink, n_recent)) & (slot < table_slots)  # [N]
+            page = tl.load(page_table_ptr + b * table_slots + slot, mask=valid, other=0)  # never unused slots
+            row_start = ((page.to(tl.int64) * NUM_HEADS + h) * PAGE_SIZE + offset) * D  # [N]
+            k = widen_bf16_bits(tl.load(k_ptr + row_start[:, None] + column))  # [N, D]
+            v = widen_bf16_bits(tl.load(v_ptr + row_start[:, None] + column))
+            v = tl.where(valid[:, None], v, 0.0)
+            k = dot_operand(k, Q_BF16, TENSOR_CORES)
+            v = dot_operand(v, Q_BF16, TENSOR_CORES)
+            scores = dot_f32(q, tl.trans(k), Q_BF16, TENSOR_CORES) * SOFTMAX_SCALE  # [BLOCK_M, N]
+            p, correction, m, l = online_softmax_step(scores, valid[None, :], m, l)
+            p = dot_operand(p, Q_BF16, TENSOR_CORES)
+            o = o * correction[:, None] + dot_f32(p, v, Q_BF16, TENSOR_CORES)
+
+    out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
+    store_partial(o_ptr, lse_ptr, o, m, l, out_row, D)
+
+
+def bf16_tier_partials(
+    q: torch.Tensor,  # [B, K, M, D] float32 or bfloat16, M a multiple of block_m
+    k_bf16: torch.Tensor,  # [P, K, L, D] bfloat16
+    v_bf16: torch.Tensor,  # [P, K, L, D] bfloat16
+    page_table: torch.Tensor,  # [B, NB] int32
+    sink_tokens: torch.Tensor,  # [B] int32
+    recent_tokens: torch.Tensor,  # [B] int32
+    *,
+    sink_slots: int,
+    softmax_scale: float,
+    pages_per_split: int,
+    pages_per_block: int,
+    block_m: int,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = DEFAULT_NUM_STAGES,
+):
+    """Partials over the BF16 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
+
+    Inputs are validated by the public op; the asserts guard internal invariants only.
+    """
+    batch, num_kv_heads, rows, head_dim = q.shape
+    _, _, page_size, _ = k_bf16.shape
+    assert rows % block_m == 0 and pages_per_split % pages_per_block == 0
+    splits = num_splits(page_table.shape[1], pages_per_split)
+    o = torch.empty((batch, num_kv_heads, splits, rows, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, num_kv_heads, splits, rows), dtype=torch.float32, device=q.device)
+    q_bf16 = q.dtype == torch.bfloat16
+    _bf16_tier_kernel[(batch, num_kv_heads, (rows // block_m) * splits)](
+        page_table, sink_tokens, recent_tokens, kernel_view(q), k_bf16.view(torch.int16),
+        v_bf16.view(torch.int16), o, lse, page_table.shape[1],
+        NUM_HEADS=num_kv_heads, ROWS=rows, D=head_dim, SINK_SLOTS=sink_slots, PAGE_SIZE=page_size,
+        PAGES_PER_SPLIT=pages_per_split, PAGES_PER_BLOCK=pages_per_block, NUM_SPLITS=splits,
+        SOFTMAX_SCALE=float(softmax_scale), BLOCK_M=block_m, Q_BF16=q_bf16,
+        TENSOR_CORES=not interpreting(), num_warps=num_warps, num_stages=num_stages,
+    )
+    return o, lse
+
+
+# --------------------------------------------------------------------------------------------
+# INT2 tier: history pages.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_int2_tile(codes_ptr, scale_ptr, minimum_ptr, page, h, offset, valid,
+                    NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
+                    GROUP_SIZE: tl.constexpr):
+    """The dequantized rows [N, D] float32 of tokens (page[n], h, offset[n]); masked tokens → 0."""
+    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
+    NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
+    row = (page.to(tl.int64) * NUM_HEADS + h) * PAGE_SIZE + offset  # [N]
+    codes = tl.load(codes_ptr + row[:, None] * QUARTER + tl.arange(0, QUARTER)[None, :]).to(tl.int32)
+    group = row[:, None] * NUM_GROUPS + tl.arange(0, NUM_GROUPS)[None, :]
+    # Masked rows may be stale memory (NaN metadata): zero them before use.
+    scale = tl.where(valid[:, None], tl.load(scale_ptr + group).to(tl.float32), 0.0)
+    minimum = tl.where(valid[:, None], tl.load(minimum_ptr + group).to(tl.float32), 0.0)
+    return decode_block(codes, scale, minimum, GROUP_SIZE)
+
+
+@triton.jit
+def _int2_tier_kernel(
+    page_table_ptr,  # [B, NH] int32: the history pages
+    history_tokens_ptr,  # [B] int32 (a multiple of L)
+    q_ptr,  # [B, K, M, D] float32, or bfloat16 as int16
+    k_codes_ptr,  # [P, K, L, D/4] uint8
+    k_scale_ptr,  # [P, K, L, D/G] float16
+    k_min_ptr,  # [P, K, L, D/G] float16
+    v_codes_ptr,  # [P, K, L, D/4] uint8
+    v_scale_ptr,  # [P, K, L, D/G] float16
+    v_min_ptr,  # [P, K, L, D/G] float16
+    o_ptr,  # [B, K, S, M, D] float32
+    lse_ptr,  # [B, K, S, M] float32
+    table_slots,  # NH
+    NUM_HEADS: tl.constexpr,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGES_PER_SPLIT: tl.constexpr,
+    PAGES_PER_BLOCK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SOFTMAX_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    Q_BF16: tl.constexpr,
+):
+    b, h = tl.program_id(0), tl.program_id(1)
+    row_block, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
+    BLOCK_N: tl.constexpr = PAGES_PER_BLOCK * PAGE_SIZE
+
+    n_history = tl.load(history_tokens_ptr + b)
+    first_slot = split * PAGES_PER_SPLIT
+    last_slot = tl.minimum(first_slot + PAGES_PER_SPLIT, tl.cdiv(n_history, PAGE_SIZE))
+    num_blocks = tl.maximum(tl.cdiv(last_slot - first_slot, PAGES_PER_BLOCK), 0)
+
+    token = tl.arange(0, BLOCK_N)
+    offset = token % PAGE_SIZE  # [N]
+    slot_in_block = token // PAGE_SIZE  # [N]
+    q = _query_rows(q_ptr, b, h, row_block, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)  # [BLOCK_M, D]
+
+    o = tl.zeros((BLOCK_M, D), tl.float32)
+    m = tl.full((BLOCK_M,), MASK_VALUE_C, tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):  # static trip count (see above)
+        if i < num_blocks:
+            slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
+            valid = (slot * PAGE_SIZE + offset < n_history) & (slot < table_slots)  # [N]
+            page = tl.load(page_table_ptr + b * table_slots + slot, mask=valid, other=0)
+            k = _load_int2_tile(k_codes_ptr, k_scale_ptr, k_min_ptr, page, h, offset, valid,
+                                NUM_HEADS, PAGE_SIZE, D, GROUP_SIZE)  # [N, D]
+            scores = dot_f32(q, tl.trans(k), False, False) * SOFTMAX_SCALE  # [BLOCK_M, N]
+            p, correction, m, l = online_softmax_step(scores, valid[None, :], m, l)
+            v = _load_int2_tile(v_codes_ptr, v_scale_ptr, v_min_ptr, page, h, offset, valid,
+                                NUM_HEADS, PAGE_SIZE, D, GROUP_SIZE)
+            p = dot_operand(p, Q_BF16, False)
+            o = o * correction[:, None] + dot_f32(p, v, False, False)
+
+    out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
+    store_partial(o_ptr, lse_ptr, o, m, l, out_row, D)
+
+
+def int2_tier_partials(
+    q: torch.Tensor,  # [B, K, M, D] float32 or bfloat16, M a multiple of block_m
+    k_codes: torch.Tensor,  # [P, K, L, D/4] uint8
+    k_scale: torch.Tensor,  # [P, K, L, D/G] float16
+    k_min: torch.Tensor,  # [P, K, L, D/G] float16
+    v_codes: torch.Tensor,  # [P, K, L, D/4] uint8
+    v_scale: torch.Tensor,  # [P, K, L, D/G] float16
+    v_min: torch.Tensor,  # [P, K, L, D/G] float16
+    page_table: torch.Tensor,  # [B, NH] int32
+    history_tokens: torch.Tensor,  # [B] int32
+    *,
+    group_size: int,
+    softmax_scale: float,
+    pages_per_split: int,
+    pages_per_block: int,
+    block_m: int,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = DEFAULT_NUM_STAGES,
+):
+    """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M])."""
+    batch, num_kv_heads, rows, head_dim = q.shape
+    _, _, page_size, packed = k_codes.shape
+    assert rows % block_m == 0 and pages_per_split % pages_per_block == 0
+    assert packed * CODES_PER_BYTE == head_dim and k_scale.shape[-1] * group_size == head_dim
+    splits = num_splits(page_table.shape[1], pages_per_split)
+    o = torch.empty((batch, num_kv_heads, splits, rows, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, num_kv_heads, splits, rows), dtype=torch.float32, device=q.device)
+    _int2_tier_kernel[(batch, num_kv_heads, (rows // block_m) * splits)](
+        page_table, history_tokens, kernel_view(q), k_codes, k_scale, k_min, v_codes, v_scale, v_min,
+        o, lse, page_table.shape[1],
+        NUM_HEADS=num_kv_heads, ROWS=rows, D=head_dim, GROUP_SIZE=group_size, PAGE_SIZE=page_size,
+        PAGES_PER_SPLIT=pages_per_split, PAGES_PER_BLOCK=pages_per_block, NUM_SPLITS=splits,
+        SOFTMAX_SCALE=float(softmax_scale), BLOCK_M=block_m, Q_BF16=q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return o, lse
+

@@ -1,0 +1,336 @@
+"""Write-path kernels: fused rotate + encode, page scatters, and page demotion (DESIGN.md §2–3).
+
+Page pools (per layer, head-major so one (page, head) block is contiguous):
+  INT2 tier  codes u8[P, K, L, D/4], scale f16[P, K, L, D/G], minimum f16[P, K, L, D/G]
+  BF16 tier  bf16[P, K, L, D]
+(P pages, K kv heads, L page size, D head dim, G group size, T tokens, N pages to demote,
+Y layers.) A destination is a (page, slot) pair per token. The pools are updated in place (the
+kernels store into them); the public ops in oscar_torch.ops reach these launchers through torch
+custom ops (oscar_torch.library) that declare the mutation.
+Destinations outside the pool (a page id outside [0, P) or a slot outside [0, L)) are never
+written: the public ops reject them on the host in eager mode, and the kernels mask them (never an
+out-of-bounds store) when the ids are not checked (torch.compile, CUDA graphs).
+
+Encoding is `encode_block` from codec.py, so every written row has exactly the bytes of
+shared_math.encode of the same float32 row. Keys are rotated in the kernel, k' = k·R_K with
+R_K [K, D, D] per kv head, as a float32 `tl.dot` with input_precision="ieee" (never TF32);
+values arrive already rotated and take no rotation. BF16 rows are rounded to bfloat16 with
+integer round-to-nearest-even (`bf16_bits_rne`), never a cast (the interpreter truncates).
+Same kernels, same names and same order as oscar_jax/kernels/write.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_torch.kernels.codec import (
+    DEFAULT_BLOCK_ROWS,
+    DEFAULT_NUM_WARPS,
+    bf16_bits_rne,
+    block_rows_for,
+    encode_block,
+    kernel_view,
+    load_rows_f32,
+    select_order_statistic,
+    widen_bf16_bits,
+)
+from shared_math.spec import CODES_PER_BYTE
+
+# tl.dot needs M, N, K ≥ 16: the fused rotation runs on blocks of at least this many tokens.
+MIN_DOT_ROWS = 16
+
+
+def _token_block_rows(num_tokens: int, block_tokens: int, rotate: bool) -> int:
+    rows = block_rows_for(num_tokens, block_tokens)
+    return max(rows, MIN_DOT_ROWS) if rotate else rows
+
+
+@triton.jit
+def _load_token_rows(
+    x_ptr,  # [T, K, D] float32 / float16, or bfloat16 as int16
+    rotation_ptr,  # [K, D, D] float32 (read when ROTATE)
+    head,
+    num_tokens,
+    NUM_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    ROTATE: tl.constexpr,
+    INPUT_BF16: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+):
+    """This program's tokens of kv head `head` as float32 [R, D] (rotated when ROTATE), their
+    indices [R, 1] and which of them exist [R, 1]."""
+    token = (tl.program_id(1) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS))[:, None]  # [R, 1]
+    token_ok = token < num_tokens
+    column = tl.arange(0, D)[None, :]
+    x = load_rows_f32(x_ptr + (token * NUM_HEADS + head) * D + column, token_ok, INPUT_BF16)
+    if ROTATE:
+        row = tl.arange(0, D)[:, None]
+        rotation = tl.load(rotation_ptr + head * D * D + row * D + column)  # [D, D] R_K of head
+        x = tl.dot(x, rotation, input_precision="ieee")  # IEEE float32, no TF32
+    return x, token, token_ok
+
+
+@triton.jit
+def _store_rows(ptr, page, head, slot, valid, value, NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """pool [P, K, L, W] ← value [R, W] at (page[r], head, slot[r], :) where valid[r]."""
+    WIDTH: tl.constexpr = value.shape[1]
+    row_start = ((page.to(tl.int64) * NUM_HEADS + head) * PAGE_SIZE + slot) * WIDTH  # [R, 1]
+    tl.store(ptr + row_start + tl.arange(0, WIDTH)[None, :], value, mask=valid)
+
+
+# ------------------------------------------------------------------- fused write to dense rows
+
+
+@triton.jit
+def _write_int2_kernel(
+    x_ptr,  # [T, K, D] float
+    rotation_ptr,  # [K, D, D] float32 (unused unless ROTATE)
+    packed_ptr,  # [T, K, D/4] uint8
+    scale_ptr,  # [T, K, D/G] float16
+    minimum_ptr,  # [T, K, D/G] float16
+    num_tokens,
+    NUM_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    CLIP_INDEX: tl.constexpr,
+    LEVELS: tl.constexpr,
+    ORDER_STATISTIC: tl.constexpr,
+    ROTATE: tl.constexpr,
+    INPUT_BF16: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+):
+    head = tl.program_id(0)
+    x, token, token_ok = _load_token_rows(
+        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16, BLOCK_TOKENS
+    )
+    packed, scale, minimum = encode_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
+    # Dense outputs [T, K, W] are pools with T pages of one slot.
+    _store_rows(packed_ptr, token, head, 0, token_ok, packed.to(tl.uint8), NUM_HEADS, 1)
+    _store_rows(scale_ptr, token, head, 0, token_ok, scale, NUM_HEADS, 1)
+    _store_rows(minimum_ptr, token, head, 0, token_ok, minimum, NUM_HEADS, 1)
+
+
+def _encode_constants(d: int, group_size: int, clip_index: int, levels: str, order_statistic: str | None):
+    if order_statistic is None:
+        order_statistic = select_order_statistic(d, clip_index)
+    return dict(
+        D=d, GROUP_SIZE=group_size, CLIP_INDEX=clip_index, LEVELS=levels, ORDER_STATISTIC=order_statistic
+    )
+
+
+def write_int2_rows(
+    x: torch.Tensor,
+    rotation: torch.Tensor | None,
+    *,
+    group_size: int,
+    clip_index: int,
+    levels: str,
+    order_statistic: str | None = None,
+    block_tokens: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
+):
+    """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G]."""
+    num_tokens, num_heads, d = x.shape
+    rotate = rotation is not None
+    rows = _token_block_rows(num_tokens, block_tokens, rotate)
+    packed = torch.empty((num_tokens, num_heads, d // CODES_PER_BYTE), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((num_tokens, num_heads, d // group_size), dtype=torch.float16, device=x.device)
+    minimum = torch.empty_like(scale)
+    _write_int2_kernel[(num_heads, triton.cdiv(num_tokens, rows))](
+        kernel_view(x), rotation if rotate else x, packed, scale, minimum, num_tokens,
+        NUM_HEADS=num_heads, ROTATE=rotate, INPUT_BF16=x.dtype == torch.bfloat16, BLOCK_TOKENS=rows,
+        **_encode_constants(d, group_size, clip_index, levels, order_statistic), num_warps=num_warps,
+    )
+    return packed, scale, minimum
+
+
+# ---------------------------------------------------------------- scatter into the page pools
+
+
+@triton.jit
+def _destinations(page_ids_ptr, slots_ptr, token, token_ok, NUM_PAGES, PAGE_SIZE: tl.constexpr):
+    """Page ids and slots [R, 1] of this block's tokens, and which of them to write. Skipped
+    tokens point at page 0 / slot 0 and are masked (never an out-of-bounds address)."""
+    page = tl.load(page_ids_ptr + token, mask=token_ok, other=0)
+    slot = tl.load(slots_ptr + token, mask=token_ok, other=0)
+    valid = token_ok & (page >= 0) & (page < NUM_PAGES) & (slot >= 0) & (slot < PAGE_SIZE)
+    return tl.where(valid, page, 0), tl.where(valid, slot, 0), valid
+
+
+@triton.jit
+def _write_pages_kernel(
+    x_ptr,  # [T, K, D] float
+    rotation_ptr,  # [K, D, D] float32 (unused unless ROTATE)
+    page_ids_ptr,  # [T] int32
+    slots_ptr,  # [T] int32
+    codes_ptr,  # [P, K, L, D/4] uint8 (updated in place)
+    scale_ptr,  # [P, K, L, D/G] float16
+    minimum_ptr,  # [P, K, L, D/G] float16
+    num_tokens,
+    num_pages,
+    NUM_HEADS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    CLIP_INDEX: tl.constexpr,
+    LEVELS: tl.constexpr,
+    ORDER_STATISTIC: tl.constexpr,
+    ROTATE: tl.constexpr,
+    INPUT_BF16: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+):
+    head = tl.program_id(0)
+    x, token, token_ok = _load_token_rows(
+        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16, BLOCK_TOKENS
+    )
+    page, slot, valid = _destinations(page_ids_ptr, slots_ptr, token, token_ok, num_pages, PAGE_SIZE)
+    packed, scale, minimum = encode_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
+    _store_rows(codes_ptr, page, head, slot, valid, packed.to(tl.uint8), NUM_HEADS, PAGE_SIZE)
+    _store_rows(scale_ptr, page, head, slot, valid, scale, NUM_HEADS, PAGE_SIZE)
+    _store_rows(minimum_ptr, page, head, slot, valid, minimum, NUM_HEADS, PAGE_SIZE)
+
+
+def write_pages_rows(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    x: torch.Tensor,
+    page_ids: torch.Tensor,
+    slots: torch.Tensor,
+    rotation: torch.Tensor | None,
+    *,
+    group_size: int,
+    clip_index: int,
+    levels: str,
+    order_statistic: str | None = None,
+    block_tokens: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """Encode x [T, K, D] (rotated by rotation [K, D, D] unless None) into the INT2 pools at
+    (page_ids[t], slots[t]) (int32 [T]), in place."""
+    num_tokens, num_heads, d = x.shape
+    num_pages, _, page_size, _ = codes.shape
+    rotate = rotation is not None
+    rows = _token_block_rows(num_tokens, block_tokens, rotate)
+    _write_pages_kernel[(num_heads, triton.cdiv(num_tokens, rows))](
+        kernel_view(x), rotation if rotate else x, page_ids, slots, codes, scale, minimum,
+        num_tokens, num_pages,
+        NUM_HEADS=num_heads, PAGE_SIZE=page_size, ROTATE=rotate, INPUT_BF16=x.dtype == torch.bfloat16,
+        BLOCK_TOKENS=rows, **_encode_constants(d, group_size, clip_index, levels, order_statistic),
+        num_warps=num_warps,
+    )
+
+
+@triton.jit
+def _write_bf16_pages_kernel(
+    x_ptr,  # [T, K, D] float32 / float16, or bfloat16 as int16
+    page_ids_ptr,  # [T] int32
+    slots_ptr,  # [T] int32
+    pool_ptr,  # [P, K, L, D] bfloat16 as int16 (updated in place)
+    num_tokens,
+    num_pages,
+    NUM_HEADS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    INPUT_BF16: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+):
+    head = tl.program_id(0)
+    token = (tl.program_id(1) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS))[:, None]  # [R, 1]
+    token_ok = token < num_tokens
+    page, slot, valid = _destinations(page_ids_ptr, slots_ptr, token, token_ok, num_pages, PAGE_SIZE)
+    ptrs = x_ptr + (token * NUM_HEADS + head) * D + tl.arange(0, D)[None, :]
+    if INPUT_BF16:
+        bits = tl.load(ptrs, mask=token_ok, other=0)  # already bfloat16: copy the bits
+    else:
+        bits = bf16_bits_rne(tl.load(ptrs, mask=token_ok, other=0).to(tl.float32))
+    _store_rows(pool_ptr, page, head, slot, valid, bits, NUM_HEADS, PAGE_SIZE)
+
+
+def write_bf16_pages_rows(
+    pool: torch.Tensor,
+    x: torch.Tensor,
+    page_ids: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    block_tokens: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """pool [P, K, L, D] bf16 ← x [T, K, D] at (page_ids[t], slots[t]), in place."""
+    num_tokens, num_heads, d = x.shape
+    num_pages, _, page_size, _ = pool.shape
+    rows = _token_block_rows(num_tokens, block_tokens, rotate=False)
+    _write_bf16_pages_kernel[(num_heads, triton.cdiv(num_tokens, rows))](
+        kernel_view(x), page_ids, slots, pool.view(torch.int16), num_tokens, num_pages,
+        NUM_HEADS=num_heads, PAGE_SIZE=page_size, D=d, INPUT_BF16=x.dtype == torch.bfloat16,
+        BLOCK_TOKENS=rows, num_warps=num_warps,
+    )
+
+
+# ------------------------------------------------------------------------------- demotion
+
+
+@triton.jit
+def _demote_pages_kernel(
+    src_pages_ptr,  # [N] int32: the BF16 pages to read
+    dst_pages_ptr,  # [N] int32: the INT2 pages to write
+    bf16_ptr,  # [Y, P, K, L, D] bfloat16 as int16
+    codes_ptr,  # [Y, P', K, L, D/4] uint8 (updated in place)
+    scale_ptr,  # [Y, P', K, L, D/G] float16
+    minimum_ptr,  # [Y, P', K, L, D/G] float16
+    src_pool_pages,
+    dst_pool_pages,
+    NUM_HEADS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    CLIP_INDEX: tl.constexpr,
+    LEVELS: tl.constexpr,
+    ORDER_STATISTIC: tl.constexpr,
+):
+    layer, n, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    src = tl.load(src_pages_ptr + n)
+    dst = tl.load(dst_pages_ptr + n)
+    valid = (src >= 0) & (src < src_pool_pages) & (dst >= 0) & (dst < dst_pool_pages)
+    slot = tl.arange(0, PAGE_SIZE)[:, None]  # [L, 1]
+    # Pages of all layers in one pool: layer y's page p is page y·P + p of a [Y·P, K, L, ·] pool.
+    src_page = layer.to(tl.int64) * src_pool_pages + tl.where(valid, src, 0)
+    dst_page = layer.to(tl.int64) * dst_pool_pages + tl.where(valid, dst, 0)
+    row_start = ((src_page * NUM_HEADS + head) * PAGE_SIZE + slot) * D
+    valid_rows = (slot >= 0) & valid  # [L, 1]
+    bits = tl.load(bf16_ptr + row_start + tl.arange(0, D)[None, :], mask=valid_rows, other=0)
+    rows = widen_bf16_bits(bits)  # exact widening
+    packed, scale, minimum = encode_block(rows, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
+    _store_rows(codes_ptr, dst_page, head, slot, valid_rows, packed.to(tl.uint8), NUM_HEADS, PAGE_SIZE)
+    _store_rows(scale_ptr, dst_page, head, slot, valid_rows, scale, NUM_HEADS, PAGE_SIZE)
+    _store_rows(minimum_ptr, dst_page, head, slot, valid_rows, minimum, NUM_HEADS, PAGE_SIZE)
+
+
+def demote_pages_rows(
+    bf16_pool: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    *,
+    group_size: int,
+    clip_index: int,
+    levels: str,
+    order_statistic: str | None = None,
+    num_warps: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """Quantize BF16 pages bf16_pool[y, src_pages[n]] into INT2 pages [y, dst_pages[n]] for every
+    layer y and kv head, in place: pools carry a leading layer axis Y (Y = 1 for one layer).
+    Grid (Y, N, K): one program encodes the L rows of one (layer, page, head) block."""
+    num_layers, src_pool_pages, num_heads, page_size, d = bf16_pool.shape
+    (num_demoted,) = src_pages.shape
+    _demote_pages_kernel[(num_layers, num_demoted, num_heads)](
+        src_pages, dst_pages, bf16_pool.view(torch.int16), codes, scale, minimum,
+        src_pool_pages, codes.shape[1],
+        NUM_HEADS=num_heads, PAGE_SIZE=page_size,
+        **_encode_constants(d, group_size, clip_index, levels, order_statistic), num_warps=num_warps,
+    )
+

@@ -1,0 +1,228 @@
+"""The kernels of oscar_torch as torch custom ops (`torch.ops.oscar.*`), with fake implementations.
+
+Each Triton launcher of oscar_torch/kernels is registered once with `torch.library.custom_op`, so
+torch.compile and CUDA-graph capture see one opaque node per kernel launch (no graph break, no
+tracing into Triton). The ops that update a page pool in place declare it in `mutates_args`
+(functionalization then orders them correctly); the others are functional. Every op has a fake
+(meta) implementation that only computes output shapes, for FakeTensor tracing.
+
+These ops take already-validated arguments (the clip *index*, int32 ids, contiguous tensors):
+call the public ops in oscar_torch.ops / oscar_torch.attention_ops, which validate first.
+
+  oscar::encode             x [N, D]                           → packed, scale, minimum
+  oscar::decode             packed [N, D/4], scale, minimum    → float32 [N, D]
+  oscar::write_int2         x [T, K, D], rotation?             → packed, scale, minimum [T, K, ·]
+  oscar::write_pages        mutates codes, scale, minimum      (INT2 pools [P, K, L, ·])
+  oscar::write_bf16_pages   mutates pool                       (BF16 pool [P, K, L, D])
+  oscar::demote_pages       mutates codes, scale, minimum      (INT2 pools [Y, P', K, L, ·])
+  oscar::bf16_tier_partials, oscar::int2_tier_partials, oscar::causal_chunk_partials
+                            attention partials (o [B, K, S, M, D], lse [B, K, S, M])
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from oscar_torch.kernels import codec as kcodec
+from oscar_torch.kernels import decode_attention as kdecode
+from oscar_torch.kernels import prefill_attention as kprefill
+from oscar_torch.kernels import write as kwrite
+from shared_math.spec import CODES_PER_BYTE
+
+NAMESPACE = "oscar"
+
+
+def _int2_outputs(lead: tuple[int, ...], d: int, group_size: int, like: Tensor):
+    return (
+        like.new_empty(lead + (d // CODES_PER_BYTE,), dtype=torch.uint8),
+        like.new_empty(lead + (d // group_size,), dtype=torch.float16),
+        like.new_empty(lead + (d // group_size,), dtype=torch.float16),
+    )
+
+
+# ----------------------------------------------------------------------------------- codec
+
+
+@torch.library.custom_op(f"{NAMESPACE}::encode", mutates_args=())
+def encode(x: Tensor, group_size: int, clip_index: int, levels: str) -> tuple[Tensor, Tensor, Tensor]:
+    return kcodec.encode_rows(x, group_size=group_size, clip_index=clip_index, levels=levels)
+
+
+@encode.register_fake
+def _(x, group_size, clip_index, levels):
+    return _int2_outputs((x.shape[0],), x.shape[1], group_size, x)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::decode", mutates_args=())
+def decode(packed: Tensor, scale: Tensor, minimum: Tensor, group_size: int) -> Tensor:
+    return kcodec.decode_rows(packed, scale, minimum, group_size=group_size)
+
+
+@decode.register_fake
+def _(packed, scale, minimum, group_size):
+    return packed.new_empty((packed.shape[0], packed.shape[1] * CODES_PER_BYTE), dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------ write path
+
+
+@torch.library.custom_op(f"{NAMESPACE}::write_int2", mutates_args=())
+def write_int2(
+    x: Tensor, rotation: Optional[Tensor], group_size: int, clip_index: int, levels: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    return kwrite.write_int2_rows(x, rotation, group_size=group_size, clip_index=clip_index, levels=levels)
+
+
+@write_int2.register_fake
+def _(x, rotation, group_size, clip_index, levels):
+    return _int2_outputs(tuple(x.shape[:2]), x.shape[2], group_size, x)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::write_pages", mutates_args=("codes", "scale", "minimum"))
+def write_pages(
+    codes: Tensor,
+    scale: Tensor,
+    minimum: Tensor,
+    rows: Tensor,
+    page_ids: Tensor,
+    slots: Tensor,
+    rotation: Optional[Tensor],
+    group_size: int,
+    clip_index: int,
+    levels: str,
+) -> None:
+    kwrite.write_pages_rows(
+        codes, scale, minimum, rows, page_ids, slots, rotation,
+        group_size=group_size, clip_index=clip_index, levels=levels,
+    )
+
+
+@write_pages.register_fake
+def _(codes, scale, minimum, rows, page_ids, slots, rotation, group_size, clip_index, levels):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::write_bf16_pages", mutates_args=("pool",))
+def write_bf16_pages(pool: Tensor, rows: Tensor, page_ids: Tensor, slots: Tensor) -> None:
+    kwrite.write_bf16_pages_rows(pool, rows, page_ids, slots)
+
+
+@write_bf16_pages.register_fake
+def _(pool, rows, page_ids, slots):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::demote_pages", mutates_args=("codes", "scale", "minimum"))
+def demote_pages(
+    bf16_pool: Tensor,
+    codes: Tensor,
+    scale: Tensor,
+    minimum: Tensor,
+    src_pages: Tensor,
+    dst_pages: Tensor,
+    group_size: int,
+    clip_index: int,
+    levels: str,
+) -> None:
+    kwrite.demote_pages_rows(
+        bf16_pool, codes, scale, minimum, src_pages, dst_pages,
+        group_size=group_size, clip_index=clip_index, levels=levels,
+    )
+
+
+@demote_pages.register_fake
+def _(bf16_pool, codes, scale, minimum, src_pages, dst_pages, group_size, clip_index, levels):
+    return None
+
+
+# ------------------------------------------------------------------------------- attention
+
+
+def _partials_like(q: Tensor, splits: int) -> tuple[Tensor, Tensor]:
+    batch, heads, rows, d = q.shape
+    return (
+        q.new_empty((batch, heads, splits, rows, d), dtype=torch.float32),
+        q.new_empty((batch, heads, splits, rows), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op(f"{NAMESPACE}::bf16_tier_partials", mutates_args=())
+def bf16_tier_partials(
+    q: Tensor,
+    k_bf16: Tensor,
+    v_bf16: Tensor,
+    page_table: Tensor,
+    sink_tokens: Tensor,
+    recent_tokens: Tensor,
+    sink_slots: int,
+    softmax_scale: float,
+    pages_per_split: int,
+    pages_per_block: int,
+    block_m: int,
+) -> tuple[Tensor, Tensor]:
+    return kdecode.bf16_tier_partials(
+        q, k_bf16, v_bf16, page_table, sink_tokens, recent_tokens, sink_slots=sink_slots,
+        softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
+        block_m=block_m,
+    )
+
+
+@bf16_tier_partials.register_fake
+def _(q, k_bf16, v_bf16, page_table, sink_tokens, recent_tokens, sink_slots, softmax_scale,
+      pages_per_split, pages_per_block, block_m):
+    return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::int2_tier_partials", mutates_args=())
+def int2_tier_partials(
+    q: Tensor,
+    k_codes: Tensor,
+    k_scale: Tensor,
+    k_min: Tensor,
+    v_codes: Tensor,
+    v_scale: Tensor,
+    v_min: Tensor,
+    page_table: Tensor,
+    history_tokens: Tensor,
+    group_size: int,
+    softmax_scale: float,
+    pages_per_split: int,
+    pages_per_block: int,
+    block_m: int,
+) -> tuple[Tensor, Tensor]:
+    return kdecode.int2_tier_partials(
+        q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, page_table, history_tokens,
+        group_size=group_size, softmax_scale=softmax_scale, pages_per_split=pages_per_split,
+        pages_per_block=pages_per_block, block_m=block_m,
+    )
+
+
+@int2_tier_partials.register_fake
+def _(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, page_table, history_tokens, group_size,
+      softmax_scale, pages_per_split, pages_per_block, block_m):
+    return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::causal_chunk_partials", mutates_args=())
+def causal_chunk_partials(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    new_tokens: Tensor,
+    heads_per_kv: int,
+    softmax_scale: float,
+    block_m: int,
+    block_n: int,
+) -> tuple[Tensor, Tensor]:
+    return kprefill.causal_chunk_partials(
+        q, k, v, new_tokens, heads_per_kv=heads_per_kv, softmax_scale=softmax_scale,
+        block_m=block_m, block_n=block_n,
+    )
+
+
+@causal_chunk_partials.register_fake
+def _(q, k, v, new_tokens, heads_per_kv, softmax_scale, block_m, block_n):
+    return _partials_like(q, 1)

@@ -1,0 +1,176 @@
+"""Decode attention over the paged mixed-tier cache vs the float64 reference of shared_math.
+
+Caches come from parity_tests.cases.build_cache (poisoned pools: page 0, spare pages and unused
+rows hold NaN; unused table entries point at page 0; shuffled page ids), so any read of a token
+that is not valid turns the output into NaN. The kernels' output is compared with attention over
+the *dequantized* cache in float64 (shared_math.attention.mixed_tier_decode_attention) with THE
+tolerance table parity_tests.cases.ATTENTION_TOLERANCES (shared with oscar_jax and the parity
+suite), so quantization error is never mistaken for kernel error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from oscar_torch import ops
+from oscar_torch.attention_ops import default_pages_per_split, merge_partials
+from oscar_torch.tests.util import DEVICE, attention_kwargs, cache_arrays, query, to_torch
+from parity_tests.cases import (
+    ATTENTION_CASES,
+    AttentionCase,
+    assert_close,
+    build_cache,
+    dequantized_cache,
+    reference_decode,
+)
+from shared_math.attention import softmax_attention
+
+MEASURED = {}  # case → max abs error, printed by -s (the report quotes them)
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: c.name)
+def test_decode_matches_float64_reference_over_dequantized_cache(case):
+    cache = build_cache(case)
+    out = ops.decode_attention(query(case), *cache_arrays(cache), **attention_kwargs(case))
+    assert out.dtype == torch.float32 and out.shape == (len(case.lengths), case.num_kv_heads * case.heads_per_kv,
+                                                        case.head_dim)
+    MEASURED[case.name] = assert_close(out.cpu().numpy(), reference_decode(case, cache, case.query()), case.q_dtype)
+    print(f"{case.name}: max |out − ref| = {MEASURED[case.name]:.3g}")
+
+
+def test_decode_equals_one_pass_softmax_and_handles_an_empty_sequence():
+    """Split-K over pages and tiers is the one-pass softmax over the concatenated cache; a
+    sequence with no cached token gets a zero row."""
+    case = AttentionCase("one_pass", 64, 32, 2, 2, (0, 150, 17), pages_per_split=2, pages_per_block=1)
+    cache = build_cache(case)
+    q = case.query()
+    out = ops.decode_attention(query(case), *cache_arrays(cache), **attention_kwargs(case)).cpu().numpy()
+    assert np.all(out[0] == 0.0)
+    for b in (1, 2):
+        k, v = dequantized_cache(case, cache.sequences[b])
+        want = softmax_attention(q[b].astype(np.float64), k, v, softmax_scale=case.softmax_scale)
+        assert_close(out[b], want, case.q_dtype)
+
+
+def test_decode_default_split_is_deterministic():
+    case = dataclasses.replace(ATTENTION_CASES[1], name="default_split")
+    cache = build_cache(case)
+    kwargs = attention_kwargs(case)
+    kwargs["pages_per_split"] = None
+    arrays = cache_arrays(cache)
+    first = ops.decode_attention(query(case), *arrays, **kwargs)
+    assert torch.equal(first, ops.decode_attention(query(case), *arrays, **kwargs))
+    assert_close(first.cpu().numpy(), reference_decode(case, cache, case.query()), case.q_dtype)
+    assert default_pages_per_split(1000, 4) == 32 and default_pages_per_split(3, 4) == 4
+
+
+def test_merge_partials_weighs_empty_splits_zero():
+    o = torch.tensor([[[1.0, 2.0]], [[5.0, 5.0]], [[0.0, 0.0]]])  # [S=3, M=1, D=2]
+    lse = torch.tensor([[0.0], [np.log(3.0)], [-np.inf]])
+    merged, total = merge_partials(o, lse)
+    np.testing.assert_allclose(merged.numpy(), [[4.0, 4.25]], rtol=1e-6)
+    np.testing.assert_allclose(total.numpy(), [np.log(4.0)], rtol=1e-6)
+    merged, total = merge_partials(torch.zeros((2, 1, 2)), torch.full((2, 1), -np.inf))
+    assert torch.all(merged == 0) and torch.isneginf(total).all()
+
+
+# ------------------------------------------------------------------------------- bad inputs
+
+SMALL = AttentionCase("small", 64, 32, 2, 2, (70, 5), pages_per_split=2, pages_per_block=1)
+
+
+@pytest.fixture(scope="module")
+def small():
+    cache = build_cache(SMALL)
+    return query(SMALL), list(cache_arrays(cache))
+
+
+NAMES = ["k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min",
+         "bf16_page_table", "sink_tokens", "recent_tokens", "history_page_table", "history_tokens"]
+
+
+@pytest.mark.parametrize(
+    "name,transform,message",
+    [
+        ("k_bf16", lambda a: a.float(), "k_bf16 must have dtype bfloat16"),
+        ("k_bf16", lambda a: a[..., :32].contiguous(), r"k_bf16 must have shape \[\*, \*, \*, 64\]"),
+        ("k_bf16", lambda a: a.transpose(0, 1).contiguous().transpose(0, 1), "k_bf16 must be contiguous"),
+        ("k_bf16", lambda a: a.to("meta"), "k_bf16 is on device meta"),
+        ("k_bf16", lambda a: a[:, :, :12].contiguous(), r"v_bf16 must have shape|page size 12"),
+        ("v_bf16", lambda a: a[:-1].contiguous(), r"v_bf16 must have shape \["),
+        ("k_codes", lambda a: a.to(torch.int8), "k_codes must have dtype uint8"),
+        ("k_codes", lambda a: a[..., :8].contiguous(), r"k_codes must have shape \[\*, 2, 16, 16\]"),
+        ("k_scale", lambda a: a.float(), "k_scale must have dtype float16"),
+        ("k_min", lambda a: a[:-1].contiguous(), "k_min must have shape"),
+        ("v_codes", lambda a: a[:-1].contiguous(), "v_codes must have shape"),
+        ("v_scale", lambda a: a.to("meta"), "v_scale is on device meta"),
+        ("v_min", lambda a: a.transpose(1, 2).contiguous().transpose(1, 2), "v_min must be contiguous"),
+        ("bf16_page_table", lambda a: a.long(), "bf16_page_table must have dtype int32"),
+        ("bf16_page_table", lambda a: a[:1].contiguous(), r"bf16_page_table must have shape \[2, \*\]"),
+        ("bf16_page_table", lambda a: a[:, :2].contiguous(), "sink_slots=4 exceeds the BF16 page table's 2 slots"),
+        ("sink_tokens", lambda a: a[:1].contiguous(), r"sink_tokens must have shape \[2\]"),
+        ("recent_tokens", lambda a: a.float(), "recent_tokens must have dtype int32"),
+        ("history_page_table", lambda a: torch.zeros((3, 5), dtype=torch.int32, device=a.device)[:2, :4],
+         "history_page_table must be contiguous"),
+        ("history_tokens", lambda a: a.to("meta"), "history_tokens is on device meta"),
+    ],
+)
+def test_bad_cache_arrays_raise(small, name, transform, message):
+    q, arrays = small
+    arrays = list(arrays)
+    i = NAMES.index(name)
+    arrays[i] = transform(arrays[i])
+    with pytest.raises(ValueError, match=message):
+        ops.decode_attention(q, *arrays, **attention_kwargs(SMALL))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(group_size=24), "group_size=24"),
+        (dict(group_size=16), r"k_scale must have shape \[\d+, 2, 16, 4\], got shape \(\d+, 2, 16, 2\)"),
+        (dict(softmax_scale=0.0), "softmax_scale=0.0 must be a finite positive number"),
+        (dict(softmax_scale=float("nan")), "softmax_scale=nan"),
+        (dict(pages_per_split=3), "pages_per_split=3 must be a power of two"),
+        (dict(pages_per_block=4, pages_per_split=2), "pages_per_block=4 must not exceed pages_per_split=2"),
+        (dict(pages_per_block=0), "pages_per_block=0 must be an integer >= 1"),
+        (dict(sink_slots=-1), "sink_slots=-1 must be an integer >= 0"),
+        (dict(sink_slots=1.5), "sink_slots=1.5 must be an integer"),
+    ],
+)
+def test_bad_static_arguments_raise(small, overrides, message):
+    q, arrays = small
+    with pytest.raises(ValueError, match=message):
+        ops.decode_attention(q, *arrays, **{**attention_kwargs(SMALL), **overrides})
+
+
+def test_bad_query_raises(small):
+    q, arrays = small
+    kwargs = attention_kwargs(SMALL)
+    for bad, message in [
+        (q.half(), "q must have dtype float32 or bfloat16"),
+        (q[0], r"q must have shape \[\*, \*, \*\]"),
+        (q[:, :3].contiguous(), "query heads Hq=3 must be a multiple of KV heads Hkv=2"),
+        (q[..., :32].contiguous(), r"k_bf16 must have shape \[\*, \*, \*, 32\]"),
+        (q[1:].contiguous(), r"bf16_page_table must have shape \[1, \*\]"),
+        (q.transpose(0, 1).contiguous().transpose(0, 1), "q must be contiguous"),
+        (q.to("meta"), "k_bf16 is on device .* but q is on device meta"),
+        (q.cpu().numpy(), "q must be a torch.Tensor, got ndarray"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ops.decode_attention(bad, *arrays, **kwargs)
+
+
+def test_pages_per_block_times_page_size_must_fill_a_dot_tile():
+    case = AttentionCase("tiny_pages", 64, 64, 1, 1, (9,), sink=8, page_size=8, pages_per_split=1)
+    cache = build_cache(case)
+    with pytest.raises(ValueError, match=r"pages_per_block=1 × page size 8 must be >= 16"):
+        ops.decode_attention(query(case), *cache_arrays(cache), **attention_kwargs(case))
+    out = ops.decode_attention(query(case), *cache_arrays(cache), **{**attention_kwargs(case),
+                                                                     "pages_per_block": 2, "pages_per_split": 2})
+    assert_close(out.cpu().numpy(), reference_decode(case, cache, case.query()), case.q_dtype)
+    assert to_torch(np.zeros(1)).device.type == DEVICE.type

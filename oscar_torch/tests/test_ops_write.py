@@ -1,0 +1,386 @@
+"""Write path of oscar_torch.ops against shared_math: fused rotate + encode, page scatters, demotion.
+
+Every written row must have exactly the bytes of shared_math.encode of the same float32 row, land
+exactly at its (page, slot), and leave the rest of the pools untouched (the pools start as random
+sentinel bytes). The pools are updated in place. Cases: parity_tests.cases.WRITE_CASES.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from oscar_torch import library, ops
+from oscar_torch.tests.util import DEVICE, ON_GPU, to_numpy, to_torch
+from parity_tests.cases import (
+    LEVELS,
+    WRITE_CASES,
+    assert_same_bits,
+    bf16_bits,
+    reference_bf16_scatter,
+    reference_demote,
+    reference_scatter,
+)
+from shared_math import codec as ref
+from shared_math.spec import clip_index
+
+F32 = np.float32
+CASE_LEVELS = [(case, LEVELS[i % 2]) for i, case in enumerate(WRITE_CASES)] + [(WRITE_CASES[1], LEVELS[0])]
+
+
+def _id(param):
+    case, levels = param
+    return f"{case.name}-{levels}"
+
+
+def assert_pools(got, want, what):
+    for name, a, e in zip(("codes", "scale", "minimum"), got, want):
+        assert_same_bits(to_numpy(a), e, f"{what} {name}")
+
+
+def random_rotations(rng, num_heads, d):
+    q, _ = np.linalg.qr(rng.standard_normal((num_heads, d, d)))
+    return q.astype(F32)
+
+
+# ------------------------------------------------------------------------------ write_int2
+
+
+@pytest.mark.parametrize("param", CASE_LEVELS, ids=_id)
+def test_write_int2_without_rotation_is_encode(param):
+    case, levels = param
+    rows = case.rows()
+    got = ops.write_int2(to_torch(rows), None, group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
+    want = ref.encode(rows, group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
+    assert_pools(got, want, case.name)
+
+
+def test_write_int2_identity_rotation_is_exact():
+    case = WRITE_CASES[2]
+    rows = case.rows()  # heavy-tailed, no zeros: x·I is exact in any summation order
+    identity = np.broadcast_to(np.eye(case.head_dim, dtype=F32), (case.num_kv_heads, case.head_dim, case.head_dim))
+    got = ops.write_int2(to_torch(rows), to_torch(identity), group_size=case.group_size, clip_ratio=case.clip_ratio)
+    assert_pools(got, ref.encode(rows, group_size=case.group_size, clip_ratio=case.clip_ratio), "identity")
+
+
+@pytest.mark.parametrize("levels", LEVELS)
+def test_write_int2_rotation_matches_float32_product(levels):
+    """k' = x·R[h] in IEEE float32 inside the kernel. The reference rotates with numpy's float32
+    matmul; the two sum in different orders, so a rotated value on a threshold may round to the
+    other side: allow rare one-level code flips and metadata within one float16 step, and require
+    most rows to be bit-identical (a wrong head, transposed R or TF32 would break all three)."""
+    case = WRITE_CASES[5]
+    rng = np.random.default_rng(17)
+    rows = rng.standard_normal((case.num_tokens, case.num_kv_heads, case.head_dim)).astype(F32)
+    rotation = random_rotations(rng, case.num_kv_heads, case.head_dim)
+    got = ops.write_int2(to_torch(rows), to_torch(rotation), group_size=case.group_size,
+                         clip_ratio=case.clip_ratio, levels=levels)
+    rotated = np.einsum("tkd,kde->tke", rows, rotation).astype(F32)
+    want = ref.encode(rotated, group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
+    codes = ref.unpack_codes(to_numpy(got[0])).astype(int)
+    want_codes = ref.unpack_codes(want[0]).astype(int)
+    assert np.abs(codes - want_codes).max() <= 1 and np.mean(codes != want_codes) < 1e-2
+    for a, e in zip(got[1:], want[1:]):
+        assert np.abs(to_numpy(a).view(np.int16).astype(int) - e.view(np.int16).astype(int)).max() <= 1
+    exact_rows = np.all(to_numpy(got[0]) == want[0], axis=-1)
+    assert exact_rows.mean() > 0.8, exact_rows.mean()
+
+
+# ----------------------------------------------------------------------------- write_pages
+
+
+@pytest.mark.parametrize("param", CASE_LEVELS, ids=_id)
+def test_write_pages_scatter_is_encode_in_place(param):
+    case, levels = param
+    pools = case.int2_pools()
+    rows = case.rows()
+    page_ids, slots = case.destinations()
+    tensors = tuple(to_torch(p) for p in pools)
+    pointers = [t.data_ptr() for t in tensors]
+    got = ops.write_pages(*tensors, to_torch(rows), to_torch(page_ids), to_torch(slots),
+                          group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
+    assert all(a is b for a, b in zip(got, tensors)) and [t.data_ptr() for t in got] == pointers
+    want = reference_scatter(pools, rows, page_ids, slots, group_size=case.group_size,
+                             clip_ratio=case.clip_ratio, levels=levels)
+    assert_pools(tensors, want, case.name)
+
+
+def test_write_pages_rotation_equals_write_int2_scattered():
+    """The rotated write scatters exactly the rows write_int2 produces (same kernel path)."""
+    case = WRITE_CASES[4]
+    rng = np.random.default_rng(3)
+    rows = case.rows()
+    rotation = to_torch(random_rotations(rng, case.num_kv_heads, case.head_dim))
+    page_ids, slots = case.destinations()
+    tensors = tuple(to_torch(p) for p in case.int2_pools())
+    ops.write_pages(*tensors, to_torch(rows), to_torch(page_ids), to_torch(slots), rotation=rotation,
+                    group_size=case.group_size, clip_ratio=case.clip_ratio)
+    dense = ops.write_int2(to_torch(rows), rotation, group_size=case.group_size, clip_ratio=case.clip_ratio)
+    for pool, value in zip(tensors, dense):
+        assert torch.equal(pool[torch.as_tensor(page_ids).long(), :, torch.as_tensor(slots).long()], value)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_write_pages_input_dtypes(dtype):
+    case = WRITE_CASES[0]
+    rows = to_torch(case.rows()).to(dtype)
+    page_ids, slots = case.destinations()
+    pools = case.int2_pools()
+    tensors = tuple(to_torch(p) for p in pools)
+    ops.write_pages(*tensors, rows, to_torch(page_ids), to_torch(slots), group_size=case.group_size,
+                    clip_ratio=case.clip_ratio)
+    expected_rows = rows.to(torch.float32).cpu().numpy()
+    want = reference_scatter(pools, expected_rows, page_ids, slots, group_size=case.group_size,
+                             clip_ratio=case.clip_ratio, levels="minmax")
+    assert_pools(tensors, want, str(dtype))
+
+
+def test_kernel_skips_out_of_range_destinations():
+    """Without host checks (the custom op called directly, as under torch.compile), destinations
+    outside the pool are masked: nothing is written out of bounds, valid tokens still land."""
+    case = WRITE_CASES[4]
+    num_pages, page_size = case.num_pages, case.page_size
+    rows = case.rows()[:6]
+    page_ids = np.array([0, -1, num_pages, 2, 1, 3], np.int32)
+    slots = np.array([3, 0, 0, page_size, -2, 5], np.int32)
+    pools = case.int2_pools()
+    tensors = tuple(to_torch(p) for p in pools)
+    k = clip_index(case.clip_ratio, case.head_dim)
+    library.write_pages(*tensors, to_torch(rows), to_torch(page_ids), to_torch(slots), None, case.group_size, k,
+                        "minmax")
+    keep = np.array([0, 5])
+    want = reference_scatter(pools, rows[keep], page_ids[keep], slots[keep], group_size=case.group_size,
+                             clip_ratio=case.clip_ratio, levels="minmax")
+    assert_pools(tensors, want, "masked")
+    bf16_pool = to_torch(case.bf16_pool())
+    before = to_numpy(bf16_pool).copy()
+    library.write_bf16_pages(bf16_pool, to_torch(rows), to_torch(page_ids), to_torch(slots))
+    assert_same_bits(to_numpy(bf16_pool), reference_bf16_scatter(before, rows[keep], page_ids[keep], slots[keep]),
+                     "masked bf16")
+
+
+def test_empty_writes_leave_pools_untouched():
+    case = WRITE_CASES[0]
+    pools = case.int2_pools()
+    tensors = tuple(to_torch(p) for p in pools)
+    empty_rows = torch.zeros((0, case.num_kv_heads, case.head_dim), device=DEVICE)
+    no_ids = torch.zeros((0,), dtype=torch.int32, device=DEVICE)
+    got = ops.write_pages(*tensors, empty_rows, no_ids, no_ids, group_size=case.group_size, clip_ratio=0.9)
+    assert all(a is b for a, b in zip(got, tensors))
+    assert_pools(tensors, pools, "empty")
+    packed, scale, minimum = ops.write_int2(empty_rows, None, group_size=case.group_size, clip_ratio=0.9)
+    assert packed.shape == (0, case.num_kv_heads, case.head_dim // 4) and scale.shape[0] == minimum.shape[0] == 0
+
+
+# ------------------------------------------------------------------------- write_bf16_pages
+
+
+def test_write_bf16_pages_rounds_to_nearest_even():
+    case = WRITE_CASES[3]  # 16 tokens, 1 head, D = 128
+    rows = case.rows()
+    one = F32(1.0)
+    special = np.array(
+        [one + F32(2.0**-8), one + F32(3 * 2.0**-8), -(one + F32(2.0**-8)), F32(1.00390625 + 2.0**-10),
+         np.inf, -np.inf, F32(3.3e38), F32(1e-40), F32(-1e-45), 0.0, -0.0, F32(65504.0)],
+        F32,
+    )
+    rows[0, 0, : special.size] = special
+    page_ids, slots = case.destinations()
+    pool = case.bf16_pool()
+    tensor = to_torch(pool)
+    assert ops.write_bf16_pages(tensor, to_torch(rows), to_torch(page_ids), to_torch(slots)) is tensor
+    want = reference_bf16_scatter(pool, rows, page_ids, slots)
+    assert_same_bits(to_numpy(tensor), want, "bf16 RNE")
+    # torch's own float32 → bfloat16 cast (round-to-nearest-even on CPU) agrees.
+    assert_same_bits(bf16_bits(rows), to_numpy(torch.from_numpy(rows).to(torch.bfloat16)), "torch cast")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_write_bf16_pages_input_dtypes(dtype):
+    case = WRITE_CASES[1]
+    rows = to_torch(case.rows()).to(dtype)
+    page_ids, slots = case.destinations()
+    pool = case.bf16_pool()
+    tensor = to_torch(pool)
+    ops.write_bf16_pages(tensor, rows, to_torch(page_ids), to_torch(slots))
+    want = reference_bf16_scatter(pool, rows.to(torch.float32).cpu().numpy(), page_ids, slots)
+    assert_same_bits(to_numpy(tensor), want, str(dtype))
+
+
+def test_write_bf16_pages_nan_stays_nan():
+    pool = torch.zeros((1, 1, 16, 16), dtype=torch.bfloat16, device=DEVICE)
+    rows = torch.full((1, 1, 16), float("nan"), device=DEVICE)
+    rows[0, 0, 1] = -float("nan")
+    ops.write_bf16_pages(pool, rows, torch.tensor([0], device=DEVICE), torch.tensor([2], device=DEVICE))
+    assert torch.isnan(pool[0, 0, 2]).all() and not torch.isnan(pool[0, 0, 3]).any()
+
+
+# ------------------------------------------------------------------------------- demotion
+
+
+@pytest.mark.parametrize("param", CASE_LEVELS, ids=_id)
+def test_demote_pages_is_encode_of_bf16_pages(param):
+    case, levels = param
+    layered = case.num_layers > 1
+    bf16_pool = case.bf16_pool(layered)
+    pools = case.int2_pools(layered)
+    src, dst = case.demotions()
+    tensors = tuple(to_torch(p) for p in pools)
+    got = ops.demote_pages(to_torch(bf16_pool), *tensors, to_torch(src), to_torch(dst),
+                           group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
+    assert all(a is b for a, b in zip(got, tensors))
+    want = reference_demote(bf16_pool, pools, src, dst, group_size=case.group_size, clip_ratio=case.clip_ratio,
+                            levels=levels)
+    assert_pools(tensors, want, f"{case.name} layered={layered}")
+
+
+def test_demote_one_layer_of_a_stacked_pool_in_place():
+    """A layer view of stacked [Y, ...] pools (what the cache passes) is updated in place."""
+    case = WRITE_CASES[4]
+    bf16_pool = case.bf16_pool(layers=True)
+    pools = case.int2_pools(layers=True)
+    src, dst = case.demotions()
+    tensors = tuple(to_torch(p) for p in pools)
+    ops.demote_pages(to_torch(bf16_pool)[1], *(t[1] for t in tensors), to_torch(src), to_torch(dst),
+                     group_size=case.group_size, clip_ratio=case.clip_ratio)
+    want = reference_demote(bf16_pool[1], tuple(p[1] for p in pools), src, dst, group_size=case.group_size,
+                            clip_ratio=case.clip_ratio, levels="minmax")
+    for t, p, w in zip(tensors, pools, want):
+        expected = p.copy()
+        expected[1] = w
+        assert_same_bits(to_numpy(t), expected, "layer view")
+
+
+# ------------------------------------------------------------------------------- bad inputs
+
+D, G, K, L, P = 64, 32, 2, 16, 3
+
+
+def _pools(**overrides):
+    pools = dict(
+        codes=torch.zeros((P, K, L, D // 4), dtype=torch.uint8, device=DEVICE),
+        scale=torch.zeros((P, K, L, D // G), dtype=torch.float16, device=DEVICE),
+        minimum=torch.zeros((P, K, L, D // G), dtype=torch.float16, device=DEVICE),
+    )
+    pools.update(overrides)
+    return pools
+
+
+ROWS = torch.zeros((2, K, D), device=DEVICE)
+IDS = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+BF16 = torch.zeros((P, K, L, D), dtype=torch.bfloat16, device=DEVICE)
+META = torch.device("meta")
+
+
+def _write(rows=ROWS, page_ids=IDS, slots=IDS, rotation=None, group_size=G, clip_ratio=0.9, levels="minmax", **pools):
+    return ops.write_pages(**_pools(**pools), rows=rows, page_ids=page_ids, slots=slots, rotation=rotation,
+                           group_size=group_size, clip_ratio=clip_ratio, levels=levels)
+
+
+def _demote(bf16_pool=BF16, src=IDS, dst=IDS, group_size=G, clip_ratio=0.9, levels="minmax", **pools):
+    return ops.demote_pages(bf16_pool, **_pools(**pools), src_pages=src, dst_pages=dst, group_size=group_size,
+                            clip_ratio=clip_ratio, levels=levels)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        # write_int2
+        (lambda: ops.write_int2(ROWS[0], None, group_size=G, clip_ratio=0.9), r"x must be \[tokens, kv_heads"),
+        (lambda: ops.write_int2(ROWS.to(torch.bool), None, group_size=G, clip_ratio=0.9), "dtype bool"),
+        (lambda: ops.write_int2(ROWS, torch.zeros((K, D, D), dtype=torch.float64, device=DEVICE), group_size=G,
+                                clip_ratio=0.9), "rotation must have dtype float32"),
+        (lambda: ops.write_int2(ROWS, torch.zeros((K + 1, D, D), device=DEVICE), group_size=G, clip_ratio=0.9),
+         r"rotation must have shape \[2, 64, 64\]"),
+        (lambda: ops.write_int2(ROWS, torch.zeros((K, D, D), device=DEVICE).transpose(1, 2), group_size=G,
+                                clip_ratio=0.9), "rotation must be contiguous"),
+        (lambda: ops.write_int2(ROWS, torch.zeros((K, D, D), device=META), group_size=G, clip_ratio=0.9),
+         "rotation is on device meta"),
+        (lambda: ops.write_int2(ROWS, None, group_size=G, clip_ratio=0.9, levels="median"), "levels='median'"),
+        (lambda: ops.write_int2(ROWS, None, group_size=12, clip_ratio=0.9), "group_size=12"),
+        (lambda: ops.write_int2(ROWS, None, group_size=G, clip_ratio=-1.0), "clip_ratio=-1.0"),
+        # write_pages: pools
+        (lambda: _write(codes=torch.zeros((P, K, L, D // 4), dtype=torch.int8, device=DEVICE)),
+         "codes must have dtype uint8"),
+        (lambda: _write(scale=torch.zeros((P, K, L, D // G), device=DEVICE)), "scale must have dtype float16"),
+        (lambda: _write(codes=torch.zeros((K, L, D // 4), dtype=torch.uint8, device=DEVICE)),
+         r"codes must be \[pages, kv_heads, page_size, head_dim/4\]"),
+        (lambda: _write(minimum=torch.zeros((P, K, L, 1), dtype=torch.float16, device=DEVICE)),
+         "scale .* and minimum .* must have the same shape"),
+        (lambda: _write(scale=torch.zeros((P, K, L + 1, 2), dtype=torch.float16, device=DEVICE),
+                        minimum=torch.zeros((P, K, L + 1, 2), dtype=torch.float16, device=DEVICE)),
+         "must share codes' leading axes"),
+        (lambda: _write(scale=torch.zeros((P, K, L, 4), dtype=torch.float16, device=DEVICE),
+                        minimum=torch.zeros((P, K, L, 4), dtype=torch.float16, device=DEVICE)),
+         "hold 4 groups per row, expected head_dim/group_size = 2"),
+        (lambda: _write(codes=torch.zeros((P, L, K, D // 4), dtype=torch.uint8, device=DEVICE).transpose(1, 2)),
+         "codes must be contiguous"),
+        (lambda: _write(codes=torch.zeros((P, K, L, D // 4), dtype=torch.uint8, device=META)),
+         "scale is on device .* but codes is on device meta"),
+        # write_pages: rows, rotation, destinations
+        (lambda: _write(rows=torch.zeros((2, K + 1, D), device=DEVICE)), r"rows has shape \(2, 3, 64\)"),
+        (lambda: _write(rows=torch.zeros((2, K, D), dtype=torch.complex64, device=DEVICE)), "dtype complex64"),
+        (lambda: _write(rows=torch.zeros((K, 2, D), device=DEVICE).transpose(0, 1)), "rows must be contiguous"),
+        (lambda: _write(rows=ROWS.to(META)), "rows is on device meta"),
+        (lambda: _write(rotation=torch.zeros((K, D, D), dtype=torch.float16, device=DEVICE)),
+         "rotation must have dtype float32"),
+        (lambda: _write(page_ids=[0, 1]), "page_ids must be a torch.Tensor"),
+        (lambda: _write(page_ids=IDS.float()), "page_ids must be an integer tensor"),
+        (lambda: _write(slots=IDS[:1]), r"slots must have shape \[2\] \(one per token\)"),
+        (lambda: _write(page_ids=torch.zeros((4,), dtype=torch.int32, device=DEVICE)[::2]),
+         "page_ids must be contiguous"),
+        (lambda: _write(page_ids=IDS.to(META)), "page_ids is on device meta"),
+        (lambda: _write(page_ids=torch.tensor([0, P], device=DEVICE)), r"page_ids must lie in \[0, 3\) .* \[3\]"),
+        (lambda: _write(slots=torch.tensor([-1, 0], device=DEVICE)), r"slots must lie in \[0, 16\) .* \[-1\]"),
+        (lambda: _write(page_ids=torch.tensor([1, 1], device=DEVICE), slots=torch.tensor([4, 4], device=DEVICE)),
+         r"\(page_id, slot\) destinations must be distinct, got repeated \[\[1, 4\]\]"),
+        (lambda: _write(group_size=64), "hold 2 groups per row, expected head_dim/group_size = 1"),
+        (lambda: _write(clip_ratio=2.0), "clip_ratio=2.0"),
+        (lambda: _write(levels="kmeans"), "levels='kmeans'"),
+        # write_bf16_pages
+        (lambda: ops.write_bf16_pages(BF16.float(), ROWS, IDS, IDS), "pool must have dtype bfloat16"),
+        (lambda: ops.write_bf16_pages(BF16[0], ROWS, IDS, IDS), r"pool must be \[pages, kv_heads"),
+        (lambda: ops.write_bf16_pages(BF16.transpose(0, 1), ROWS, IDS, IDS), "pool must be contiguous"),
+        (lambda: ops.write_bf16_pages(BF16, ROWS.int(), IDS, IDS), "rows must be a float tensor, got dtype int32"),
+        (lambda: ops.write_bf16_pages(BF16, ROWS[:, :1].contiguous(), IDS, IDS), r"rows has shape \(2, 1, 64\)"),
+        (lambda: ops.write_bf16_pages(BF16, ROWS.to(META), IDS, IDS), "rows is on device meta"),
+        (lambda: ops.write_bf16_pages(BF16, ROWS, torch.tensor([0, 5], device=DEVICE), IDS),
+         r"page_ids must lie in \[0, 3\)"),
+        (lambda: ops.write_bf16_pages(BF16, ROWS, IDS, torch.tensor([0, 16], device=DEVICE)),
+         r"slots must lie in \[0, 16\)"),
+        # demote_pages
+        (lambda: _demote(bf16_pool=BF16.float()), "bf16_pool must have dtype bfloat16"),
+        (lambda: _demote(bf16_pool=BF16[0]), r"bf16_pool must be \[pages, kv_heads, page_size, head_dim\] or"),
+        (lambda: _demote(bf16_pool=BF16.transpose(1, 2)), "bf16_pool must be contiguous"),
+        (lambda: _demote(bf16_pool=BF16[None]), r"codes must be \[layers, pages"),
+        (lambda: _demote(bf16_pool=torch.zeros((P, K, L, 2 * D), dtype=torch.bfloat16, device=DEVICE)),
+         "bf16_pool head_dim=128 differs from the INT2 pools' head_dim=64"),
+        (lambda: _demote(bf16_pool=torch.zeros((P, K + 1, L, D), dtype=torch.bfloat16, device=DEVICE)),
+         "must match bf16_pool .* in layers, kv_heads and page_size"),
+        (lambda: _demote(bf16_pool=torch.zeros((P, K, 12, D), dtype=torch.bfloat16, device=DEVICE),
+                         codes=torch.zeros((P, K, 12, D // 4), dtype=torch.uint8, device=DEVICE),
+                         scale=torch.zeros((P, K, 12, 2), dtype=torch.float16, device=DEVICE),
+                         minimum=torch.zeros((P, K, 12, 2), dtype=torch.float16, device=DEVICE)),
+         "page_size=12 of the pools must be a power of two"),
+        (lambda: _demote(bf16_pool=BF16.to(META)), "codes is on device .* but bf16_pool is on device meta"),
+        (lambda: _demote(src=IDS.float()), "src_pages must be an integer tensor"),
+        (lambda: _demote(dst=IDS[:1]), r"dst_pages must have shape \[2\]"),
+        (lambda: _demote(src=torch.tensor([0, P], device=DEVICE)), r"src_pages must lie in \[0, 3\)"),
+        (lambda: _demote(dst=torch.tensor([0, -1], device=DEVICE)), r"dst_pages must lie in \[0, 3\)"),
+        (lambda: _demote(dst=torch.tensor([2, 2], device=DEVICE)), r"dst_pages must be distinct, got repeated \[\[2\]\]"),
+        (lambda: _demote(group_size=16), "hold 2 groups per row, expected head_dim/group_size = 4"),
+        (lambda: _demote(clip_ratio=0), "clip_ratio=0"),
+        (lambda: _demote(levels="minimax"), "levels='minimax'"),
+    ],
+)
+def test_bad_inputs_raise_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU tensors are valid under the interpreter only")
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    from oscar_torch.kernels import codec as kcodec
+
+    monkeypatch.setattr(kcodec, "INTERPRETING", False)
+    with pytest.raises(ValueError, match="x is on device cpu: oscar_torch kernels run on cuda, or on cpu under"):
+        ops.encode(torch.zeros((2, 64)), group_size=32, clip_ratio=0.9)

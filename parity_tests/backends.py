@@ -1,0 +1,162 @@
+"""The three implementations of format v1 behind one numpy-in, numpy-out interface.
+
+`shared_math` (the reference), `jax` (oscar_jax.ops / attention_ops: Pallas, interpret mode on a
+CPU backend, compiled on a GPU backend) and `torch` (oscar_torch.ops: Triton, the interpreter on
+CPU, compiled on cuda). Every backend receives the same numpy arrays (bfloat16 as uint16 bit
+patterns) and returns numpy arrays, so a test compares bytes directly. This module (and the tests
+beside it) is the only code that imports both backends.
+
+Device: torch tensors go to cuda when OSCAR_TEST_GPU=1 and a GPU is present, else to cpu (the
+root conftest sets TRITON_INTERPRET=1 and JAX_PLATFORMS=cpu unless OSCAR_TEST_GPU=1).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Two frameworks share one GPU: JAX must not preallocate most of its memory (set before JAX starts).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import oscar_jax.attention_ops as jax_attention  # noqa: E402
+import oscar_jax.ops as jax_ops  # noqa: E402
+import oscar_torch.ops as torch_ops  # noqa: E402
+from parity_tests import cases  # noqa: E402
+from shared_math import codec as reference  # noqa: E402
+
+ON_GPU = os.environ.get("OSCAR_TEST_GPU") == "1"
+TORCH_DEVICE = torch.device("cuda" if ON_GPU and torch.cuda.is_available() else "cpu")
+
+
+# ------------------------------------------------------------------------------ conversion
+
+
+def to_jax(a: np.ndarray):
+    a = np.ascontiguousarray(a)
+    if a.dtype == np.uint16:  # bfloat16 bit patterns
+        return jax.lax.bitcast_convert_type(jnp.asarray(a), jnp.bfloat16)
+    return jnp.asarray(a)
+
+
+def from_jax(x) -> np.ndarray:
+    if x.dtype == jnp.bfloat16:
+        return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16))
+    return np.asarray(x)
+
+
+def to_torch(a: np.ndarray) -> torch.Tensor:
+    a = np.ascontiguousarray(a)
+    if a.dtype == np.uint16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(TORCH_DEVICE)
+    return torch.from_numpy(a.copy()).to(TORCH_DEVICE)
+
+
+def from_torch(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _query_jax(q: np.ndarray, dtype: str):
+    return to_jax(q).astype(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+
+
+def _query_torch(q: np.ndarray, dtype: str):
+    return to_torch(q).to(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+
+
+# ------------------------------------------------------------------------------ the ops
+
+
+def encode(backend: str, x: np.ndarray, **kwargs):
+    if backend == "shared_math":
+        return reference.encode(x, **kwargs)
+    if backend == "jax":
+        return tuple(from_jax(a) for a in jax_ops.encode(to_jax(x), **kwargs))
+    return tuple(from_torch(a) for a in torch_ops.encode(to_torch(x), **kwargs))
+
+
+def write_pages(backend: str, pools, rows, page_ids, slots, **kwargs):
+    if backend == "shared_math":
+        return cases.reference_scatter(pools, rows, page_ids, slots, **kwargs)
+    if backend == "jax":
+        out = jax_ops.write_pages(*(to_jax(p) for p in pools), to_jax(rows), to_jax(page_ids), to_jax(slots), **kwargs)
+        return tuple(from_jax(a) for a in out)
+    tensors = tuple(to_torch(p) for p in pools)
+    torch_ops.write_pages(*tensors, to_torch(rows), to_torch(page_ids), to_torch(slots), **kwargs)
+    return tuple(from_torch(t) for t in tensors)
+
+
+def write_bf16_pages(backend: str, pool, rows, page_ids, slots):
+    if backend == "shared_math":
+        return cases.reference_bf16_scatter(pool, rows, page_ids, slots)
+    if backend == "jax":
+        return from_jax(jax_ops.write_bf16_pages(to_jax(pool), to_jax(rows), to_jax(page_ids), to_jax(slots)))
+    tensor = to_torch(pool)
+    torch_ops.write_bf16_pages(tensor, to_torch(rows), to_torch(page_ids), to_torch(slots))
+    return from_torch(tensor)
+
+
+def demote_pages(backend: str, bf16_pool, pools, src, dst, **kwargs):
+    if backend == "shared_math":
+        return cases.reference_demote(bf16_pool, pools, src, dst, **kwargs)
+    if backend == "jax":
+        out = jax_ops.demote_pages(to_jax(bf16_pool), *(to_jax(p) for p in pools), to_jax(src), to_jax(dst), **kwargs)
+        return tuple(from_jax(a) for a in out)
+    tensors = tuple(to_torch(p) for p in pools)
+    torch_ops.demote_pages(to_torch(bf16_pool), *tensors, to_torch(src), to_torch(dst), **kwargs)
+    return tuple(from_torch(t) for t in tensors)
+
+
+def write_cache(backend: str, case: cases.AttentionCase, cache: cases.PagedCache) -> tuple[np.ndarray, ...]:
+    """Write the case's tokens into the poisoned empty pools through `backend`'s write path
+    (write_bf16_pages for sink and recent rows, write_pages for history rows, K and V), and
+    return the eight pools."""
+    plan = cache.plan
+    k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min = cache.empty_pools()
+    codec = dict(group_size=case.group_size, levels=case.levels)
+    k_bf16 = write_bf16_pages(backend, k_bf16, plan.bf16_rows_k, plan.bf16_page_ids, plan.bf16_slots)
+    v_bf16 = write_bf16_pages(backend, v_bf16, plan.bf16_rows_v, plan.bf16_page_ids, plan.bf16_slots)
+    if plan.int2_page_ids.size:
+        k_codes, k_scale, k_min = write_pages(backend, (k_codes, k_scale, k_min), plan.int2_rows_k,
+                                              plan.int2_page_ids, plan.int2_slots,
+                                              clip_ratio=cases.DEFAULT_K_CLIP_RATIO, **codec)
+        v_codes, v_scale, v_min = write_pages(backend, (v_codes, v_scale, v_min), plan.int2_rows_v,
+                                              plan.int2_page_ids, plan.int2_slots,
+                                              clip_ratio=cases.DEFAULT_V_CLIP_RATIO, **codec)
+    return k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min
+
+
+def decode_attention(backend: str, case: cases.AttentionCase, pools, tables, q: np.ndarray) -> np.ndarray:
+    kwargs = dict(sink_slots=case.sink_slots, group_size=case.group_size, softmax_scale=case.softmax_scale,
+                  pages_per_split=case.pages_per_split, pages_per_block=case.pages_per_block)
+    if backend == "jax":
+        out = jax_attention.decode_attention(_query_jax(q, case.q_dtype), *(to_jax(a) for a in pools + tables),
+                                             **kwargs)
+        return np.asarray(out)
+    out = torch_ops.decode_attention(_query_torch(q, case.q_dtype), *(to_torch(a) for a in pools + tables), **kwargs)
+    return from_torch(out)
+
+
+def prefill_attention(backend: str, case: cases.PrefillCase, pools, tables, q, k_new, v_new) -> np.ndarray:
+    p = case.prefix
+    kwargs = dict(sink_slots=p.sink_slots, group_size=p.group_size, softmax_scale=p.softmax_scale,
+                  pages_per_split=p.pages_per_split, pages_per_block=p.pages_per_block,
+                  block_m=case.block_m, block_n=case.block_n)
+    new_tokens = np.asarray(case.new_tokens, np.int32)
+    if backend == "jax":
+        kv = jnp.bfloat16 if case.kv_dtype == "bfloat16" else jnp.float32
+        out = jax_attention.prefill_attention(
+            _query_jax(q, p.q_dtype), to_jax(k_new).astype(kv), to_jax(v_new).astype(kv),
+            *(to_jax(a) for a in pools + tables), to_jax(new_tokens), **kwargs)
+        return np.asarray(out)
+    kv = torch.bfloat16 if case.kv_dtype == "bfloat16" else torch.float32
+    out = torch_ops.prefill_attention(
+        _query_torch(q, p.q_dtype), to_torch(k_new).to(kv), to_torch(v_new).to(kv),
+        *(to_torch(a) for a in pools + tables), to_torch(new_tokens), **kwargs)
+    return from_torch(out)

@@ -1,0 +1,108 @@
+"""The parity checks, one function per claim, shared by the CPU tests and the GPU run.
+
+Each check asserts (bytes bit-identical, or attention within cases.ATTENTION_TOLERANCES of the
+float64 reference over the dequantized cache) and returns what it measured, so the GPU test can
+record a result file. Backends: "shared_math", "jax", "torch" (parity_tests.backends).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from parity_tests import backends, cases
+from parity_tests.cases import assert_close, assert_same_bits
+from shared_math.codec import decode as reference_decode_rows
+
+CODEC_BACKENDS = ("shared_math", "jax", "torch")
+ARRAYS = ("packed", "scale", "minimum")
+
+
+def _same(results: dict, what: str) -> None:
+    """Every backend's arrays bit-identical to shared_math's."""
+    want = results["shared_math"]
+    for backend, got in results.items():
+        for name, a, e in zip(ARRAYS, got, want):
+            assert_same_bits(a, e, f"{what}: {backend} {name} vs shared_math")
+
+
+def codec(case: cases.CodecCase, levels: str) -> dict:
+    """encode bytes of every data kind (one launch per backend): bit-identical across the three."""
+    kinds = sorted(cases.DATA)
+    x = np.stack([case.rows(kind) for kind in kinds])
+    kwargs = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
+    results = {b: backends.encode(b, x, **kwargs) for b in CODEC_BACKENDS}
+    for i, kind in enumerate(kinds):
+        _same({b: tuple(a[i] for a in r) for b, r in results.items()}, f"{case.name} {kind} {levels}")
+    return dict(rows=int(np.prod(x.shape[:-1])), kinds=kinds, bit_identical=True)
+
+
+def write(case: cases.WriteCase, levels: str) -> dict:
+    """INT2 pages written by write_pages and by demote_pages, and BF16 pages written by
+    write_bf16_pages, from identical (rotated) inputs: bit-identical across the three."""
+    codec_args = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
+    pools, rows = case.int2_pools(), case.rows()
+    page_ids, slots = case.destinations()
+    _same({b: backends.write_pages(b, pools, rows, page_ids, slots, **codec_args) for b in CODEC_BACKENDS},
+          f"{case.name} write_pages {levels}")
+    layered = case.num_layers > 1
+    bf16_pool, pools = case.bf16_pool(layered), case.int2_pools(layered)
+    src, dst = case.demotions()
+    _same({b: backends.demote_pages(b, bf16_pool, pools, src, dst, **codec_args) for b in CODEC_BACKENDS},
+          f"{case.name} demote_pages {levels}")
+    pool = case.bf16_pool()
+    bf16 = {b: backends.write_bf16_pages(b, pool, rows, page_ids, slots) for b in CODEC_BACKENDS}
+    for backend, got in bf16.items():
+        assert_same_bits(got, bf16["shared_math"], f"{case.name} write_bf16_pages: {backend}")
+    return dict(tokens=case.num_tokens, demoted_pages=int(src.size) * case.num_layers, bit_identical=True)
+
+
+def decode_attention(case: cases.AttentionCase) -> dict:
+    """Both backends' decode attention on the same pools vs the float64 reference (one table)."""
+    cache = cases.build_cache(case)
+    q = case.query()
+    want = cases.reference_decode(case, cache, q)
+    errors = {}
+    for backend in ("jax", "torch"):
+        out = backends.decode_attention(backend, case, cache.pools(), cache.tables(), q)
+        errors[backend] = assert_close(out, want, case.q_dtype)
+    return dict(max_abs_error=errors, tolerance=cases.ATTENTION_TOLERANCES[case.q_dtype])
+
+
+def cross_backend(case: cases.AttentionCase, writer: str) -> dict:
+    """A page pool written by `writer` (its write path, from the poisoned empty pools) holds the
+    format's bytes, and the other backend decodes it (format decode of the INT2 pages) and
+    attends over it within the tolerance table."""
+    reader = {"jax": "torch", "torch": "jax"}[writer]
+    cache = cases.build_cache(case)
+    pools = backends.write_cache(writer, case, cache)
+    for name, got, want in zip(cache.POOLS, pools, cache.pools()):
+        assert_same_bits(got, want, f"{case.name}: {name} written by {writer}")
+    k_codes, k_scale, k_min = pools[2:5]
+    decoded = _decode(reader, k_codes, k_scale, k_min, case.group_size)
+    np.testing.assert_array_equal(decoded, reference_decode_rows(k_codes, k_scale, k_min, group_size=case.group_size))
+    q = case.query()
+    out = backends.decode_attention(reader, case, pools, cache.tables(), q)
+    error = assert_close(out, cases.reference_decode(case, cache, q), case.q_dtype)
+    return dict(writer=writer, reader=reader, max_abs_error=error, tolerance=cases.ATTENTION_TOLERANCES[case.q_dtype])
+
+
+def _decode(backend: str, codes, scale, minimum, group_size: int) -> np.ndarray:
+    if backend == "jax":
+        return np.asarray(backends.jax_ops.decode(backends.to_jax(codes), backends.to_jax(scale),
+                                                  backends.to_jax(minimum), group_size=group_size))
+    return backends.from_torch(backends.torch_ops.decode(backends.to_torch(codes), backends.to_torch(scale),
+                                                         backends.to_torch(minimum), group_size=group_size))
+
+
+def prefill_attention(case: cases.PrefillCase) -> dict:
+    """Both backends' prefill (chunk causal in full precision + prefix through the tiers) vs the
+    float64 reference, within the tolerance table (keyed by q's dtype)."""
+    cache = cases.build_cache(case.prefix)
+    q, k_new, v_new = case.chunk_arrays()
+    want = cases.reference_prefill(case, cache, q, k_new, v_new)
+    errors = {
+        backend: assert_close(backends.prefill_attention(backend, case, cache.pools(), cache.tables(), q, k_new, v_new),
+                              want, case.prefix.q_dtype)
+        for backend in ("jax", "torch")
+    }
+    return dict(max_abs_error=errors, tolerance=cases.ATTENTION_TOLERANCES[case.prefix.q_dtype])
