@@ -35,7 +35,7 @@ from shared_math.spec import CODES_PER_BYTE
 NAMESPACE = "oscar"
 
 
-def _int2_outputs(lead: tuple[int, ...], d: int, group_size: int, like: Tensor):
+def empty_int2_outputs(lead: tuple[int, ...], d: int, group_size: int, like: Tensor):
     return (
         like.new_empty(lead + (d // CODES_PER_BYTE,), dtype=torch.uint8),
         like.new_empty(lead + (d // group_size,), dtype=torch.float16),
@@ -53,7 +53,7 @@ def encode(x: Tensor, group_size: int, clip_index: int, levels: str) -> tuple[Te
 
 @encode.register_fake
 def _(x, group_size, clip_index, levels):
-    return _int2_outputs((x.shape[0],), x.shape[1], group_size, x)
+    return empty_int2_outputs((x.shape[0],), x.shape[1], group_size, x)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::decode", mutates_args=())
@@ -78,7 +78,7 @@ def write_int2(
 
 @write_int2.register_fake
 def _(x, rotation, group_size, clip_index, levels):
-    return _int2_outputs(tuple(x.shape[:2]), x.shape[2], group_size, x)
+    return empty_int2_outputs(tuple(x.shape[:2]), x.shape[2], group_size, x)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::write_pages", mutates_args=("codes", "scale", "minimum"))

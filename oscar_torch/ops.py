@@ -103,7 +103,7 @@ def encode(x, *, group_size: int, clip_ratio: float, levels: str = "minmax"):
     lead = tuple(x.shape[:-1])
     num_rows = math.prod(lead)
     if num_rows == 0:
-        return library._int2_outputs(lead, d, group_size, x)
+        return library.empty_int2_outputs(lead, d, group_size, x)
     packed, scale, minimum = library.encode(x.reshape(num_rows, d), group_size, k, levels)
     return (
         packed.reshape(lead + packed.shape[-1:]),
@@ -205,7 +205,7 @@ def write_int2(x, rotation, *, group_size: int, clip_ratio: float, levels: str =
     rotation = _rotation(rotation, num_heads, d)
     check_devices(x=x, rotation=rotation)
     if num_tokens == 0:
-        return library._int2_outputs((0, num_heads), d, group_size, x)
+        return library.empty_int2_outputs((0, num_heads), d, group_size, x)
     return library.write_int2(x, rotation, group_size, k, levels)
 
 

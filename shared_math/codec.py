@@ -60,6 +60,11 @@ def group_metadata_minmax(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Step 3 (levels='minmax'): scale = f16(f32(hi − lo)·f32(1/3)), minimum = f16(lo)."""
     lo = groups.min(axis=-1)
     hi = groups.max(axis=-1)
+    # Signed zeros: −0 orders below +0 (IEEE 754-2019 minimum/maximum). numpy's reductions leave
+    # the sign of a zero result to SIMD lane order when a group holds both, so pin it here.
+    zero = groups == 0
+    lo = np.where((lo == 0) & np.any(zero & np.signbit(groups), axis=-1), _F32(-0.0), lo)
+    hi = np.where((hi == 0) & np.any(zero & ~np.signbit(groups), axis=-1), _F32(0.0), hi)
     return _to_f16_saturating((hi - lo) * ONE_THIRD_F32), lo.astype(np.float16)
 
 

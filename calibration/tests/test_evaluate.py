@@ -12,6 +12,7 @@ from calibration import evaluate
 from calibration.emulation import EmulatedCache, _band_of, emulated_logits, mixed_attention, prepare_params
 from calibration.methods import HistoryIntervals, KiviMethod, TieredMethod, parse_method
 from calibration.tests.test_methods import make_artifact
+from oscar_jax.cache_api import reference_attention
 from oscar_jax.model import ModelConfig, decode_step, init_params, prefill
 from shared_math.artifact import write_artifact
 
@@ -70,7 +71,12 @@ class DecodeReference:
         return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
 
     def attend(self, layer, q, k, v, positions):
-        assert q.shape[1] == 1
+        if q.shape[1] > 1:  # a prefill: rows enter the tiers one by one; the chunk attends to itself in float32
+            for i in range(q.shape[1]):
+                row = self._bf16(self._rotate(np.asarray(k[0, i : i + 1]), layer))[0]
+                (self._kivi if isinstance(self.m, KiviMethod) else self._tiered)(layer, row, self._bf16(np.asarray(v[0, i])))
+            pos = positions
+            return reference_attention(q, k, v, pos, pos), self
         q = self._rotate(np.asarray(q[0]), layer)[0]  # [Hq, D]
         k = self._bf16(self._rotate(np.asarray(k[0]), layer))[0]  # [K, D]
         v = self._bf16(np.asarray(v[0], np.float32))[0]
@@ -358,3 +364,75 @@ def test_ablations_cache_and_deduplicate(params, tmp_path):
     with pytest.raises(ValueError, match="no ablation group"):
         ablations.run_ablations(params, CFG, windows, base=base, cache_dir=tmp_path, groups=["nope"],
                                 calibrate_fn=fake_calibrate)
+
+
+# ---------------------------------------------------------------------------------------------
+# Passkey
+
+
+class WordTokenizer:
+    """Words → crc32 buckets; a run of digits → one token per digit (like SmolLM2)."""
+
+    eos_id = 0
+
+    def encode(self, text):
+        import zlib
+
+        out = []
+        for word in text.split():
+            if word.isdigit():
+                out += [1 + int(c) for c in word]
+            else:
+                out.append(11 + zlib.crc32(word.encode()) % (CFG.vocab_size - 11))
+        return out
+
+
+def _haystack_docs(n=40):
+    rng = np.random.default_rng(9)
+    return [list(rng.integers(11, CFG.vocab_size, rng.integers(5, 15))) for _ in range(n)]
+
+
+def test_passkey_samples():
+    from calibration import passkey
+
+    tok, docs = WordTokenizer(), _haystack_docs()
+    for depth in (0.0, 0.5, 1.0):
+        s = passkey.build_sample(tok, docs, 160, depth, "31415", first_doc=3)
+        assert len(s.prompt) + len(s.answer) == 160 and s.answer.tolist() == [4, 2, 5, 2, 6]
+        needle = tok.encode(passkey.NEEDLE.format(key="31415"))
+        assert s.prompt[s.needle_position : s.needle_position + len(needle)].tolist() == needle
+        assert s.prompt[-len(tok.encode(passkey.QUESTION)):].tolist() == tok.encode(passkey.QUESTION)
+    early = passkey.build_sample(tok, docs, 160, 0.1, "31415").needle_position
+    late = passkey.build_sample(tok, docs, 160, 0.9, "31415").needle_position
+    assert early < late
+    with pytest.raises(ValueError, match="no room"):
+        passkey.build_sample(tok, docs, 20, 0.5, "31415")
+    with pytest.raises(ValueError, match="fewer than"):
+        passkey.build_sample(tok, docs[:2], 400, 0.5, "31415")
+    with pytest.raises(ValueError, match="depth"):
+        passkey.build_sample(tok, docs, 160, 1.5, "31415")
+
+
+def test_passkey_prefill_mode_matches_prefill_then_decode(params, artifact):
+    """Shared float32 prefill + per-method answer steps == runtime-style prefill then decode_step."""
+    from calibration import passkey
+
+    sample = passkey.build_sample(WordTokenizer(), _haystack_docs(), 100, 0.3, "27182")
+    methods = [build("oscar:windows=16/16", artifact), build("kivi2:group=16:residual=32"), build("bf16")]
+    got = passkey.answer_logits(params, CFG, sample, methods, mode="prefill", query_chunk=16)
+    p = len(sample.prompt)
+    for m in methods:
+        folded = prepare_params(params, CFG, m)
+        cache = DecodeReference(m)
+        logits, cache = prefill(folded, CFG, jnp.asarray(sample.prompt)[None], cache)
+        rows = [np.asarray(logits[0])]
+        for i, token in enumerate(sample.answer[:-1]):
+            logits, cache = decode_step(folded, CFG, jnp.asarray([token]), cache, jnp.asarray([p + i]))
+            rows.append(np.asarray(logits[0]))
+        np.testing.assert_allclose(got[m.name], np.stack(rows), atol=LOGIT_ATOL, rtol=0, err_msg=m.name)
+    assert np.abs(got[methods[0].name] - got["bf16"])[1:].max() > 10 * LOGIT_ATOL  # history was read
+    decode = passkey.answer_logits(params, CFG, sample, methods[:1], mode="decode", query_chunk=16)
+    assert decode[methods[0].name].shape == got[methods[0].name].shape
+    result = passkey.run_passkey(params, CFG, WordTokenizer(), methods, lengths=[100], depths=[0.2, 0.8],
+                                 docs=_haystack_docs(), progress=False, query_chunk=16)
+    assert set(result["methods"]["bf16"]["grid"]["100"]) == {"0.2", "0.8"} and len(result["samples"]) == 2

@@ -158,7 +158,7 @@ def test_prefix_sharing_reads_pages_identical_to_a_private_prefill(model):
     params, art = model
     first = (np.arange(150) * 3) % 90
     second = np.concatenate([first, [5, 6, 7, 8]])  # same padded bucket (256) as `first`
-    shared = OscarRuntime(params, CFG, art, max_batch=2, max_seq_len=256, **WINDOWS)
+    shared = OscarRuntime(params, CFG, art, max_batch=3, max_seq_len=256, **WINDOWS)
     shared.admit(first, namespace="a")
     sid, lg_shared, reused = shared.admit(second, namespace="a")
     assert reused == tier_split(len(first), shared.config).recent_start > 0

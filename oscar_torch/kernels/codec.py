@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shared_math.codec import MOMENTS_MINIMUM_OFFSET, ONE_THIRD_F32
+from shared_math.codec import MOMENTS_MINIMUM_OFFSET, ONE_THIRD_F32, THRESHOLD_OFFSETS
 from shared_math.spec import (
     CODE_BITS,
     CODE_MASK,
@@ -62,6 +62,10 @@ FP16_MAX_C = tl.constexpr(float(FP16_MAX))
 ONE_THIRD_C = tl.constexpr(float(ONE_THIRD_F32))
 MAD_TO_SIGMA_C = tl.constexpr(float(np.float32(MOMENTS_MAD_TO_SIGMA)))
 MINIMUM_OFFSET_C = tl.constexpr(float(MOMENTS_MINIMUM_OFFSET))
+# Threshold j sits at m + THRESHOLD_OFFSETS[j]·s, the offsets j + 0.5: first offset + j·step.
+FIRST_THRESHOLD_C = tl.constexpr(float(THRESHOLD_OFFSETS[0]))
+THRESHOLD_STEP_C = tl.constexpr(float(THRESHOLD_OFFSETS[1] - THRESHOLD_OFFSETS[0]))
+assert all(float(o) == FIRST_THRESHOLD_C.value + j * THRESHOLD_STEP_C.value for j, o in enumerate(THRESHOLD_OFFSETS))
 
 # IEEE 754 binary32 / bfloat16 bit-pattern constants (not format constants).
 _INT32 = np.iinfo(np.int32)
@@ -73,7 +77,7 @@ FP16_MAX_BITS = int(np.float32(FP16_MAX).view(np.int32))  # largest |x| bits aft
 BISECTION_STEPS = FP16_MAX_BITS.bit_length()
 ORDER_STATISTICS = ("max_drop", "bisect")
 MAX_DROP_REDUCTIONS_PER_ROUND = 2  # a max and a count; bisection does one count per step
-BF16_SHIFT = np.finfo(np.float32).bits - 16  # a bfloat16 is the top 16 bits of a float32
+BF16_SHIFT = torch.finfo(torch.float32).bits - torch.finfo(torch.bfloat16).bits  # bf16 = top half of f32
 _F32 = np.finfo(np.float32)
 F32_MANTISSA_MASK = (1 << int(_F32.nmant)) - 1
 F32_EXPONENT_MASK = F32_MAGNITUDE_MASK & ~F32_MANTISSA_MASK
@@ -315,7 +319,8 @@ def encode_block(
     group_key = tl.reshape(key, (ROWS * NUM_GROUPS, GROUP_SIZE))
     codes = tl.zeros((ROWS * NUM_GROUPS, GROUP_SIZE), tl.int32)
     for j in tl.static_range(NUM_THRESHOLDS_C):
-        threshold = _ieee_key((m + (j + 0.5) * s).to(tl.int32, bitcast=True))
+        offset: tl.constexpr = FIRST_THRESHOLD_C + j * THRESHOLD_STEP_C
+        threshold = _ieee_key((m + offset * s).to(tl.int32, bitcast=True))
         codes = codes + (group_key >= threshold).to(tl.int32)
     # 5. quartered packing: plane p (elements p·Q … p·Q + Q − 1) goes to bits CODE_BITS·p.
     planes = tl.reshape(codes, (ROWS, CODES_PER_BYTE_C, QUARTER))

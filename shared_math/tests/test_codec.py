@@ -243,3 +243,20 @@ def test_decode_rejects_bad_input():
         decode(p, s[:, :1], m[:, :1], group_size=32)
     with pytest.raises(ValueError, match="group_size=16"):
         decode(p, s, m, group_size=16)
+
+
+def test_signed_zero_groups_are_deterministic():
+    # A group whose minimum is zero and that holds both −0 and +0: lo = −0 whatever the SIMD lane
+    # order (the clip keeps zeros as they are because τ = 1 > 0 here).
+    for perm in range(4):
+        x = np.zeros(16, F32)
+        x[np.random.default_rng(perm).permutation(15)[:7]] = -0.0
+        x[15] = 1.0
+        _, _, minimum = encode(x, group_size=16, clip_ratio=1.0)
+        assert minimum.view(np.uint16).tolist() == [0x8000]
+        _, scale, minimum = encode(-x, group_size=16, clip_ratio=1.0)  # max side: hi = +0
+        assert minimum.tolist() == [-1.0] and scale.tolist() == [np.float16(np.float32(1 / 3))]
+    x = np.zeros(16, F32)
+    x[15] = 1.0
+    _, _, minimum = encode(x, group_size=16, clip_ratio=1.0)
+    assert minimum.view(np.uint16).tolist() == [0]  # all +0 stays +0

@@ -1,0 +1,298 @@
+"""Passkey retrieval with a real-text haystack: does a quantized KV cache still find the needle?
+
+    python -m calibration.passkey --model smollm2-135m --lengths 1024,2048,4096,8192 \\
+        --depths 0.1,0.3,0.5,0.7,0.9 --samples 1 --methods bf16,naive-int2,quarot-int2,kivi2,oscar \\
+        --artifact DIR --json passkey.json
+
+A sample of `length` tokens is
+    PREFIX ‖ haystack[:i] ‖ NEEDLE ‖ haystack[i:] ‖ QUESTION ‖ answer
+with the haystack made of whole Wikipedia summaries of the *evaluation* split (never used for
+calibration), the needle "The pass key is NNNNN. Remember it. NNNNN is the pass key." placed at
+the document boundary nearest to `depth` of the haystack, a random 5-digit key, and the answer
+" NNNNN" (SmolLM2 tokenizes it as ' ' and one token per digit). The space is forced, not scored
+(the model may phrase the start differently); a sample is correct when greedy decoding after it
+reproduces every digit, which is checked exactly by teacher forcing: each key token must be the
+argmax given the previous ones.
+
+Modes (how the prompt enters the cache):
+  prefill (default, the serving path): the prompt is prefilled — it attends to itself in full
+    precision (float32) as the runtime's prefill does — and its K/V enter the method's cache
+    (tiers as for a sequence of that length); the first answer token (the forced space) comes
+    from the prefill logits, and the remaining answer tokens are decode steps that read the
+    cache through the method's tiers, so every scored digit is predicted by a decode step. The
+    prompt pass is shared by all methods, so each extra method costs only the answer tokens.
+    Quantized rows are quantized from bfloat16 here; the runtime's prefill quantizes rows that
+    are already history from float32 — a rounding-level difference.
+  decode: every prompt token is emulated as if decoded one at a time (calibration.emulation) —
+    stricter, and one full pass per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from calibration.emulation import (
+    DEFAULT_QUERY_CHUNK,
+    bf16_round,
+    emulated_logits,
+    forward_with_cache,
+    mixed_attention,
+)
+from calibration.methods import HistoryIntervals, KVMethod, parse_method, parse_method_list
+
+PREFIX = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+          "Find it and memorize it. I will quiz you about the important information there.\n\n")
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+SEPARATOR = "\n\n"
+MODES = ("prefill", "decode")
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
+DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+DEFAULT_METHODS = ("bf16", "naive-int2", "quarot-int2", "kivi2", "oscar")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    length: int
+    depth: float
+    key: str
+    prompt: np.ndarray  # int32 [P]
+    answer: np.ndarray  # int32 [A]: the forced continuation, `lead` tokens then the key's tokens
+    needle_position: int  # token index where the needle starts
+    lead: int = 0  # leading answer tokens that are forced but not scored (the space before the key)
+
+    @property
+    def key_tokens(self) -> np.ndarray:
+        return self.answer[self.lead :]
+
+
+def haystack_documents(tokenizer, source: str = "wiki") -> list[list[int]]:
+    from calibration.data import documents
+
+    return [tokenizer.encode(doc) for doc in documents(source, "evaluation")]
+
+
+def build_sample(tokenizer, docs: list[list[int]], length: int, depth: float, key: str, first_doc: int = 0) -> Sample:
+    """A prompt + answer of exactly `length` tokens; the haystack starts at document `first_doc`."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"{depth=} must lie in [0, 1]")
+    enc = tokenizer.encode
+    prefix, sep, question = enc(PREFIX), enc(SEPARATOR), enc(QUESTION)
+    needle, lead, digits = enc(NEEDLE.format(key=key)), enc(" "), enc(key)
+    answer = lead + digits
+    budget = length - len(prefix) - len(needle) - len(sep) - len(question) - len(answer)
+    if budget < 1:
+        raise ValueError(f"{length=} leaves no room for a haystack")
+    hay, boundaries = [], [0]
+    for i in range(len(docs)):
+        doc = docs[(first_doc + i) % len(docs)]
+        hay += doc + sep
+        boundaries.append(len(hay))
+        if len(hay) >= budget:
+            break
+    if len(hay) < budget:
+        raise ValueError(f"the haystack text holds {len(hay)} tokens, fewer than the {budget} needed")
+    hay = hay[:budget]
+    boundaries = [b for b in boundaries if b <= budget]
+    at = min(boundaries, key=lambda b: abs(b - depth * budget))
+    prompt = prefix + hay[:at] + needle + sep + hay[at:] + question
+    return Sample(length, depth, key, np.asarray(prompt, np.int32), np.asarray(answer, np.int32), len(prefix) + at,
+                  lead=len(lead))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill mode: a shared float32 prefill, then per-method answer steps through the tiers
+
+
+class PrefillCapture:
+    """The prompt attends to itself in float32 (no quantization); K and V are kept per layer."""
+
+    def __init__(self, query_chunk: int = DEFAULT_QUERY_CHUNK):
+        self.query_chunk = query_chunk
+        self.k, self.v = {}, {}
+
+    def attend(self, layer, q, k, v, positions):
+        t = q.shape[1]
+        self.k[layer], self.v[layer] = k.astype(jnp.float32), v.astype(jnp.float32)
+        none = HistoryIntervals(*(np.zeros(t, np.int64),) * 4)
+        out = mixed_attention(q, self.k[layer], None, self.v[layer], None, none, query_chunk=self.query_chunk)
+        return out.astype(q.dtype), self
+
+
+class AnswerCache:
+    """Queries after a captured prompt: the prompt's K/V and the answer tokens' own K/V, stored
+    as the method stores them (rotated, bfloat16, history quantized per tier)."""
+
+    def __init__(self, method: KVMethod, capture: PrefillCapture, query_chunk: int = DEFAULT_QUERY_CHUNK):
+        self.m, self.capture, self.query_chunk = method, capture, query_chunk
+
+    @staticmethod
+    def _rotate(x, rotation, inverse=False):  # x [B, T, H, D], rotation [Hkv, D, D]
+        b, t, h, d = x.shape
+        kv = rotation.shape[0]
+        spec = "btkgd,ked->btkge" if inverse else "btkgd,kde->btkge"
+        return jnp.einsum(spec, x.reshape(b, t, kv, h // kv, d), rotation,
+                          precision=jax.lax.Precision.HIGHEST).reshape(b, t, h, d)
+
+    def attend(self, layer, q, k, v, positions):
+        start = int(np.asarray(positions)[0, 0])
+        prefix = self.capture.k[layer].shape[1]
+        if start != prefix:
+            raise ValueError(f"answer tokens must start right after the prompt (position {prefix}), got {start}")
+        keys = jnp.concatenate([self.capture.k[layer], k.astype(jnp.float32)], axis=1)
+        values = jnp.concatenate([self.capture.v[layer], v.astype(jnp.float32)], axis=1)
+        q = q.astype(jnp.float32)
+        if self.m.k_rotation is not None:
+            rot = jnp.asarray(self.m.k_rotation[layer])
+            q, keys = self._rotate(q, rot), self._rotate(keys, rot)
+        if self.m.v_rotation is not None:
+            values = self._rotate(values, jnp.asarray(self.m.v_rotation[layer]))
+        k_hi, v_hi = bf16_round(keys), bf16_round(values)
+        full = self.m.history_intervals(keys.shape[1])
+        iv = HistoryIntervals(*(a[start:] for a in full))
+        k_lo = jnp.asarray(self.m.quantize_keys(layer, np.asarray(k_hi))) if np.any(iv.k_end > iv.k_start) else None
+        v_lo = jnp.asarray(self.m.quantize_values(layer, np.asarray(v_hi))) if np.any(iv.v_end > iv.v_start) else None
+        out = mixed_attention(q, k_hi, k_lo, v_hi, v_lo, iv, query_chunk=self.query_chunk, q_start=start)
+        if self.m.v_rotation is not None:
+            out = self._rotate(out, jnp.asarray(self.m.v_rotation[layer]), inverse=True)
+        return out.astype(jnp.float32), self
+
+
+def answer_logits(params, cfg, sample: Sample, methods: list[KVMethod], *, mode: str = "prefill",
+                  query_chunk: int = DEFAULT_QUERY_CHUNK) -> dict[str, np.ndarray]:
+    """{method name: float32 [A, V]}: the logits that predict each answer token."""
+    if mode not in MODES:
+        raise ValueError(f"{mode=} must be one of {MODES}")
+    prompt, answer = sample.prompt[None], sample.answer[None]
+    p, a = prompt.shape[1], answer.shape[1]
+    out = {}
+    if mode == "decode":
+        tokens = np.concatenate([prompt, answer[:, :-1]], axis=1)
+        rows = np.arange(p - 1, p + a - 1)
+        for m in methods:
+            out[m.name] = np.asarray(emulated_logits(params, cfg, tokens, m, rows=rows, query_chunk=query_chunk)[0])
+        return out
+    capture = PrefillCapture(query_chunk)
+    first = np.asarray(forward_with_cache(params, cfg, prompt, capture, rows=[p - 1])[0])  # [1, V]
+    for m in methods:
+        rest = forward_with_cache(params, cfg, answer[:, :-1], AnswerCache(m, capture, query_chunk), start=p)
+        out[m.name] = np.concatenate([first, np.asarray(rest[0])], axis=0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Experiment and CLI
+
+
+def run_passkey(params, cfg, tokenizer, methods: list[KVMethod], *, lengths, depths, samples: int = 1,
+                mode: str = "prefill", seed: int = 0, docs=None, progress: bool = True,
+                query_chunk: int = DEFAULT_QUERY_CHUNK) -> dict[str, Any]:
+    docs = haystack_documents(tokenizer) if docs is None else docs
+    rng = np.random.default_rng(seed)
+    records = []
+    cases = [(length, depth, s) for length in lengths for depth in depths for s in range(samples)]
+    for length, depth, s in tqdm(cases, desc=f"passkey ({mode})", disable=not progress):
+        key = str(rng.integers(10000, 100000))
+        sample = build_sample(tokenizer, docs, length, depth, key, first_doc=int(rng.integers(len(docs))))
+        logits = answer_logits(params, cfg, sample, methods, mode=mode, query_chunk=query_chunk)
+        rec = {"length": length, "depth": depth, "sample": s, "key": key, "needle_position": sample.needle_position,
+               "methods": {}}
+        for name, lg in logits.items():
+            pred = np.argmax(lg, axis=-1)[sample.lead :]  # the rows that predict the key's tokens
+            rec["methods"][name] = {"correct": bool(np.array_equal(pred, sample.key_tokens)),
+                                    "token_accuracy": float(np.mean(pred == sample.key_tokens)),
+                                    "predicted": pred.tolist()}
+        records.append(rec)
+    summary = {}
+    for m in methods:
+        def acc(rows):
+            return float(np.mean([r["methods"][m.name]["correct"] for r in rows])) if rows else None
+        summary[m.name] = {
+            "accuracy": acc(records),
+            "by_length": {str(n): acc([r for r in records if r["length"] == n]) for n in lengths},
+            "by_depth": {str(d): acc([r for r in records if r["depth"] == d]) for d in depths},
+            "grid": {str(n): {str(d): acc([r for r in records if r["length"] == n and r["depth"] == d])
+                              for d in depths} for n in lengths},
+            "token_accuracy": float(np.mean([r["methods"][m.name]["token_accuracy"] for r in records])),
+            "config": m.describe(),
+        }
+    return {"methods": summary, "samples": records}
+
+
+def _floats(text, name):
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} {text!r} must be comma-separated numbers") from None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m calibration.passkey", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
+    p.add_argument("--depths", default=",".join(map(str, DEFAULT_DEPTHS)))
+    p.add_argument("--samples", type=int, default=1, help="samples per (length, depth)")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    p.add_argument("--artifact")
+    p.add_argument("--mode", choices=MODES, default="prefill")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", required=True)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        lengths = [int(x) for x in _floats(args.lengths, "lengths")]
+        depths = _floats(args.depths, "depths")
+        specs = parse_method_list(args.methods)
+        if args.samples < 1 or not lengths or not depths:
+            raise ValueError("--samples, --lengths and --depths must be non-empty / positive")
+    except ValueError as e:
+        p.error(str(e))
+    command = "python -m calibration.passkey " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    try:
+        from calibration.evaluate import environment
+        from oscar_jax.loaders import load_model
+        from oscar_jax.tokenizer import load_tokenizer
+        from shared_math.artifact import ModelFingerprint, read_artifact
+
+        t0 = time.time()
+        cfg, params = load_model(args.model)
+        too_long = [n for n in lengths if n > cfg.max_seq_len]
+        if too_long:
+            raise ValueError(f"--lengths {too_long} exceed the model's trained context {cfg.max_seq_len}")
+        fp = ModelFingerprint(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim)
+        artifact = read_artifact(args.artifact, expected_model=fp) if args.artifact else None
+        methods = [parse_method(s, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                artifact=artifact) for s in specs]
+        result = run_passkey(params, cfg, load_tokenizer(args.model), methods, lengths=lengths, depths=depths,
+                             samples=args.samples, mode=args.mode, seed=args.seed, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result["config"] = {"command": command, "model": args.model, "mode": args.mode, "lengths": lengths,
+                        "depths": depths, "samples": args.samples, "seed": args.seed,
+                        "haystack": "wiki evaluation split (never used for calibration)",
+                        "artifact": args.artifact, "seconds": round(time.time() - t0, 1)}
+    result["environment"] = environment()
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    for name, r in result["methods"].items():
+        print(f"{name:<24} accuracy {r['accuracy']:.3f}  by length {r['by_length']}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
