@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oscar_jax.kernels.codec import resolve_interpret
 from oscar_jax.kernels.decode_attention import MIN_DOT_DIM, bf16_tier_partials, int2_tier_partials
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
@@ -182,10 +183,6 @@ def _resolve_pages_per_split(pages_per_split, pages_per_block, history_page_tabl
     return default_pages_per_split(slots, pages_per_block)
 
 
-def _resolve_interpret(interpret) -> bool:
-    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
-
-
 def default_pages_per_split(history_slots: int, pages_per_block: int) -> int:
     """Pages per split when none is given: ≈ history_slots / TARGET_SPLITS, a power of two
     ≥ pages_per_block."""
@@ -295,7 +292,7 @@ def decode_attention(
     return _decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
         pages_per_split=int(pages_per_split), pages_per_block=int(pages_per_block),
-        interpret=_resolve_interpret(interpret),
+        interpret=resolve_interpret(interpret),
     )
 
 
@@ -409,5 +406,5 @@ def prefill_attention(
         q, k_new, v_new, cache, new_tokens, sink_slots=int(sink_slots), group_size=int(group_size),
         softmax_scale=float(softmax_scale), pages_per_split=int(pages_per_split),
         pages_per_block=int(pages_per_block), block_m=int(block_m), block_n=int(block_n),
-        interpret=_resolve_interpret(interpret),
+        interpret=resolve_interpret(interpret),
     )

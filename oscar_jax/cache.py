@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax import attention_ops, ops
+from oscar_jax import ops
 from shared_math.spec import CODES_PER_BYTE, OscarConfig
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -153,9 +153,9 @@ class OscarKVCache:
         common = dict(sink_slots=cfg.sink // cfg.page_size, group_size=cfg.group_size, softmax_scale=d**-0.5,
                       interpret=self.interpret)
         if self.phase == "decode":
-            o = attention_ops.decode_attention(q_rot[:, 0], *pools, *tables, **common)[:, None]
+            o = ops.decode_attention(q_rot[:, 0], *pools, *tables, **common)[:, None]
         else:
-            o = attention_ops.prefill_attention(q_rot, k_rot, v32, *pools, *tables, plan.new_tokens, **common)
+            o = ops.prefill_attention(q_rot, k_rot, v32, *pools, *tables, plan.new_tokens, **common)
         updates = {name: getattr(self, name).at[layer].set(pool) for name, pool in zip(POOL_NAMES, pools)}
         return o.astype(q.dtype), dataclasses.replace(self, **updates)
 

@@ -8,7 +8,8 @@ otherwise. Invalid arguments raise ValueError naming the value.
 Sections, in order:
   codec        encode, decode                              (format v1, DESIGN.md §2)
   write path   write_int2, write_pages, write_bf16_pages, demote_pages
-  attention    (decode / prefill attention over the mixed cache live in their own section)
+  attention    decode_attention, prefill_attention, merge_partials (re-exported from
+               oscar_jax.attention_ops, where they are validated and launched)
 
 Page pools (DESIGN.md §2 "Pages"): INT2 codes u8[P, K, L, D/4], scale and minimum f16[P, K, L,
 D/G]; BF16 bf16[P, K, L, D] (P pages, K kv heads, L page size, D head dim, G group size). The
@@ -442,3 +443,13 @@ def demote_pages(
     if not layered:
         codes, scale, minimum = codes[0], scale[0], minimum[0]
     return codes, scale, minimum
+
+
+# ------------------------------------------------------------------------------ attention
+
+from oscar_jax.attention_ops import decode_attention, merge_partials, prefill_attention  # noqa: E402
+
+__all__ = [
+    "encode", "decode", "write_int2", "write_pages", "write_bf16_pages", "demote_pages",
+    "decode_attention", "prefill_attention", "merge_partials",
+]
