@@ -201,6 +201,7 @@ class EmulatedCache:
         b, t = positions.shape
         if not np.array_equal(positions, np.broadcast_to(np.arange(t), (b, t))):
             raise ValueError("EmulatedCache emulates one whole window: positions must be 0..T-1 in every row")
+        out_dtype = q.dtype
         if self.k_rotation is not None:
             q = _rotate_heads(q, self.k_rotation[layer])
             k = _rotate_heads(k, self.k_rotation[layer])
@@ -212,7 +213,7 @@ class EmulatedCache:
         if np.any(intervals.v_end > intervals.v_start):
             v_lo = jnp.asarray(self.method.quantize_values(layer, np.asarray(v_hi)))
         out = mixed_attention(q.astype(jnp.float32), k_hi, k_lo, v_hi, v_lo, intervals, query_chunk=self.query_chunk)
-        return out.astype(q.dtype), self
+        return out.astype(out_dtype), self
 
 
 _embed_jit = jax.jit(lambda table, tokens: jnp.take(table, tokens, axis=0))

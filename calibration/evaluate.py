@@ -254,6 +254,14 @@ def check_no_calibration_overlap(source: str, artifact) -> str:
     return note
 
 
+def shipped_artifact(model: str) -> Path | None:
+    """The artifact that ships with oscar_jax for a known model name (oscar_jax/artifacts/<name>/), if any."""
+    import oscar_jax
+
+    directory = Path(oscar_jax.__file__).resolve().parent / "artifacts" / model
+    return directory if (directory / "oscar_rotations.safetensors").is_file() else None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m calibration.evaluate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -265,7 +273,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-windows", type=int, default=4)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="comma-separated method specs name[:key=value…] (see calibration.methods)")
-    p.add_argument("--artifact", help="calibration artifact directory or file (needed by oscar)")
+    p.add_argument("--artifact", help="calibration artifact directory or file (needed by oscar; default: the "
+                                      "artifact shipped in oscar_jax/artifacts/<model>/ when there is one)")
     p.add_argument("--json", required=True, help="output JSON path")
     p.add_argument("--plot", help="output PNG path")
     p.add_argument("--query-chunk", type=int, default=DEFAULT_QUERY_CHUNK, help="queries per attention block")
@@ -296,7 +305,8 @@ def run(args: argparse.Namespace, command: str, *, model=None, tokenizer=None) -
     if args.context > cfg.max_seq_len:
         raise ValueError(f"--context {args.context} exceeds the model's trained context {cfg.max_seq_len}")
     fingerprint = ModelFingerprint(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim)
-    artifact = read_artifact(args.artifact, expected_model=fingerprint) if args.artifact else None
+    artifact_path = args.artifact or shipped_artifact(args.model)
+    artifact = read_artifact(artifact_path, expected_model=fingerprint) if artifact_path else None
     methods = [parse_method(s, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                             artifact=artifact) for s in args.method_specs]
     source = args.text_file or args.data
@@ -326,7 +336,8 @@ def run(args: argparse.Namespace, command: str, *, model=None, tokenizer=None) -
             "emulation": "decode-faithful teacher forcing (calibration.emulation): query t reads the tiers "
                          "decoding at t would read",
             "artifact": None if artifact is None else {
-                "path": str(args.artifact), "codec": artifact.codec, "provenance": artifact.provenance},
+                "path": str(artifact_path), "shipped_default": args.artifact is None,
+                "codec": artifact.codec, "provenance": artifact.provenance},
             "seconds": round(time.time() - t0, 1),
         },
         "environment": environment(),

@@ -58,8 +58,12 @@ The methods and their source configurations (`parse_method` builds them from a s
 
 Window options (`windows=S0/W`, `page=N`) use shared_math.tiers, so the tier of every position
 is exactly the runtime's: a page of the recent window is demoted when the window reaches
-W + page tokens. `windows=0/0` therefore still holds up to page − 1 newest tokens in BF16 (the
-runtime's granularity); add `page=…` to change that (e.g. `page=1`... must be a power of two).
+W + page tokens. `windows=0/0` therefore still holds the up to page − 1 newest tokens in BF16
+(the runtime's granularity); `windows=0/0:page=1` quantizes every token at once (the page size
+must be a power of two).
+
+Every BF16 tier holds *rotated* K/V rounded to bfloat16 (as OscarKVCache stores them), so a
+rotated method differs from `bf16` by rounding even where nothing is quantized yet.
 """
 
 from __future__ import annotations
@@ -146,7 +150,6 @@ class FormatV1Codec:
     k_clip_ratios: tuple[float, ...]  # one per layer
     v_clip_ratios: tuple[float, ...]
     levels: str = "minmax"
-    bits = 2
 
     def __post_init__(self):
         if self.levels not in LEVELS:
@@ -180,7 +183,6 @@ class SymmetricInt2:
     """Naive symmetric 4-level quantizer: s = f16(max|x| / 1.5) per group, levels (j − 1.5)·s."""
 
     group_size: int
-    bits = 2
 
     def quantize(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, np.float32)
@@ -317,7 +319,6 @@ class KiviMethod:
     family: str = "kivi2"
     k_rotation: None = None
     v_rotation: None = None
-    bits = 2
 
     def __post_init__(self):
         g, r = self.group_size, self.residual

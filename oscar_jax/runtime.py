@@ -22,7 +22,8 @@ from shared_math.artifact import ModelFingerprint, RotationArtifact
 from shared_math.spec import OscarConfig
 from shared_math.tiers import tier_split
 
-MIN_PREFILL_BUCKET = 16  # prompts are padded to a power of two ≥ this, to bound recompilation
+MIN_PREFILL_BUCKET = 16  # chunks are padded to a power of two ≥ this, to bound recompilation
+DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill launch (a multiple of the page size)
 
 
 def fingerprint(cfg: ModelConfig) -> ModelFingerprint:
@@ -60,6 +61,7 @@ class OscarRuntime:
         group_size: int | None = None,
         page_size: int | None = None,
         extra_pages: int = 0,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         interpret: bool | None = None,
     ):
         if artifact.model != fingerprint(cfg):
@@ -79,6 +81,9 @@ class OscarRuntime:
         self.params = fold_value_rotation(params, cfg, artifact.v_rotation)
         self.max_seq_len = max_seq_len
         page = self.config.page_size
+        if prefill_chunk < page or prefill_chunk % page:
+            raise ValueError(f"{prefill_chunk=} must be a positive multiple of the page size {page}")
+        self.prefill_chunk = prefill_chunk
         self.history_slots = -(-max_seq_len // page)
         per_seq_bf16 = (self.config.sink + self.config.recent) // page + 1
         num_bf16 = 1 + max_batch * per_seq_bf16 + extra_pages
@@ -124,36 +129,45 @@ class OscarRuntime:
     # ------------------------------------------------------------------ public API
 
     def admit(self, tokens, *, namespace: str | None = None, share_prefix: bool = True):
-        """Admit and prefill a prompt. Returns (seq_id, logits f32 [V] of its last token, reused tokens)."""
+        """Admit and prefill a prompt. Returns (seq_id, logits f32 [V] of its last token, reused tokens).
+
+        The prompt is prefilled in chunks of `prefill_chunk` tokens; every token is written once,
+        straight into its final tier (history positions are quantized by the fused write). A
+        chunk attends to itself in full precision and to everything before it through the tiers.
+        """
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         if len(tokens) > self.max_seq_len:
             raise ValueError(f"prompt of {len(tokens)} tokens exceeds max_seq_len={self.max_seq_len}")
         plan = self.allocator.admit(tokens.tolist(), namespace=namespace, share_prefix=share_prefix)
         seq = self.allocator.sequences[plan.seq_id]
-        start, length = plan.reused_tokens, plan.length
-        assert start < length, "the allocator never shares the page holding the last token"
-        chunk = length - start
-        bucket = max(MIN_PREFILL_BUCKET, 1 << (chunk - 1).bit_length())
+        length = plan.length
+        assert plan.reused_tokens < length, "the allocator never shares the page holding the last token"
         split = tier_split(length, self.config)
-        writes = self._no_write((1, bucket))
-        for i, position in enumerate(range(start, length)):
-            tier, page, slot = self._destination(seq, position, split)
-            writes[f"{tier}_write_page"][0, i], writes[f"{tier}_write_slot"][0, i] = page, slot
-        # The prefix as it stands before this chunk: shared sink pages and shared history pages.
-        sink_prefix = min(start, self.config.sink)
-        tables = self.allocator.tables([plan.seq_id], self.history_slots)
-        tables["bf16_page_table"][0, self.allocator.sink_slots :] = 0
-        tables["history_page_table"][0, (start - sink_prefix) // self.config.page_size :] = 0
-        tables.update(sink_tokens=np.array([sink_prefix], np.int32), recent_tokens=np.zeros(1, np.int32),
-                      history_tokens=np.array([start - sink_prefix], np.int32))
-        cache = self.cache.with_plan(self._plan(tables, writes, [chunk]), "prefill")
-        padded = np.zeros((1, bucket), np.int32)
-        padded[0, :chunk] = tokens[start:]
-        positions = (start + np.arange(bucket, dtype=np.int32))[None]
-        logits, cache = _prefill(self.params, self.cfg, jnp.asarray(padded), cache, jnp.asarray(positions),
-                                 jnp.asarray([chunk], jnp.int32))
-        self.cache = dataclasses.replace(cache, plan=None)
-        return plan.seq_id, logits[0], start
+        cfg, page = self.config, self.config.page_size
+        for start in range(plan.reused_tokens, length, self.prefill_chunk):
+            chunk = min(self.prefill_chunk, length - start)
+            bucket = max(MIN_PREFILL_BUCKET, 1 << (chunk - 1).bit_length())
+            writes = self._no_write((1, bucket))
+            for i, position in enumerate(range(start, start + chunk)):
+                tier, page_id, slot = self._destination(seq, position, split)
+                writes[f"{tier}_write_page"][0, i], writes[f"{tier}_write_slot"][0, i] = page_id, slot
+            # The prefix before this chunk, in its final tiers (chunk starts are page-aligned).
+            sink = min(start, split.sink_tokens)
+            history = min(max(start - split.history_start, 0), split.history_tokens)
+            recent = max(start - split.recent_start, 0)
+            tables = self.allocator.tables([plan.seq_id], self.history_slots)
+            tables["history_page_table"][0, history // page :] = 0
+            tables["bf16_page_table"][0, cfg.sink // page + -(-recent // page) :] = 0
+            tables.update(sink_tokens=np.array([sink], np.int32), recent_tokens=np.array([recent], np.int32),
+                          history_tokens=np.array([history], np.int32))
+            cache = self.cache.with_plan(self._plan(tables, writes, [chunk]), "prefill")
+            padded = np.zeros((1, bucket), np.int32)
+            padded[0, :chunk] = tokens[start : start + chunk]
+            positions = (start + np.arange(bucket, dtype=np.int32))[None]
+            logits, cache = _prefill(self.params, self.cfg, jnp.asarray(padded), cache, jnp.asarray(positions),
+                                     jnp.asarray([chunk], jnp.int32))
+            self.cache = dataclasses.replace(cache, plan=None)
+        return plan.seq_id, logits[0], plan.reused_tokens
 
     def step(self, seq_ids, tokens) -> jax.Array:
         """Append one token to each sequence and decode: logits f32 [B, V]."""

@@ -1,7 +1,6 @@
 """Decode-faithful emulation against token-by-token decoding, and the evaluation CLI on a tiny model."""
 
 import json
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +9,7 @@ import pytest
 
 from calibration import evaluate
 from calibration.emulation import EmulatedCache, _band_of, emulated_logits, mixed_attention, prepare_params
-from calibration.methods import HistoryIntervals, KiviMethod, TieredMethod, parse_method
+from calibration.methods import HistoryIntervals, KiviMethod, parse_method
 from calibration.tests.test_methods import make_artifact
 from oscar_jax.cache_api import reference_attention
 from oscar_jax.model import ModelConfig, decode_step, init_params, prefill
@@ -264,7 +263,7 @@ class ByteTokenizer:
 def _args(tmp_path, *extra):
     text = tmp_path / "prose.txt"
     text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(20)))
-    return evaluate.parse_args(["--text-file", str(text), "--context", "64", "--num-windows", "2",
+    return evaluate.parse_args(["--model", "tiny", "--text-file", str(text), "--context", "64", "--num-windows", "2",
                                 "--json", str(tmp_path / "out.json"), "--no-progress", *extra])
 
 
@@ -296,6 +295,7 @@ def test_cli_errors(params, artifact, tmp_path, capsys):
         _args(tmp_path, "--context", "1")
     with pytest.raises(ValueError, match="too short for 50 windows × 64 tokens"):
         evaluate.run(_args(tmp_path, "--num-windows", "50", "--methods", "bf16"), "cmd", **model)
+    assert evaluate.shipped_artifact("tiny") is None
     with pytest.raises(ValueError, match="needs a calibration artifact"):
         evaluate.run(_args(tmp_path, "--methods", "oscar"), "cmd", **model)
     with pytest.raises(ValueError, match="exceeds the model's trained context"):

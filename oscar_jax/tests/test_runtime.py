@@ -57,13 +57,20 @@ class TieredReference:
         pos = np.asarray(positions)[0]
         bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
         if self.phase == "prefill":
-            split = tier_split(int(pos[-1]) + 1, self.config)
-            keys, vals = kr, v  # full precision inside the chunk
+            # Every prompt position is stored in its final tier; a chunk reads earlier chunks as
+            # stored and itself in full precision.
+            split = tier_split(self.prompt_length, self.config)
+            start = int(pos[0])
+            prefix_k = [self.k[layer][s] for s in range(start)]
+            prefix_v = [self.v[layer][s] for s in range(start)]
+            keys = np.concatenate([np.array(prefix_k).reshape(start, *kr.shape[1:]), kr])
+            vals = np.concatenate([np.array(prefix_v).reshape(start, *v.shape[1:]), v])
             for i, p in enumerate(pos):
                 hist = split.history_start <= p < split.recent_start
                 self.k[layer][p] = self._q(kr[i], layer, "k") if hist else bf16(kr[i])
                 self.v[layer][p] = self._q(v[i], layer, "v") if hist else bf16(v[i])
-            mask = pos[None, :] <= pos[:, None]
+            key_pos = np.arange(start + len(pos))
+            mask = key_pos[None, :] <= pos[:, None]
         else:
             p = int(pos[0])
             self.k[layer][p], self.v[layer][p] = bf16(kr[0]), bf16(v[0])
@@ -88,12 +95,16 @@ class TieredReference:
                 self.v[layer][p] = self._q(self.v[layer][p], layer, "v")
 
 
-def _run_both(params, art, prompt, steps):
-    rt = OscarRuntime(params, CFG, art, max_batch=1, max_seq_len=256, **WINDOWS)
+def _run_both(params, art, prompt, steps, windows=WINDOWS, max_seq_len=256, prefill_chunk=512):
+    rt = OscarRuntime(params, CFG, art, max_batch=1, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, **windows)
     ref = TieredReference(art, rt.config)
+    ref.prompt_length = len(prompt)
     folded = fold_value_rotation(params, CFG, art.v_rotation)
     sid, logits, _ = rt.admit(prompt)
-    ref_logits, _ = prefill(folded, CFG, jnp.asarray(prompt)[None], ref)
+    for start in range(0, len(prompt), prefill_chunk):
+        chunk = jnp.asarray(prompt[start : start + prefill_chunk])[None]
+        positions = start + jnp.arange(chunk.shape[1])[None]
+        ref_logits, _ = prefill(folded, CFG, chunk, ref, positions=positions)
     got, want = [np.asarray(logits)], [np.asarray(ref_logits[0])]
     ref.phase = "decode"
     tok = int(np.argmax(want[-1]))
@@ -116,6 +127,30 @@ def test_prefill_and_decode_across_demotions_match_tier_reference(model, prompt_
     assert rt.allocator.sequences[0].history_pages  # the INT2 tier was used
     err = np.abs(got - want).max(axis=-1)
     assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
+
+
+@pytest.mark.parametrize("prompt_len", [47, 100])
+def test_chunked_prefill_matches_tier_reference(model, prompt_len):
+    """Chunks of 32: later chunks read earlier ones through the tiers (INT2 history included)."""
+    params, art = model
+    prompt = (np.arange(prompt_len) * 5 + 2) % CFG.vocab_size
+    rt, got, want = _run_both(params, art, prompt, steps=8, prefill_chunk=32)
+    err = np.abs(got - want).max(axis=-1)
+    assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_len", [1, 63, 64, 65, 319, 320, 321, 336])
+def test_default_windows_at_the_tier_edges(model, prompt_len):
+    """Sink 64, recent 256: prompts at the tier edges, then decoding across page boundaries
+    (and across the first demotion for the prompts within a page of it)."""
+    params, art = model
+    prompt = (np.arange(prompt_len) * 13 + 1) % CFG.vocab_size
+    rt, got, want = _run_both(params, art, prompt, steps=24, windows=dict(sink=64, recent=256), max_seq_len=400)
+    err = np.abs(got - want).max(axis=-1)
+    assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
+    split = tier_split(prompt_len + 24, rt.config)
+    assert len(rt.allocator.sequences[0].history_pages) == split.history_pages
 
 
 def test_batch_of_different_lengths_equals_each_alone(model):
