@@ -19,9 +19,15 @@ Per layer, with R_K the method's key rotation (identity when it has none):
   out_t = Σ_s softmax(score)[t, s] · (s ∈ V-history(t) ? v_lo_s : v_hi_s)
 History sets are intervals per query (`KVMethod.history_intervals`). The quantized copy of a row
 does not depend on the query (per-token codecs; KIVI's key groups are fixed once flushed), so
-one k_lo / v_lo per layer serves every query. Two score matrices and a select: O(T²) work and,
-with queries processed in chunks of `query_chunk` (keys up to the chunk's last position), memory
-O(query_chunk · T).
+one k_lo / v_lo per layer serves every query.
+
+Cost: queries run in chunks of `query_chunk`, each over the keys up to its last position
+(memory O(query_chunk · T)). Within a chunk most keys have the same tier for every query (old
+history, sink); they are read once from a "base" K/V that already holds the right copy. Only the
+band of keys whose tier differs between the chunk's queries (about one chunk plus one page wide
+for OSCAR-style tiers) gets both score matrices and the per-(query, key) select, so a pass costs
+about one ordinary causal attention plus O(query_chunk · T) — a test checks it against dense
+per-(query, key) selection.
 """
 
 from __future__ import annotations
@@ -74,12 +80,43 @@ def _band_of(starts: np.ndarray, ends: np.ndarray, q_pos: np.ndarray, num_keys: 
     return base_lo, int(min(mixed[0], num_keys - width)), int(width)
 
 
+NO_RAW = np.iinfo(np.int32).max  # raw_start of a query without an unrounded region
+
+
+def _chunk_plans(intervals: HistoryIntervals, t: int, q_start: int, query_chunk: int) -> list:
+    """Per query chunk: (start, stop, raw start, K intervals, V intervals, K band plan, V band plan),
+    device-ready. Chunks are cut where raw_start changes, so it is one scalar per chunk."""
+    k_iv = np.stack([intervals.k_start, intervals.k_end]).astype(np.int32)
+    v_iv = np.stack([intervals.v_start, intervals.v_end]).astype(np.int32)
+    raw = np.full(t, NO_RAW, np.int64) if intervals.raw_start is None else np.asarray(intervals.raw_start, np.int64)
+    plans = []
+    start = 0
+    while start < t:
+        stop = min(start + query_chunk, t)
+        changes = np.flatnonzero(raw[start:stop] != raw[start])
+        if changes.size:
+            stop = start + int(changes[0])
+        q_pos = np.arange(q_start + start, q_start + stop)
+        chunk_plans = []
+        for iv in (k_iv, v_iv):
+            base_lo, band_start, width = _band_of(iv[0, start:stop], iv[1, start:stop], q_pos, q_start + stop)
+            if raw[start] != NO_RAW and (base_lo[raw[start]:].any() or (width and band_start + width > raw[start])):
+                raise ValueError("the unrounded region (raw_start) overlaps the history of a query")
+            chunk_plans.append((jnp.asarray(base_lo), jnp.int32(band_start), width, bool(base_lo.any())))
+        raw_start = min(int(raw[start]), q_start + stop)
+        plans.append((start, stop, raw_start, jnp.asarray(k_iv[:, start:stop]), jnp.asarray(v_iv[:, start:stop]),
+                      *chunk_plans))
+        start = stop
+    return plans
+
+
 @functools.partial(jax.jit, static_argnames=("k_band_width", "v_band_width"))
-def _chunk_attention(q, q_pos, k_hi, k_lo, v_hi, v_lo, k_interval, v_interval, k_base_lo, v_base_lo,
-                     k_band_start, v_band_start, *, k_band_width, v_band_width):
+def _chunk_attention(q, q_pos, k_hi, k_lo, k_raw, v_hi, v_lo, v_raw, raw_start, k_interval, v_interval,
+                     k_base_lo, v_base_lo, k_band_start, v_band_start, *, k_band_width, v_band_width):
     """One chunk of queries over keys 0..S−1.
 
     q [B, Hkv, G, C, D] (rotated), q_pos [C]; k_*, v_* [B, Hkv, S, D] (None when unused);
+    keys ≥ raw_start (int32, the same for every query of the chunk) come from the raw arrays;
     *_interval int32 [2, C] (history start, end per query); *_base_lo bool [S]; band starts int32.
     Scores use the base keys (quantized where every query of the chunk reads them quantized),
     then the band's columns are recomputed with the per-(query, key) choice; values likewise,
@@ -95,7 +132,10 @@ def _chunk_attention(q, q_pos, k_hi, k_lo, v_hi, v_lo, k_interval, v_interval, k
         cols = start + jnp.arange(width)[None, :]
         return (cols >= interval[0][:, None]) & (cols < interval[1][:, None])
 
+    is_raw = (jnp.arange(k_hi.shape[2]) >= raw_start)[None, None, :, None]
     k_base = k_hi if k_lo is None else jnp.where(k_base_lo[None, None, :, None], k_lo, k_hi)
+    if k_raw is not None:
+        k_base = jnp.where(is_raw, k_raw, k_base)
     scores = dot_keys(k_base)
     if k_band_width:
         band = lambda x: jax.lax.dynamic_slice_in_dim(x, k_band_start, k_band_width, axis=2)  # noqa: E731
@@ -105,6 +145,8 @@ def _chunk_attention(q, q_pos, k_hi, k_lo, v_hi, v_lo, k_interval, v_interval, k
     causal = jnp.arange(k_hi.shape[2])[None, :] <= q_pos[:, None]
     probs = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1)
     v_base = v_hi if v_lo is None else jnp.where(v_base_lo[None, None, :, None], v_lo, v_hi)
+    if v_raw is not None:
+        v_base = jnp.where(is_raw, v_raw, v_base)
     out = jnp.einsum("bkgcs,bksd->bkgcd", probs, v_base, precision=_HIGHEST)
     if v_band_width:
         band = lambda x: jax.lax.dynamic_slice_in_dim(x, v_band_start, v_band_width, axis=2)  # noqa: E731
@@ -126,6 +168,9 @@ def mixed_attention(
     *,
     query_chunk: int = DEFAULT_QUERY_CHUNK,
     q_start: int = 0,
+    plan_cache: dict | None = None,
+    k_raw: jax.Array | None = None,
+    v_raw: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of the queries at positions q_start..q_start+T−1 over keys 0..S−1
     (S = q_start + T) where query t reads key s from the `lo` arrays when s lies in its history
@@ -134,7 +179,9 @@ def mixed_attention(
     q [B, T, Hq, D]; k_*, v_* [B, S, Hkv, D] (lo may be None: no history); intervals hold one
     entry per query. Returns float32 [B, T, Hq, D]. Each chunk of queries attends to keys up to
     its last position; only the band of keys whose tier differs between the chunk's queries is
-    computed both ways.
+    computed both ways. `plan_cache`: a dict the caller keeps for one `intervals` value (e.g.
+    across layers), so the host-side chunk plans are built once. k_raw, v_raw [B, S, Hkv, D]:
+    the unrounded copies read at positions ≥ intervals.raw_start (required when it is given).
     """
     b, t, hq, d = q.shape
     kv = k_hi.shape[2]
@@ -143,23 +190,26 @@ def mixed_attention(
                          f"{q_start=} + {t} queries")
     heads_first = lambda x: None if x is None else x.astype(jnp.float32).transpose(0, 2, 1, 3)  # noqa: E731
     qh = q.astype(jnp.float32).reshape(b, t, kv, hq // kv, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
-    k_hi, k_lo, v_hi, v_lo = (heads_first(x) for x in (k_hi, k_lo, v_hi, v_lo))  # [B, Hkv, T, D]
-    k_iv = np.stack([intervals.k_start, intervals.k_end]).astype(np.int32)
-    v_iv = np.stack([intervals.v_start, intervals.v_end]).astype(np.int32)
+    if intervals.raw_start is not None and (k_raw is None or v_raw is None):
+        raise ValueError("intervals.raw_start needs k_raw and v_raw")
+    k_hi, k_lo, v_hi, v_lo, k_raw, v_raw = (heads_first(x) for x in (k_hi, k_lo, v_hi, v_lo, k_raw, v_raw))
+    key = (q_start, t, query_chunk)
+    plans = None if plan_cache is None else plan_cache.get(key)
+    if plans is None:
+        plans = _chunk_plans(intervals, t, q_start, query_chunk)
+        if plan_cache is not None:
+            plan_cache[key] = plans
     outs = []
-    for start in range(0, t, query_chunk):
-        stop = min(start + query_chunk, t)
-        q_pos = np.arange(q_start + start, q_start + stop)
-        k_plan = _band_of(k_iv[0, start:stop], k_iv[1, start:stop], q_pos, q_start + stop)
-        v_plan = _band_of(v_iv[0, start:stop], v_iv[1, start:stop], q_pos, q_start + stop)
-        use_k = k_lo is not None and (k_plan[0].any() or k_plan[2] > 0)
-        use_v = v_lo is not None and (v_plan[0].any() or v_plan[2] > 0)
+    for start, stop, raw_start, k_iv, v_iv, k_plan, v_plan in plans:
+        use_k = k_lo is not None and (k_plan[3] or k_plan[2] > 0)
+        use_v = v_lo is not None and (v_plan[3] or v_plan[2] > 0)
+        use_raw = k_raw is not None and raw_start < q_start + stop
         keys = slice(0, q_start + stop)  # causal: no query of this chunk reads a later key
         outs.append(_chunk_attention(
-            qh[:, :, :, start:stop], jnp.asarray(q_pos, jnp.int32), k_hi[:, :, keys],
-            k_lo[:, :, keys] if use_k else None, v_hi[:, :, keys], v_lo[:, :, keys] if use_v else None,
-            jnp.asarray(k_iv[:, start:stop]), jnp.asarray(v_iv[:, start:stop]),
-            jnp.asarray(k_plan[0]), jnp.asarray(v_plan[0]), jnp.int32(k_plan[1]), jnp.int32(v_plan[1]),
+            qh[:, :, :, start:stop], jnp.arange(q_start + start, q_start + stop, dtype=jnp.int32),
+            k_hi[:, :, keys], k_lo[:, :, keys] if use_k else None, k_raw[:, :, keys] if use_raw else None,
+            v_hi[:, :, keys], v_lo[:, :, keys] if use_v else None, v_raw[:, :, keys] if use_raw else None,
+            jnp.int32(raw_start), k_iv, v_iv, k_plan[0], v_plan[0], k_plan[1], v_plan[1],
             k_band_width=k_plan[2] if use_k else 0, v_band_width=v_plan[2] if use_v else 0))
     out = jnp.concatenate(outs, axis=3)  # [B, Hkv, G, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
@@ -187,6 +237,7 @@ class EmulatedCache:
         self.query_chunk = query_chunk
         self.k_rotation = None if method.k_rotation is None else jnp.asarray(method.k_rotation, jnp.float32)
         self._intervals: dict[int, HistoryIntervals] = {}
+        self._plans: dict = {}  # chunk plans, shared by all layers (intervals depend on T only)
 
     def intervals(self, length: int) -> HistoryIntervals:
         if length not in self._intervals:
@@ -212,7 +263,9 @@ class EmulatedCache:
             k_lo = jnp.asarray(self.method.quantize_keys(layer, np.asarray(k_hi)))
         if np.any(intervals.v_end > intervals.v_start):
             v_lo = jnp.asarray(self.method.quantize_values(layer, np.asarray(v_hi)))
-        out = mixed_attention(q.astype(jnp.float32), k_hi, k_lo, v_hi, v_lo, intervals, query_chunk=self.query_chunk)
+        raw = {} if intervals.raw_start is None else {"k_raw": k, "v_raw": v}
+        out = mixed_attention(q.astype(jnp.float32), k_hi, k_lo, v_hi, v_lo, intervals, query_chunk=self.query_chunk,
+                              plan_cache=self._plans, **raw)
         return out.astype(out_dtype), self
 
 

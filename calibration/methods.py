@@ -103,12 +103,17 @@ BF16_BITS = 8 * BF16_BYTES
 
 class HistoryIntervals(NamedTuple):
     """Per query position t (int64 [T] each): keys in [k_start[t], k_end[t]) and values in
-    [v_start[t], v_end[t]) are read through the quantizer; every other position ≤ t from BF16."""
+    [v_start[t], v_end[t]) are read through the quantizer; every other position ≤ t from BF16.
+
+    raw_start (optional, [T]): positions ≥ raw_start[t] are read unrounded (float32) — a prefill
+    chunk attending to itself; it must not overlap the history intervals. None: no such region.
+    """
 
     k_start: np.ndarray
     k_end: np.ndarray
     v_start: np.ndarray
     v_end: np.ndarray
+    raw_start: np.ndarray | None = None
 
     def any_history(self) -> bool:
         return bool(np.any(self.k_end > self.k_start) or np.any(self.v_end > self.v_start))
@@ -122,6 +127,7 @@ class KVMethod(Protocol):
     def quantize_keys(self, layer: int, x: np.ndarray) -> np.ndarray: ...
     def quantize_values(self, layer: int, x: np.ndarray) -> np.ndarray: ...
     def history_intervals(self, length: int) -> HistoryIntervals: ...
+    def at_rest_history(self, length: int) -> tuple[int, int, int, int]: ...
     def kv_bytes(self, length: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]: ...
     def describe(self) -> dict[str, Any]: ...
 
@@ -290,6 +296,13 @@ class TieredMethod:
                 start[t], end[t] = first, first + count
         return HistoryIntervals(start, end, start.copy(), end.copy())
 
+    def at_rest_history(self, length: int) -> tuple[int, int, int, int]:
+        """(K start, K end, V start, V end) of the history a sequence of `length` tokens stores."""
+        if self.quantizer is None:
+            return 0, 0, 0, 0
+        first, count = self.windows.history_counts(length)
+        return first, first + count, first, first + count
+
     def kv_bytes(self, length: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
         if self.quantizer is None:
             per_side = length * head_dim * BF16_BYTES
@@ -359,6 +372,10 @@ class KiviMethod:
         k_end = (t // self.residual) * self.residual  # flushed before step t's attention
         v_end = np.maximum(0, t - self.residual)  # the residual holds R + 1 values during attention
         return HistoryIntervals(zeros, k_end, zeros.copy(), v_end)
+
+    def at_rest_history(self, length: int) -> tuple[int, int, int, int]:
+        """After token `length`: every full residual of keys flushed; all but R values quantized."""
+        return 0, (length // self.residual) * self.residual, 0, max(0, length - self.residual)
 
     def kv_bytes(self, length: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
         g, r = self.group_size, self.residual

@@ -15,16 +15,20 @@ reproduces every digit, which is checked exactly by teacher forcing: each key to
 argmax given the previous ones.
 
 Modes (how the prompt enters the cache):
-  prefill (default, the serving path): the prompt is prefilled — it attends to itself in full
-    precision (float32) as the runtime's prefill does — and its K/V enter the method's cache
-    (tiers as for a sequence of that length); the first answer token (the forced space) comes
-    from the prefill logits, and the remaining answer tokens are decode steps that read the
-    cache through the method's tiers, so every scored digit is predicted by a decode step. The
-    prompt pass is shared by all methods, so each extra method costs only the answer tokens.
-    Quantized rows are quantized from bfloat16 here; the runtime's prefill quantizes rows that
-    are already history from float32 — a rounding-level difference.
+  prefill (default, the serving path of oscar_jax.runtime): the prompt is prefilled in chunks of
+    `--prefill-chunk` tokens (the runtime's default, 512); every prompt token is written once
+    into its *final* tier (tier_split of the whole prompt; for KIVI its state after the prompt),
+    and a chunk attends to itself in full precision and to the tokens before it through those
+    tiers. The answer tokens are then decode steps reading the cache through the method's tiers.
+    The first answer token (the forced space) comes from the prefill logits, so every scored
+    digit is predicted by a decode step. With `--prefill-chunk 0` (or a chunk ≥ the prompt) the
+    prompt attends to itself entirely in float32; its pass is then shared by all methods and
+    each method costs only the answer tokens. Otherwise each method costs one full pass.
+    A rounding-level difference from the runtime: rows that are history at the end of the prompt
+    are quantized from bfloat16 here (the runtime's fused prefill write quantizes them from
+    float32); a chunk reads its own K/V in float32, as the runtime does.
   decode: every prompt token is emulated as if decoded one at a time (calibration.emulation) —
-    stricter, and one full pass per method.
+    stricter; one full pass per method.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from tqdm.auto import tqdm
 
 from calibration.emulation import (
     DEFAULT_QUERY_CHUNK,
+    NO_RAW,
     bf16_round,
     emulated_logits,
     forward_with_cache,
@@ -117,17 +122,21 @@ def build_sample(tokenizer, docs: list[list[int]], length: int, depth: float, ke
 
 
 class PrefillCapture:
-    """The prompt attends to itself in float32 (no quantization); K and V are kept per layer."""
+    """The prompt attends to itself in float32 (the runtime's prefill attention); its K and V are
+    kept per layer for the answer steps."""
 
     def __init__(self, query_chunk: int = DEFAULT_QUERY_CHUNK):
         self.query_chunk = query_chunk
         self.k, self.v = {}, {}
+        self._none, self._plans = None, {}
 
     def attend(self, layer, q, k, v, positions):
         t = q.shape[1]
         self.k[layer], self.v[layer] = k.astype(jnp.float32), v.astype(jnp.float32)
-        none = HistoryIntervals(*(np.zeros(t, np.int64),) * 4)
-        out = mixed_attention(q, self.k[layer], None, self.v[layer], None, none, query_chunk=self.query_chunk)
+        if self._none is None:
+            self._none = HistoryIntervals(*(np.zeros(t, np.int64),) * 4)
+        out = mixed_attention(q, self.k[layer], None, self.v[layer], None, self._none,
+                              query_chunk=self.query_chunk, plan_cache=self._plans)
         return out.astype(q.dtype), self
 
 
@@ -137,6 +146,7 @@ class AnswerCache:
 
     def __init__(self, method: KVMethod, capture: PrefillCapture, query_chunk: int = DEFAULT_QUERY_CHUNK):
         self.m, self.capture, self.query_chunk = method, capture, query_chunk
+        self._intervals, self._plans = None, {}  # the same for every layer
 
     @staticmethod
     def _rotate(x, rotation, inverse=False):  # x [B, T, H, D], rotation [Hkv, D, D]
@@ -160,29 +170,65 @@ class AnswerCache:
         if self.m.v_rotation is not None:
             values = self._rotate(values, jnp.asarray(self.m.v_rotation[layer]))
         k_hi, v_hi = bf16_round(keys), bf16_round(values)
-        full = self.m.history_intervals(keys.shape[1])
-        iv = HistoryIntervals(*(a[start:] for a in full))
+        if self._intervals is None:
+            self._intervals = HistoryIntervals(*(a[start:] for a in self.m.history_intervals(keys.shape[1])[:4]))
+        iv = self._intervals
         k_lo = jnp.asarray(self.m.quantize_keys(layer, np.asarray(k_hi))) if np.any(iv.k_end > iv.k_start) else None
         v_lo = jnp.asarray(self.m.quantize_values(layer, np.asarray(v_hi))) if np.any(iv.v_end > iv.v_start) else None
-        out = mixed_attention(q, k_hi, k_lo, v_hi, v_lo, iv, query_chunk=self.query_chunk, q_start=start)
+        out = mixed_attention(q, k_hi, k_lo, v_hi, v_lo, iv, query_chunk=self.query_chunk, q_start=start,
+                              plan_cache=self._plans)
         if self.m.v_rotation is not None:
             out = self._rotate(out, jnp.asarray(self.m.v_rotation[layer]), inverse=True)
         return out.astype(jnp.float32), self
 
 
+class ServingTiers:
+    """A method seen through the runtime's serving path: chunked prefill of a prompt, then decode.
+
+    Query t < prompt_length in the chunk starting at c0 reads history [start, min(end, c0)) of the
+    prompt's final (at-rest) history [start, end): earlier chunks' tokens through their final
+    tiers, and its own chunk [c0, t] in float32 (raw_start = c0). Queries ≥ prompt_length read
+    what decoding reads.
+    """
+
+    def __init__(self, method: KVMethod, prompt_length: int, prefill_chunk: int):
+        if prefill_chunk < 1:
+            raise ValueError(f"{prefill_chunk=} must be positive")
+        self.method, self.prompt_length, self.prefill_chunk = method, prompt_length, prefill_chunk
+        self.name, self.k_rotation, self.v_rotation = method.name, method.k_rotation, method.v_rotation
+        self.quantize_keys, self.quantize_values = method.quantize_keys, method.quantize_values
+
+    def history_intervals(self, length: int) -> HistoryIntervals:
+        iv = [a.copy() for a in self.method.history_intervals(length)[:4]]
+        final = self.method.at_rest_history(self.prompt_length)
+        rows = np.arange(min(length, self.prompt_length))
+        chunk_start = (rows // self.prefill_chunk) * self.prefill_chunk
+        for i, (start, end) in enumerate(((final[0], final[1]), (final[2], final[3]))):
+            iv[2 * i][rows] = start
+            iv[2 * i + 1][rows] = np.maximum(start, np.minimum(end, chunk_start))
+        raw_start = np.full(length, NO_RAW, np.int64)
+        raw_start[rows] = chunk_start
+        return HistoryIntervals(*iv, raw_start=raw_start)
+
+
 def answer_logits(params, cfg, sample: Sample, methods: list[KVMethod], *, mode: str = "prefill",
-                  query_chunk: int = DEFAULT_QUERY_CHUNK) -> dict[str, np.ndarray]:
-    """{method name: float32 [A, V]}: the logits that predict each answer token."""
+                  prefill_chunk: int = 0, query_chunk: int = DEFAULT_QUERY_CHUNK) -> dict[str, np.ndarray]:
+    """{method name: float32 [A, V]}: the logits that predict each answer token.
+
+    prefill_chunk: 0 (or ≥ the prompt) prefills the whole prompt at once, else in chunks."""
     if mode not in MODES:
         raise ValueError(f"{mode=} must be one of {MODES}")
+    if prefill_chunk < 0:
+        raise ValueError(f"{prefill_chunk=} must be ≥ 0")
     prompt, answer = sample.prompt[None], sample.answer[None]
     p, a = prompt.shape[1], answer.shape[1]
     out = {}
-    if mode == "decode":
+    if mode == "decode" or 0 < prefill_chunk < p:
         tokens = np.concatenate([prompt, answer[:, :-1]], axis=1)
         rows = np.arange(p - 1, p + a - 1)
         for m in methods:
-            out[m.name] = np.asarray(emulated_logits(params, cfg, tokens, m, rows=rows, query_chunk=query_chunk)[0])
+            view = m if mode == "decode" else ServingTiers(m, p, prefill_chunk)
+            out[m.name] = np.asarray(emulated_logits(params, cfg, tokens, view, rows=rows, query_chunk=query_chunk)[0])
         return out
     capture = PrefillCapture(query_chunk)
     first = np.asarray(forward_with_cache(params, cfg, prompt, capture, rows=[p - 1])[0])  # [1, V]
@@ -197,7 +243,7 @@ def answer_logits(params, cfg, sample: Sample, methods: list[KVMethod], *, mode:
 
 
 def run_passkey(params, cfg, tokenizer, methods: list[KVMethod], *, lengths, depths, samples: int = 1,
-                mode: str = "prefill", seed: int = 0, docs=None, progress: bool = True,
+                mode: str = "prefill", prefill_chunk: int = 0, seed: int = 0, docs=None, progress: bool = True,
                 query_chunk: int = DEFAULT_QUERY_CHUNK) -> dict[str, Any]:
     docs = haystack_documents(tokenizer) if docs is None else docs
     rng = np.random.default_rng(seed)
@@ -206,7 +252,8 @@ def run_passkey(params, cfg, tokenizer, methods: list[KVMethod], *, lengths, dep
     for length, depth, s in tqdm(cases, desc=f"passkey ({mode})", disable=not progress):
         key = str(rng.integers(10000, 100000))
         sample = build_sample(tokenizer, docs, length, depth, key, first_doc=int(rng.integers(len(docs))))
-        logits = answer_logits(params, cfg, sample, methods, mode=mode, query_chunk=query_chunk)
+        logits = answer_logits(params, cfg, sample, methods, mode=mode, prefill_chunk=prefill_chunk,
+                               query_chunk=query_chunk)
         rec = {"length": length, "depth": depth, "sample": s, "key": key, "needle_position": sample.needle_position,
                "methods": {}}
         for name, lg in logits.items():
@@ -247,6 +294,8 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     p.add_argument("--artifact")
     p.add_argument("--mode", choices=MODES, default="prefill")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill chunk in tokens (default: oscar_jax.runtime's); 0 = the whole prompt at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True)
     p.add_argument("--no-progress", action="store_true")
@@ -257,6 +306,12 @@ def main(argv=None) -> int:
         specs = parse_method_list(args.methods)
         if args.samples < 1 or not lengths or not depths:
             raise ValueError("--samples, --lengths and --depths must be non-empty / positive")
+        if args.prefill_chunk is None:
+            from oscar_jax.runtime import DEFAULT_PREFILL_CHUNK
+
+            args.prefill_chunk = DEFAULT_PREFILL_CHUNK
+        if args.prefill_chunk < 0:
+            raise ValueError(f"--prefill-chunk {args.prefill_chunk} must be ≥ 0")
     except ValueError as e:
         p.error(str(e))
     command = "python -m calibration.passkey " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
@@ -276,11 +331,13 @@ def main(argv=None) -> int:
         methods = [parse_method(s, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                 artifact=artifact) for s in specs]
         result = run_passkey(params, cfg, load_tokenizer(args.model), methods, lengths=lengths, depths=depths,
-                             samples=args.samples, mode=args.mode, seed=args.seed, progress=not args.no_progress)
+                             samples=args.samples, mode=args.mode, prefill_chunk=args.prefill_chunk, seed=args.seed,
+                             progress=not args.no_progress)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result["config"] = {"command": command, "model": args.model, "mode": args.mode, "lengths": lengths,
+    result["config"] = {"command": command, "model": args.model, "mode": args.mode,
+                        "prefill_chunk": args.prefill_chunk if args.mode == "prefill" else None, "lengths": lengths,
                         "depths": depths, "samples": args.samples, "seed": args.seed,
                         "haystack": "wiki evaluation split (never used for calibration)",
                         "artifact": args.artifact, "seconds": round(time.time() - t0, 1)}

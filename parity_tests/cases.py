@@ -94,8 +94,9 @@ def special_rows(rng, shape):
     flat[0] = F32(1e-40)  # an all-subnormal row
     if len(flat) > 1:
         flat[1] = np.where(np.arange(shape[-1]) % 2, F32(np.inf), F32(np.nan))
-    # −0 only where a group holds no +0 (mixed-signed zero extremes are the documented divergence).
-    return x + F32(0)
+    flat[-1, ::3] = F32(-0.0)  # both zeros in one group (FORMAT.md pins lo = −0, hi = +0)
+    flat[-1, 1::3] = F32(0.0)
+    return x
 
 
 def tiny_rows(rng, shape):
@@ -340,6 +341,7 @@ class PagedCache:
     history_tokens: np.ndarray
     sequences: list[SequenceTiers]
     plan: WritePlan
+    poison: tuple[np.ndarray, ...] = ()  # the eight pools before any token was written
 
     POOLS = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
     TABLES = ("bf16_page_table", "sink_tokens", "recent_tokens", "history_page_table", "history_tokens")
@@ -352,7 +354,7 @@ class PagedCache:
 
     def empty_pools(self) -> tuple[np.ndarray, ...]:
         """The poisoned pools before any write: what a backend starts from to write the cache."""
-        return self._poison
+        return tuple(a.copy() for a in self.poison)
 
 
 def build_cache(case: AttentionCase, spare_pages: int = 2) -> PagedCache:
@@ -436,9 +438,8 @@ def build_cache(case: AttentionCase, spare_pages: int = 2) -> PagedCache:
     cache = PagedCache(
         k_bf16, v_bf16, k_codes, meta[0], meta[1], v_codes, meta[2], meta[3],
         bf16_table, lengths_of("sink_tokens"), lengths_of("recent_tokens"), history_table,
-        lengths_of("history_tokens"), sequences, write_plan,
+        lengths_of("history_tokens"), sequences, write_plan, poison,
     )
-    cache._poison = poison
     return cache
 
 

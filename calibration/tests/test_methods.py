@@ -249,3 +249,19 @@ def test_spec_errors():
     with pytest.raises(ValueError, match="names no method"):
         parse_method_list(" , ")
     assert parse_method_list("bf16, kivi2:group=64") == ["bf16", "kivi2:group=64"]
+
+
+def test_at_rest_history():
+    """The history stored after the last token: tier_split(L) for tiered methods (= what query L − 1
+    read); for KIVI what query L will read (its key flush happens after attention)."""
+    art = make_artifact()
+    for length in (1, 20, 31, 32, 33, 64, 65, 100):
+        kivi = build("kivi2:group=16:residual=32")
+        iv = kivi.history_intervals(length + 1)
+        assert kivi.at_rest_history(length) == (0, iv.k_end[length], 0, iv.v_end[length])
+        oscar = build("oscar:windows=16/32", art)
+        iv = oscar.history_intervals(length)
+        assert oscar.at_rest_history(length) == (iv.k_start[-1], iv.k_end[-1], iv.v_start[-1], iv.v_end[-1])
+        split = tier_split(length, OscarConfig(head_dim=D, sink=16, recent=32))
+        assert oscar.at_rest_history(length)[:2] == (split.history_start, split.recent_start)
+        assert build("bf16").at_rest_history(length) == (0, 0, 0, 0)

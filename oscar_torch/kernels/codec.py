@@ -23,8 +23,8 @@ Machine behaviours kept away from the bytes (the same measures as the Pallas ker
     `tl.dot` wrongly: bfloat16 input is read as its 16-bit pattern and widened with integer ops
     (exact), never cast. f32 → f16 casts are round-to-nearest-even both in the interpreter
     (numpy `astype`) and on the GPU (`cvt.rn.f16.f32`), so `to_f16_saturating` is a plain cast.
-The one documented divergence from numpy (a group whose min or max is a zero and that holds both
-+0 and −0: the kernel returns −0 / +0, numpy a SIMD-lane-dependent zero) is the same as Pallas's.
+Signed zeros in step 3 follow FORMAT.md: −0 orders below +0 (IEEE 754-2019 minimum/maximum), so
+a group holding both zeros as its extreme has lo = −0 / hi = +0 — exactly what the ordered keys give.
 
 Format constants come from shared_math (spec.py, codec.py) and reach the kernels as
 tl.constexpr globals or arguments; the IEEE 754 binary32 bit-pattern constants below are not
@@ -319,8 +319,7 @@ def encode_block(
     group_key = tl.reshape(key, (ROWS * NUM_GROUPS, GROUP_SIZE))
     codes = tl.zeros((ROWS * NUM_GROUPS, GROUP_SIZE), tl.int32)
     for j in tl.static_range(NUM_THRESHOLDS_C):
-        offset: tl.constexpr = FIRST_THRESHOLD_C + j * THRESHOLD_STEP_C
-        threshold = _ieee_key((m + offset * s).to(tl.int32, bitcast=True))
+        threshold = _ieee_key((m + (FIRST_THRESHOLD_C + j * THRESHOLD_STEP_C) * s).to(tl.int32, bitcast=True))
         codes = codes + (group_key >= threshold).to(tl.int32)
     # 5. quartered packing: plane p (elements p·Q … p·Q + Q − 1) goes to bits CODE_BITS·p.
     planes = tl.reshape(codes, (ROWS, CODES_PER_BYTE_C, QUARTER))
