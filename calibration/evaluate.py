@@ -3,6 +3,10 @@
     python -m calibration.evaluate --model smollm2-135m --data wiki --context 2048 --num-windows 4 \\
         --methods bf16,naive-int2,quarot-int2,kivi2,oscar,int4 --artifact DIR --json OUT.json [--plot OUT.png]
 
+`--artifact` defaults to the artifact shipped in oscar_jax/artifacts/<model>/ when there is one.
+Method specs take options (calibration.methods): e.g. `oscar:windows=0/0`, `kivi2:group=64`,
+`quarot-int2:clip=1/1:windows=0/0`.
+
 Text: `--data wiki` takes the *evaluation* split of the Wikipedia summaries
 (`calibration.data.documents("wiki", "evaluation")`). The split is by a SHA-256 hash of each
 title (one title in ten goes to evaluation), and calibration only ever reads the calibration

@@ -292,7 +292,7 @@ def main(argv=None) -> int:
     p.add_argument("--depths", default=",".join(map(str, DEFAULT_DEPTHS)))
     p.add_argument("--samples", type=int, default=1, help="samples per (length, depth)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
-    p.add_argument("--artifact")
+    p.add_argument("--artifact", help="calibration artifact (default: the one shipped for the model, if any)")
     p.add_argument("--mode", choices=MODES, default="prefill")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill chunk in tokens (default: oscar_jax.runtime's); 0 = the whole prompt at once")
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
         p.error(str(e))
     command = "python -m calibration.passkey " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     try:
-        from calibration.evaluate import environment
+        from calibration.evaluate import environment, shipped_artifact
         from oscar_jax.loaders import load_model
         from oscar_jax.tokenizer import load_tokenizer
         from shared_math.artifact import ModelFingerprint, read_artifact
@@ -327,7 +327,8 @@ def main(argv=None) -> int:
         if too_long:
             raise ValueError(f"--lengths {too_long} exceed the model's trained context {cfg.max_seq_len}")
         fp = ModelFingerprint(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim)
-        artifact = read_artifact(args.artifact, expected_model=fp) if args.artifact else None
+        artifact_path = args.artifact or shipped_artifact(args.model)
+        artifact = read_artifact(artifact_path, expected_model=fp) if artifact_path else None
         methods = [parse_method(s, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                 artifact=artifact) for s in specs]
         result = run_passkey(params, cfg, load_tokenizer(args.model), methods, lengths=lengths, depths=depths,
@@ -340,7 +341,7 @@ def main(argv=None) -> int:
                         "prefill_chunk": args.prefill_chunk if args.mode == "prefill" else None, "lengths": lengths,
                         "depths": depths, "samples": args.samples, "seed": args.seed,
                         "haystack": "wiki evaluation split (never used for calibration)",
-                        "artifact": args.artifact, "seconds": round(time.time() - t0, 1)}
+                        "artifact": None if artifact_path is None else str(artifact_path), "seconds": round(time.time() - t0, 1)}
     result["environment"] = environment()
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
