@@ -259,11 +259,10 @@ def check_no_calibration_overlap(source: str, artifact) -> str:
 
 
 def shipped_artifact(model: str) -> Path | None:
-    """The artifact that ships with oscar_jax for a known model name (oscar_jax/artifacts/<name>/), if any."""
-    import oscar_jax
+    """The artifact shipped in oscar_jax/artifacts/<model>/, if any (oscar_jax.generate's lookup)."""
+    from oscar_jax.generate import shipped_artifact as lookup
 
-    directory = Path(oscar_jax.__file__).resolve().parent / "artifacts" / model
-    return directory if (directory / "oscar_rotations.safetensors").is_file() else None
+    return lookup(model)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,0 +1,46 @@
+"""SmolLM2 decoding ~1K tokens of real text through OscarKVCache equals a float reference that
+emulates the tiers (calibration.emulation: every query sees sink/recent in bf16, history through
+the format v1 codec of the shipped artifact)."""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+NUM_TOKENS = 1024
+LOGIT_TOL = 0.05  # measured 2026-11-30: see the assertion message; rounding flips near bf16/INT2 boundaries
+
+
+def test_decoding_1k_tokens_matches_the_tier_emulation():
+    import jax.numpy as jnp
+
+    from calibration.data import pack_tokens, wiki_documents
+    from calibration.emulation import emulated_logits
+    from calibration.methods import parse_method
+    from oscar_jax.generate import shipped_artifact
+    from oscar_jax.loaders import load_model
+    from oscar_jax.runtime import OscarRuntime
+    from oscar_jax.tokenizer import load_tokenizer
+    from shared_math.artifact import read_artifact
+
+    cfg, params = load_model("smollm2-135m")
+    tokenizer = load_tokenizer("smollm2-135m")
+    art = read_artifact(shipped_artifact("smollm2-135m"))
+    tokens = pack_tokens(wiki_documents("evaluation"), tokenizer.encode, tokenizer.eos_id, num_tokens=NUM_TOKENS)
+    method = parse_method("oscar", num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                          artifact=art)
+    want = np.asarray(emulated_logits(params, cfg, jnp.asarray(tokens)[None], method))[0]
+
+    # Every token enters the cache through a decode step (a one-token prompt), exactly as the
+    # emulation assumes: BF16 on arrival, INT2 when its page demotes.
+    rt = OscarRuntime(params, cfg, art, max_batch=1, max_seq_len=NUM_TOKENS)
+    sid, first, _ = rt.admit(tokens[:1])
+    got = [np.asarray(first)]
+    for t in range(1, NUM_TOKENS):
+        got.append(np.asarray(rt.step([sid], [int(tokens[t])])[0]))
+    got = np.array(got)
+    assert rt.allocator.sequences[sid].history_pages  # most of the window ended in the INT2 tier
+    err = np.abs(got - want).max(axis=-1)
+    agree = float(np.mean(got.argmax(-1) == want.argmax(-1)))
+    assert err.max() < LOGIT_TOL, f"max |Δlogit| {err.max():.3g} at position {err.argmax()}; median {np.median(err):.3g}"
+    assert agree >= 0.99, f"top-1 agreement {agree:.4f}"
