@@ -134,7 +134,7 @@ class _OscarLayer(CacheLayerMixin):
         return self._cache.get_seq_length(self._layer)
 
     def get_max_length(self) -> int:
-        return self._cache.max_cache_len_tokens
+        return self._cache.max_cache_len
 
     def reset(self) -> None:
         pass
@@ -371,10 +371,10 @@ class OscarHFCache(Cache):
     def _begin_step(self, key_states: torch.Tensor) -> None:
         previous = self._step
         if previous is not None and previous.attended < self.fingerprint.num_layers:
-            if previous.attended < previous.updated:
-                raise RuntimeError(_NOT_OSCAR_ATTENTION.format(layer=previous.attended))
-            raise RuntimeError(f"the previous forward stopped after {previous.attended} of "
-                               f"{self.fingerprint.num_layers} layers; call cache.reset() and start again")
+            raise RuntimeError(
+                f"the previous forward through this cache stopped after attending {previous.attended} of "
+                f"{self.fingerprint.num_layers} layers (it raised, or the model's attention implementation is not "
+                f"'oscar': model.set_attn_implementation('oscar')); call cache.reset() and start again")
         batch, _, tokens, _ = key_states.shape
         if self.pools is None:
             self._allocate(key_states.device)
