@@ -383,8 +383,8 @@ def _codes(packed: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="unverified this session: the SmolLM2 comparison did not finish within the session's "
-                         "time on the shared CPU; run it by hand with --runxfail removed (see the issue note)")
+@pytest.mark.skip(reason="not yet verified: the SmolLM2 comparison did not finish within the first session's "
+                         "time on the shared CPU; see the note on issue 5")
 def test_smollm2_generate_vs_jax_runtime_and_dynamic_cache():
     """SmolLM2-135M (GGUF, float32 in both frameworks), the shipped artifact, default windows,
     a ~420-token Wikipedia prompt (6 INT2 pages after prefill, a 7th demoted while decoding):
