@@ -368,13 +368,14 @@ def test_unsupported_steps_are_refused(tiny):
 
 SMOLLM_PROMPT_TOKENS = (380, 420)  # > 64 + 256 + 16: the prompt alone has INT2 history pages
 SMOLLM_NEW_TOKENS = 24
-# torch/Triton vs JAX/Pallas over the same tiers. Prefill logits agree to ~1e-4; decode logits
-# (|logit| ≈ 20–30) differed by ≤ 3.6e-2 when measured: the two backends round differently
-# before BF16 storage (JAX folds R_V into W_v and R_Vᵀ into W_o; transformers applies them to
-# activations; the einsum orders differ), so a few BF16 K/V elements land one BF16 ulp apart.
+# torch/Triton vs JAX/Pallas over the same tiers. Measured: prefill logits agree to 7e-5, decode
+# logits (|logit| ≈ 20–30) to ≤ 3.6e-2, all 24 greedy tokens equal. The float32 rows reaching the
+# codec and the BF16 tier are not bit-identical across the two: JAX folds R_V into W_v and R_Vᵀ
+# into W_o, transformers applies them to activations, and the einsum orders differ.
 SMOLLM_LOGIT_TOL = 0.1
-SMOLLM_MIN_SAME_CODES = 0.999  # INT2 codes equal across the two backends' pages (measured > 0.99999)
-SMOLLM_MIN_SAME_METADATA = 0.99  # fp16 scale / minimum bit-equal (measured ≥ 0.9989; the rest 1 ulp)
+SMOLLM_MIN_SAME_CODES = 0.999  # INT2 codes equal across the two backends' pages (measured 0.999997)
+# fp16 scale / minimum bit-equal (measured 0.99891; the others ≤ 8 fp16 ulps apart, one BF16 ulp)
+SMOLLM_MIN_SAME_METADATA = 0.99
 SMOLLM_MIN_TOP1 = 0.75  # teacher-forced top-1 agreement with the float32 DynamicCache (measured 0.875)
 
 
@@ -383,8 +384,6 @@ def _codes(packed: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="not yet verified: the SmolLM2 comparison did not finish within the first session's "
-                         "time on the shared CPU; see the note on issue 5")
 def test_smollm2_generate_vs_jax_runtime_and_dynamic_cache():
     """SmolLM2-135M (GGUF, float32 in both frameworks), the shipped artifact, default windows,
     a ~420-token Wikipedia prompt (6 INT2 pages after prefill, a 7th demoted while decoding):
