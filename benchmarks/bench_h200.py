@@ -1,0 +1,96 @@
+"""One command for the H200 benchmarks: correctness-checked timings written as raw JSON.
+
+    export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false OSCAR_GIT_SHA=$(git rev-parse HEAD)
+    python3 -m benchmarks.bench_h200 --sections copy,decode,write,e2e --out benchmarks/results
+
+Sections (each writes `<out>/<section>_h200.json` with the environment and the copy bandwidth
+measured in the same run): copy (device copy bandwidth), decode (bench_decode), write
+(bench_write), e2e (bench_e2e). `python3 -m benchmarks.summarize` turns the files into
+summary_h200.json, the plots and BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+SECTIONS = ("copy", "decode", "write", "e2e")
+TUNING_128K = [
+    {"pages_per_split": 16, "pages_per_block": 4},
+    {"pages_per_split": 32, "pages_per_block": 4},
+    {"pages_per_split": 128, "pages_per_block": 4},
+    {"pages_per_split": 64, "pages_per_block": 2},
+    {"pages_per_split": 64, "pages_per_block": 8},
+]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", default="copy,decode,write,e2e",
+                        help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--out", type=Path, required=True, help="directory for the raw JSON files")
+    parser.add_argument("--contexts", type=_ints, default=None, help="decode contexts (default 8192,32768,131072)")
+    parser.add_argument("--batches", type=_ints, default=None, help="decode batches (default 1,8,32)")
+    parser.add_argument("--group-size", type=int, default=128, help="INT2 group size G")
+    parser.add_argument("--no-tuning", action="store_true", help="skip the tiling sweep at 128K")
+    parser.add_argument("--e2e-contexts", type=_ints, default=None, help="end-to-end contexts (default 30000,60000,100000)")
+    args = parser.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {SECTIONS}")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU
+
+    from benchmarks import harness
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = harness.environment()
+    print(f"{env['gpu']} jax {env['jax']} torch {env['torch']} triton {env['triton']} git {env['git_sha'][:10]}",
+          flush=True)
+    copy = harness.copy_bandwidth()
+    print(f"copy bandwidth: torch {copy['torch']['gb_per_s']:.0f} GB/s, jax {copy['jax']['gb_per_s']:.0f} GB/s",
+          flush=True)
+
+    def save(section: str, payload: dict) -> None:
+        path = args.out / f"{section}_h200.json"
+        path.write_text(json.dumps({"section": section, "environment": env, "copy_bandwidth": copy, **payload},
+                                   indent=1))
+        print(f"wrote {path}", flush=True)
+
+    if "copy" in sections:
+        save("copy", {})
+    if "decode" in sections:
+        from benchmarks import bench_decode
+
+        configs = []
+        for context in args.contexts or bench_decode.CONTEXTS:
+            for batch in args.batches or bench_decode.BATCHES:
+                tuning = TUNING_128K if (context >= 131072 and batch in (1, 8) and not args.no_tuning) else None
+                t0 = time.perf_counter()
+                configs.append(bench_decode.run_config(context, batch, args.group_size, tuning=tuning))
+                print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+                save("decode", {"configs": configs})
+    if "write" in sections:
+        from benchmarks import bench_write
+
+        cases = {"write_pages": [], "demote": []}
+        for dtype in ("float32", "bfloat16"):
+            cases["write_pages"].append(bench_write.write_pages_case(65536, args.group_size, dtype))
+        cases["demote"].append(bench_write.demote_case(32, args.group_size))
+        cases["demote"].append(bench_write.demote_case(256, args.group_size))
+        save("write", cases)
+    if "e2e" in sections:
+        from benchmarks import bench_e2e
+
+        save("e2e", bench_e2e.run(contexts=args.e2e_contexts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Shared pieces of the H200 benchmarks: environment record, timers, copy bandwidth, error metric.
+
+Timing rules (../shared METHOD): warm up first, median of repeated measurements, inputs rotated
+among copies so that a call never finds its data in the 50 MB L2, and many launches per timed
+region so that host dispatch stays out of the kernel time:
+  * JAX: `time_jax_loop` runs the step `reps` times inside one jitted `fori_loop` (the step
+    chooses its input copy from the loop index) and divides the loop's wall time by `reps`.
+  * torch: `time_torch_graph` captures one CUDA graph of the calls on every input copy and
+    times its replays with CUDA events.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+L2_BYTES = 50 * 2**20  # H200 L2; inputs are rotated so that each call reads ≥ 4× this much between reuses
+
+
+def copies_to_defeat_l2(bytes_per_call: int, cap: int = 32) -> int:
+    return int(min(cap, max(1, math.ceil(4 * L2_BYTES / max(bytes_per_call, 1)))))
+
+
+def environment() -> dict:
+    """GPU, driver and package versions, git sha (OSCAR_GIT_SHA, else `git rev-parse`)."""
+    import jax
+    import jaxlib
+    import torch
+    import triton
+
+    sha = os.environ.get("OSCAR_GIT_SHA")
+    if not sha:
+        try:
+            sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            sha = "unknown"
+    gpu = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem",
+             "--format=csv,noheader"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        smi = "unavailable"
+    return {
+        "gpu": gpu.name if gpu else "none",
+        "gpu_memory_bytes": int(gpu.total_memory) if gpu else 0,
+        "sm_count": int(gpu.multi_processor_count) if gpu else 0,
+        "nvidia_smi": smi,
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "jax_backend": jax.default_backend(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+        "triton": triton.__version__, "numpy": np.__version__, "python": platform.python_version(),
+        "git_sha": sha,
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def relative_error(got, want) -> float:
+    """‖got − want‖ / ‖want‖ in float64 (NaN anywhere → inf, so it never passes)."""
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    if not np.all(np.isfinite(got)):
+        return math.inf
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def time_jax_loop(step, carry, reps: int, trials: int = 5) -> dict:
+    """Median seconds per call of `step(i, carry) -> carry`, run `reps` times in one jitted loop."""
+    import jax
+
+    @jax.jit
+    def loop(carry):
+        return jax.lax.fori_loop(0, reps, step, carry)
+
+    jax.block_until_ready(loop(carry))  # compile + warm up
+    jax.block_until_ready(loop(carry))
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(carry))
+        times.append((time.perf_counter() - t0) / reps)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "reps": reps,
+            "trials": trials}
+
+
+def time_torch_graph(calls, trials: int = 10) -> dict:
+    """Median seconds per call of a list of zero-argument callables (one per input copy),
+    captured as one CUDA graph; falls back to eager launches timed by events when capture fails."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up (autotuning, workspace allocation) outside the capture
+            for call in calls:
+                call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph, mode = torch.cuda.CUDAGraph(), "cuda_graph"
+    try:
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        run = graph.replay
+    except Exception as err:  # noqa: BLE001 - a backend that cannot be captured is timed eagerly
+        torch.cuda.synchronize()
+        mode = f"eager ({type(err).__name__})"
+
+        def run():
+            for call in calls:
+                call()
+    run()
+    torch.cuda.synchronize()
+    repeat = max(1, 16 // len(calls))
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / (repeat * len(calls)))
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "calls_per_trial": repeat * len(calls), "trials": trials, "mode": mode}
+
+
+def copy_bandwidth(num_bytes: int = 4 * 2**30) -> dict:
+    """Device-to-device copy bandwidth (bytes read + bytes written per second), torch and JAX."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    torch_time = time_torch_graph([lambda: dst.copy_(src)])
+    del src, dst
+    torch.cuda.empty_cache()
+
+    x = jax.random.bits(jax.random.key(0), (num_bytes // 4,), jnp.uint32)
+
+    def step(i, carry):
+        return carry + jnp.uint32(1)  # reads and writes every byte once
+
+    jax_time = time_jax_loop(step, x, reps=20)
+    del x
+    out = {}
+    for name, t in (("torch", torch_time), ("jax", jax_time)):
+        out[name] = dict(t, bytes_moved=2 * num_bytes, gb_per_s=2 * num_bytes / t["median_s"] / 1e9)
+    out["gb_per_s"] = max(out["torch"]["gb_per_s"], out["jax"]["gb_per_s"])
+    return out
