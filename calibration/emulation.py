@@ -1,8 +1,9 @@
 """Decode-faithful emulation of a quantized KV cache, for a whole window in one teacher-forced pass.
 
-While decoding, the query at position t sees the cache as it is after token t was appended:
-some positions are read from BF16 (OSCAR: the sink [0, S0) and the recent window of
-`tier_split(t + 1)`; KIVI: its full-precision residual) and the rest ("history") through the
+While decoding, the query at position t sees the cache as it is after token t was appended and
+before any demotion that append makes due (the runtime demotes after the step's attention):
+some positions are read from BF16 (OSCAR: the sink [0, S0), the recent window of `tier_split(t)`
+and token t itself; KIVI: its full-precision residual) and the rest ("history") through the
 method's quantizer. `EmulatedCache` implements the model's cache contract
 (`attend(layer, q, k, v, positions)`) for a window at positions 0..T−1 and gives every query
 exactly that view, so `oscar_jax.model.prefill(params, cfg, tokens, cache, all_logits=True)`

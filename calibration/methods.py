@@ -25,7 +25,7 @@ The methods and their source configurations (`parse_method` builds them from a s
               about zero); code = nearest level. Stores D/4 code bytes + one fp16 scale per group.
               Keeps OSCAR's BF16 windows (sink 64, recent 256) by default so that it differs from
               quarot-int2 only in rotation and quantizer; `naive-int2:windows=0/0` drops them
-              (that leaves only the < 16-token page that has not been demoted yet in BF16).
+              (that leaves only the ≤ 16-token page that has not been demoted yet in BF16).
   quarot-int2 QuaRot's KV treatment (Ashkboos et al. 2024, github.com/spcl/QuaRot): a normalised
               Walsh–Hadamard rotation of every K and V head (keys after RoPE, online; values folded
               into W_v / W_o), then per-token asymmetric quantization of each head row. Here the
@@ -58,9 +58,11 @@ The methods and their source configurations (`parse_method` builds them from a s
 
 Window options (`windows=S0/W`, `page=N`) use shared_math.tiers, so the tier of every position
 is exactly the runtime's: a page of the recent window is demoted when the window reaches
-W + page tokens. `windows=0/0` therefore still holds the up to page − 1 newest tokens in BF16
-(the runtime's granularity); `windows=0/0:page=1` quantizes every token at once (the page size
-must be a power of two).
+W + page tokens, *after* that step's attention (oscar_jax.allocator keeps the pre-demotion view
+until the step has attended), so query t reads the history of `tier_split(t)` and the new token
+t in BF16. `windows=0/0` therefore still holds the up to page newest tokens in BF16 while
+attending (the runtime's granularity); `windows=0/0:page=1` quantizes every earlier token (the
+page size must be a power of two).
 
 Every BF16 tier holds *rotated* K/V rounded to bfloat16 (as OscarKVCache stores them), so a
 rotated method differs from `bf16` by rounding even where nothing is quantized yet.
@@ -291,8 +293,10 @@ class TieredMethod:
         start = np.zeros(length, np.int64)
         end = np.zeros(length, np.int64)
         if self.quantizer is not None:
-            for t in range(length):  # decoding at t holds t + 1 tokens
-                first, count = self.windows.history_counts(t + 1)
+            for t in range(length):
+                # Decoding t appends token t and attends before the page this append makes due is
+                # demoted (the runtime's order), so query t reads the history of the first t tokens.
+                first, count = self.windows.history_counts(t)
                 start[t], end[t] = first, first + count
         return HistoryIntervals(start, end, start.copy(), end.copy())
 

@@ -48,9 +48,10 @@ class DecodeReference:
     """A dense cache decoded one token at a time, holding the tiers literally.
 
     Tiered methods: append to the sink while it is not full, else to the recent list; when the
-    recent list reaches W + page rows, quantize its oldest page into the history (the runtime's
-    demotion). KIVI: its decode step (keys flushed R at a time after attention, values kept R + 1
-    during attention). Attention is a float64 softmax over [sink, history, recent] / KIVI's lists.
+    recent list reaches W + page rows, quantize its oldest page into the history after this step's
+    attention (the runtime's demotion: oscar_jax.allocator keeps the pre-demotion view). KIVI: its
+    decode step (keys flushed R at a time after attention, values kept R + 1 during attention).
+    Attention is a float64 softmax over [sink, history, recent] / KIVI's lists.
     """
 
     def __init__(self, method):
@@ -92,12 +93,12 @@ class DecodeReference:
         w = self.m.windows
         st = self.state.setdefault(layer, {"sink": [], "history": [], "recent": []})
         (st["sink"] if len(st["sink"]) < w.sink else st["recent"]).append((k, v))
+        rows = st["sink"] + st["history"] + st["recent"]  # attention reads these, then a due page demotes
         if len(st["recent"]) == w.recent + w.page_size:
             page, st["recent"] = st["recent"][: w.page_size], st["recent"][w.page_size :]
             pk = self.m.quantize_keys(layer, np.stack([p[0] for p in page])[None])[0]
             pv = self.m.quantize_values(layer, np.stack([p[1] for p in page])[None])[0]
             st["history"] += list(zip(pk, pv))
-        rows = st["sink"] + st["history"] + st["recent"]
         return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
     def _kivi(self, layer, k, v):

@@ -54,9 +54,9 @@ def test_tiered_history_intervals_match_tier_split_per_position(windows):
     iv = method.history_intervals(length)
     cfg = OscarConfig(head_dim=D, sink=windows.sink, recent=windows.recent, page_size=windows.page_size)
     for t in range(length):
-        split = tier_split(t + 1, cfg)  # the cache while decoding position t
+        split = tier_split(t, cfg)  # decoding t attends before the demotion its append makes due
         for s in range(t + 1):
-            history = split.tier_of(s) == "history"
+            history = s < t and split.tier_of(s) == "history"
             assert (iv.k_start[t] <= s < iv.k_end[t]) == history, (t, s)
             assert (iv.v_start[t] <= s < iv.v_end[t]) == history, (t, s)
 
@@ -252,16 +252,17 @@ def test_spec_errors():
 
 
 def test_at_rest_history():
-    """The history stored after the last token: tier_split(L) for tiered methods (= what query L − 1
-    read); for KIVI what query L will read (its key flush happens after attention)."""
+    """The history stored after the last token: tier_split(L) for tiered methods; for both
+    families what query L will read (demotions and KIVI's key flush happen after attention)."""
     art = make_artifact()
     for length in (1, 20, 31, 32, 33, 64, 65, 100):
         kivi = build("kivi2:group=16:residual=32")
         iv = kivi.history_intervals(length + 1)
         assert kivi.at_rest_history(length) == (0, iv.k_end[length], 0, iv.v_end[length])
         oscar = build("oscar:windows=16/32", art)
-        iv = oscar.history_intervals(length)
-        assert oscar.at_rest_history(length) == (iv.k_start[-1], iv.k_end[-1], iv.v_start[-1], iv.v_end[-1])
+        iv = oscar.history_intervals(length + 1)
+        assert oscar.at_rest_history(length) == (iv.k_start[length], iv.k_end[length], iv.v_start[length],
+                                                 iv.v_end[length])
         split = tier_split(length, OscarConfig(head_dim=D, sink=16, recent=32))
         assert oscar.at_rest_history(length)[:2] == (split.history_start, split.recent_start)
         assert build("bf16").at_rest_history(length) == (0, 0, 0, 0)
