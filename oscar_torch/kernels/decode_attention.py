@@ -8,12 +8,14 @@ union. The same kernels, names and tiling as oscar_jax/kernels/decode_attention.
 * `bf16_tier_partials`: the sink and recent pages (BF16). One page table per sequence: slots
   [0, sink_slots) are the sink pages (`sink_tokens` valid tokens, filling pages in order), the
   following slots the recent pages (`recent_tokens` valid tokens, in order).
-* `int2_tier_partials`: the history pages (INT2, format v1). One difference from the Pallas
-  kernel, on purpose: this kernel dequantizes each K/V tile in registers (x̂ = m + c·s in
-  float32, `decode_block` of codec.py, exactly the reference decode) and runs ordinary dots on
-  it, where Pallas folds scale and minimum into the scores (s·(q·c) + m·Σq). Both are exact up
-  to float32 rounding order; this form is simpler, and the parity suite compares the two
-  against one float64 reference with one tolerance table.
+* `int2_tier_partials`: the history pages (INT2, format v1), in the folded form of the Pallas
+  kernel: one dot per bit plane on the raw 2-bit codes, the K scale and minimum folded into the
+  scores (s·(q·c) + m·Σq) and the V scale into the probabilities, so nothing is dequantized and
+  bfloat16 queries run on tensor cores. This needs every bit plane inside one group (G ≥ D/4);
+  narrower groups take `_int2_tier_dequantizing_kernel`, which dequantizes each tile in
+  registers (`decode_block`) and runs float32 dots. (The first version dequantized always: a
+  [256, 128] float32 tile per K and V spilled registers and ran at ~5 GB/s on the H200 —
+  benchmarks/NOTES.md.)
 
 Both kernels handle all query rows of one KV head together (GQA: the Gq query heads of a KV head,
 padded to ≥ 16 rows for `tl.dot`; prefill: T·Gq rows), so each K/V tile is loaded once per row
@@ -25,8 +27,9 @@ Precision: `BF16_DOTS` (q in bfloat16) rounds the dot operands built in the kern
 On the GPU the BF16 tier's bf16 dots run on tensor cores (`TENSOR_CORES`); the Triton
 interpreter computes bf16 `tl.dot` wrongly, so there the operands are rounded to bfloat16 values
 with integer round-to-nearest-even and multiplied as float32 (the same products: a product of
-two bfloat16 values is exact in float32). The INT2 tier always uses float32 dots on the
-dequantized tile (its values are not bfloat16). BF16 pools and bfloat16 queries reach the
+two bfloat16 values is exact in float32). The folded INT2 kernel follows the same rules (codes
+are exact in bfloat16; the probabilities scaled by the V scale are rounded to bfloat16 before
+the dot, as in Pallas); the dequantizing one always uses float32 dots. BF16 pools and bfloat16 queries reach the
 kernels as int16 bit patterns and are widened with integer ops (exact everywhere).
 
 Robustness: a page-table entry that does not hold a valid token is never dereferenced (its page
@@ -278,6 +281,66 @@ def _load_int2_tile(codes_ptr, scale_ptr, minimum_ptr, page, h, offset, valid,
 
 
 @triton.jit
+def _plane_codes(packed, PLANE: tl.constexpr, BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr):
+    """Bit plane PLANE of packed int32 [N, D/4]: the codes of channels [PLANE·D/4, …) as a dot
+    operand (small integers: exact in bfloat16 and float32)."""
+    codes = ((packed >> (PLANE * 2)) & 3).to(tl.float32)
+    if BF16_DOTS and TENSOR_CORES:
+        return codes.to(tl.bfloat16)
+    return codes
+
+
+@triton.jit
+def _plane_metadata(ptr, row, valid, PLANE: tl.constexpr, QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                    NUM_GROUPS: tl.constexpr):
+    """The fp16 scale or minimum [N] (float32) of the group holding bit plane PLANE; masked → 0."""
+    value = tl.load(ptr + row * NUM_GROUPS + (PLANE * QUARTER) // GROUP_SIZE).to(tl.float32)
+    return tl.where(valid, value, 0.0)  # masked rows may be stale memory (NaN metadata)
+
+
+@triton.jit
+def _plane_scores(q_plane, q_plane_sum, packed, scale_ptr, minimum_ptr, row, valid, PLANE: tl.constexpr,
+                  QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr):
+    """One bit plane's share of q·k̂: s·(q_plane · c_plane) + m·Σ q_plane  → [BLOCK_M, N]."""
+    codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES)  # [N, QUARTER]
+    scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
+    minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
+    dots = dot_f32(q_plane, tl.trans(codes), BF16_DOTS, TENSOR_CORES)
+    return dots * scale[None, :] + q_plane_sum[:, None] * minimum[None, :]
+
+
+@triton.jit
+def _plane_update(o_plane, correction, p, packed, scale_ptr, minimum_ptr, row, valid, PLANE: tl.constexpr,
+                  QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr):
+    """o_plane [BLOCK_M, D/4] of channels [PLANE·D/4, …): rescaled, plus Σ_n (p·s)·c + Σ_n p·m."""
+    codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES)  # [N, QUARTER]
+    scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
+    minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
+    p_scaled = dot_operand(p * scale[None, :], BF16_DOTS, TENSOR_CORES)
+    update = dot_f32(p_scaled, codes, BF16_DOTS, TENSOR_CORES) + tl.sum(p * minimum[None, :], axis=1)[:, None]
+    return o_plane * correction[:, None] + update
+
+
+@triton.jit
+def _query_plane(q_ptr, b, h, row_block, PLANE: tl.constexpr, NUM_HEADS: tl.constexpr, ROWS: tl.constexpr,
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, Q_BF16: tl.constexpr):
+    """Query columns [PLANE·D/4, …) of the rows of (b, h) as float32 [BLOCK_M, D/4]."""
+    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
+    row = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    start = ((b * NUM_HEADS + h) * ROWS + row).to(tl.int64) * D + PLANE * QUARTER
+    return load_rows_f32(q_ptr + start[:, None] + tl.arange(0, QUARTER)[None, :], row[:, None] < ROWS, Q_BF16)
+
+
+@triton.jit
+def _store_plane(o_ptr, o_plane, inv_l, out_row, PLANE: tl.constexpr, D: tl.constexpr):
+    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
+    column = PLANE * QUARTER + tl.arange(0, QUARTER)[None, :]
+    tl.store(o_ptr + out_row[:, None].to(tl.int64) * D + column, o_plane * inv_l[:, None])
+
+
+@triton.jit
 def _int2_tier_kernel(
     page_table_ptr,  # [B, NH] int32: the history pages
     history_tokens_ptr,  # [B] int32 (a multiple of L)
@@ -302,7 +365,99 @@ def _int2_tier_kernel(
     SOFTMAX_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     Q_BF16: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
 ):
+    """Folded form (as the Pallas kernel): the dots run on the raw 2-bit codes, one per bit plane
+    (quartered packing: plane p of byte j is channel p·D/4 + j, and a plane lies inside one group
+    because G ≥ D/4), with the scale and minimum folded into the scores and the probabilities —
+    nothing is dequantized, and bfloat16 queries use tensor cores."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    row_block, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
+    BLOCK_N: tl.constexpr = PAGES_PER_BLOCK * PAGE_SIZE
+    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
+    NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
+
+    n_history = tl.load(history_tokens_ptr + b)
+    first_slot = split * PAGES_PER_SPLIT
+    last_slot = tl.minimum(first_slot + PAGES_PER_SPLIT, tl.cdiv(n_history, PAGE_SIZE))
+    num_blocks = tl.maximum(tl.cdiv(last_slot - first_slot, PAGES_PER_BLOCK), 0)
+
+    token = tl.arange(0, BLOCK_N)
+    offset = token % PAGE_SIZE  # [N]
+    slot_in_block = token // PAGE_SIZE  # [N]
+    q0 = _query_plane(q_ptr, b, h, row_block, 0, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)  # [BLOCK_M, D/4]
+    q1 = _query_plane(q_ptr, b, h, row_block, 1, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)
+    q2 = _query_plane(q_ptr, b, h, row_block, 2, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)
+    q3 = _query_plane(q_ptr, b, h, row_block, 3, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)
+    s0, s1, s2, s3 = tl.sum(q0, axis=1), tl.sum(q1, axis=1), tl.sum(q2, axis=1), tl.sum(q3, axis=1)
+    q0 = dot_operand(q0, Q_BF16, TENSOR_CORES)  # bf16 queries are exact in bf16
+    q1 = dot_operand(q1, Q_BF16, TENSOR_CORES)
+    q2 = dot_operand(q2, Q_BF16, TENSOR_CORES)
+    q3 = dot_operand(q3, Q_BF16, TENSOR_CORES)
+
+    o0 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
+    o1 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
+    o2 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
+    o3 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
+    m = tl.full((BLOCK_M,), MASK_VALUE_C, tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):  # static trip count (see above)
+        if i < num_blocks:
+            slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
+            valid = (slot * PAGE_SIZE + offset < n_history) & (slot < table_slots)  # [N]
+            page = tl.load(page_table_ptr + b * table_slots + slot, mask=valid, other=0)
+            row = (page.to(tl.int64) * NUM_HEADS + h) * PAGE_SIZE + offset  # [N]
+            columns = tl.arange(0, QUARTER)[None, :]
+            packed = tl.load(k_codes_ptr + row[:, None] * QUARTER + columns).to(tl.int32)  # [N, D/4]
+            scores = _plane_scores(q0, s0, packed, k_scale_ptr, k_min_ptr, row, valid, 0,
+                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+            scores += _plane_scores(q1, s1, packed, k_scale_ptr, k_min_ptr, row, valid, 1,
+                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+            scores += _plane_scores(q2, s2, packed, k_scale_ptr, k_min_ptr, row, valid, 2,
+                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+            scores += _plane_scores(q3, s3, packed, k_scale_ptr, k_min_ptr, row, valid, 3,
+                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+            p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
+            packed = tl.load(v_codes_ptr + row[:, None] * QUARTER + columns).to(tl.int32)
+            o0 = _plane_update(o0, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 0,
+                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+            o1 = _plane_update(o1, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 1,
+                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+            o2 = _plane_update(o2, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 2,
+                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+            o3 = _plane_update(o3, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 3,
+                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+
+    out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
+    nonempty = l > 0.0
+    inv_l = 1.0 / tl.where(nonempty, l, 1.0)
+    _store_plane(o_ptr, o0, inv_l, out_row, 0, D)
+    _store_plane(o_ptr, o1, inv_l, out_row, 1, D)
+    _store_plane(o_ptr, o2, inv_l, out_row, 2, D)
+    _store_plane(o_ptr, o3, inv_l, out_row, 3, D)
+    tl.store(lse_ptr + out_row, tl.where(nonempty, m + tl.log(tl.where(nonempty, l, 1.0)), float("-inf")))
+
+
+@triton.jit
+def _int2_tier_dequantizing_kernel(
+    page_table_ptr, history_tokens_ptr, q_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
+    v_min_ptr, o_ptr, lse_ptr, table_slots,
+    NUM_HEADS: tl.constexpr,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGES_PER_SPLIT: tl.constexpr,
+    PAGES_PER_BLOCK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SOFTMAX_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    Q_BF16: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
+):
+    """Groups narrower than D/4 (a bit plane spans several groups): dequantize each K/V tile in
+    registers (x̂ = m + c·s, `decode_block`) and run float32 dots on it. Same arguments as
+    `_int2_tier_kernel`."""
     b, h = tl.program_id(0), tl.program_id(1)
     row_block, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
     BLOCK_N: tl.constexpr = PAGES_PER_BLOCK * PAGE_SIZE
@@ -365,13 +520,14 @@ def int2_tier_partials(
     splits = num_splits(page_table.shape[1], pages_per_split)
     o = torch.empty((batch, num_kv_heads, splits, rows, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_kv_heads, splits, rows), dtype=torch.float32, device=q.device)
-    _int2_tier_kernel[(batch, num_kv_heads, (rows // block_m) * splits)](
+    kernel = _int2_tier_kernel if group_size >= head_dim // CODES_PER_BYTE else _int2_tier_dequantizing_kernel
+    kernel[(batch, num_kv_heads, (rows // block_m) * splits)](
         page_table, history_tokens, kernel_view(q), k_codes, k_scale, k_min, v_codes, v_scale, v_min,
         o, lse, page_table.shape[1],
         NUM_HEADS=num_kv_heads, ROWS=rows, D=head_dim, GROUP_SIZE=group_size, PAGE_SIZE=page_size,
         PAGES_PER_SPLIT=pages_per_split, PAGES_PER_BLOCK=pages_per_block, NUM_SPLITS=splits,
         SOFTMAX_SCALE=float(softmax_scale), BLOCK_M=block_m, Q_BF16=q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
+        TENSOR_CORES=not interpreting(), num_warps=num_warps, num_stages=num_stages,
     )
     return o, lse
 
