@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     if "e2e" in sections:
         from benchmarks import bench_e2e
 
-        save("e2e", bench_e2e.run(contexts=args.e2e_contexts))
+        save("e2e", bench_e2e.run(contexts=args.e2e_contexts, copy_gb_per_s=copy["gb_per_s"]))
 
 
 if __name__ == "__main__":
