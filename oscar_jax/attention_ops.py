@@ -43,6 +43,8 @@ from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_sha
 # programs: a few per SM of an H200 at batch 1–8, and few partials to merge at long context).
 TARGET_SPLITS = 32
 DEFAULT_PAGES_PER_BLOCK = 4
+DEFAULT_NUM_WARPS = 4  # Triton launch parameters of the decode kernels
+DEFAULT_NUM_STAGES = 2
 DEFAULT_PREFILL_BLOCK_M = 64
 DEFAULT_PREFILL_BLOCK_N = 64
 QUERY_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -195,7 +197,8 @@ def default_pages_per_split(history_slots: int, pages_per_block: int) -> int:
 
 
 def _cache_partials(
-    q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, block_m, interpret
+    q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, block_m, interpret,
+    num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES,
 ):
     """Partials of q_rows [B, Hkv, M, D] over both tiers, concatenated on the split axis."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
@@ -206,6 +209,8 @@ def _cache_partials(
         pages_per_block=pages_per_block,
         block_m=block_m,
         interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     outputs, lses = bf16_tier_partials(
         q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots=sink_slots, **tiling
@@ -222,9 +227,10 @@ def _cache_partials(
 _STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "pages_per_block", "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("num_warps", "num_stages"))
 def _decode_attention(
-    q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, interpret
+    q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, interpret, num_warps,
+    num_stages,
 ):
     batch, q_heads, head_dim = q.shape
     num_kv_heads = cache[0].shape[1]
@@ -235,6 +241,7 @@ def _decode_attention(
     outputs, lses = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, interpret=interpret,
+        num_warps=num_warps, num_stages=num_stages,
     )
     # Drop the padding rows before the merge: [B, Hkv, S, Gq, D] → o [B, Hkv, Gq, D].
     o, _ = merge_partials(outputs[..., :heads_per_kv, :], lses[..., :heads_per_kv])
@@ -262,6 +269,8 @@ def decode_attention(
     softmax_scale: float,
     pages_per_split: int | None = None,
     pages_per_block: int = DEFAULT_PAGES_PER_BLOCK,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = DEFAULT_NUM_STAGES,
     interpret: bool | None = None,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
@@ -276,6 +285,7 @@ def decode_attention(
       pages_per_split: pages of one split-K program (a power of two); None → about
         NH / TARGET_SPLITS (`default_pages_per_split`).
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16).
+      num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only).
       interpret: run the Pallas kernels in interpret mode; None → on when the default backend is CPU.
     Returns:
       float32 [B, Hq, D].
@@ -289,10 +299,12 @@ def decode_attention(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
+    _check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
+    _check_static_int("num_stages", num_stages, minimum=1)
     return _decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
         pages_per_split=int(pages_per_split), pages_per_block=int(pages_per_block),
-        interpret=resolve_interpret(interpret),
+        num_warps=int(num_warps), num_stages=int(num_stages), interpret=resolve_interpret(interpret),
     )
 
 

@@ -254,9 +254,57 @@ def int2_pieces(head_dim: int, group_size: int):
     return tuple(pieces)
 
 
+def _int2_query_terms(q_ref, pieces, num_groups):
+    """The query split like the code planes ([BLOCK_M, W] per piece) and Σ q per group."""
+    block_m = q_ref.shape[0]
+    q_pieces = [q_ref[:, pl.ds(c0, width)] for (_, width, _, c0, _) in pieces]
+    q_group_sums = [jnp.zeros((block_m,), jnp.float32) for _ in range(num_groups)]
+    for q_piece, (_, _, _, _, group) in zip(q_pieces, pieces):
+        q_group_sums[group] = q_group_sums[group] + jnp.sum(q_piece.astype(jnp.float32), axis=1)
+    return q_pieces, q_group_sums
+
+
+def _code_planes(load_chunk, pieces, compute_dtype):
+    """Each piece's codes as [N, W] in the compute dtype; `load_chunk(byte_start, width)` gives
+    the uint8 bytes [N, W] (widened to int32 before the shift: the Triton lowering's rule)."""
+    chunks, planes = {}, []
+    for byte_start, width, plane, _, _ in pieces:
+        if byte_start not in chunks:
+            chunks[byte_start] = load_chunk(byte_start, width).astype(jnp.int32)
+        code = lax.shift_right_logical(chunks[byte_start], plane * CODE_BITS) & CODE_MASK
+        planes.append(code.astype(compute_dtype))
+    return planes
+
+
+def _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces):
+    """Σ_g s_g·(q_g · c_g) + m_g·Σ q_g → [BLOCK_M, N]; k_scale / k_min per group, each [N]."""
+    code_dots = [None] * len(k_scale)
+    for q_piece, plane, (_, _, _, _, group) in zip(q_pieces, k_planes, pieces):
+        d = dot_nt(q_piece, plane)
+        code_dots[group] = d if code_dots[group] is None else code_dots[group] + d
+    scores = None
+    for group, (scale, minimum) in enumerate(zip(k_scale, k_min)):
+        term = code_dots[group] * scale[None, :] + q_group_sums[group][:, None] * minimum[None, :]
+        scores = term if scores is None else scores + term
+    return scores
+
+
+def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype):
+    """Per piece Σ_n (p·s_v)·c_v + Σ_n p·m_v → [BLOCK_M, W] (p [BLOCK_M, N] unnormalised)."""
+    p_scaled = [(p * scale[None, :]).astype(compute_dtype) for scale in v_scale]
+    p_min = [jnp.sum(p * minimum[None, :], axis=1) for minimum in v_min]
+    return [dot_nn(p_scaled[group], plane) + p_min[group][:, None]
+            for plane, (_, _, _, _, group) in zip(v_planes, pieces)]
+
+
+def _int2_metadata(ref, index, valid, num_groups):
+    """fp16 scale or minimum per group as float32 [N], zero where invalid (stale memory may be NaN)."""
+    return [jnp.where(valid, ref[index + (group,)].astype(jnp.float32), 0.0) for group in range(num_groups)]
+
+
 def _int2_tier_kernel(
     page_table_ref,  # [S·PAGES_PER_SPLIT] int32: the history slots of sequence b (padded)
-    history_tokens_ref,  # [B] int32 (a multiple of L)
+    history_tokens_ref,  # [B] int32
     q_ref,  # [BLOCK_M, D] compute dtype: query rows of KV head h
     k_codes_ref,  # [P, L, D/4] uint8: K codes pool of KV head h
     k_scale_ref,  # [P, L, D/GROUP] float16
@@ -273,6 +321,60 @@ def _int2_tier_kernel(
     PAGES_PER_BLOCK: int,
     SOFTMAX_SCALE: float,
 ):
+    """One iteration = PAGES_PER_BLOCK pages, each read as a whole page through a scalar page id
+    (contiguous [L, D/4] codes, no per-token addresses), one online-softmax update for all of them.
+    Needs L ≥ 16 (dot tile); `_int2_tier_gather_kernel` serves smaller pages."""
+    b, split = pl.program_id(0), pl.program_id(3)
+    block_m, head_dim = q_ref.shape
+    compute_dtype = q_ref.dtype
+    num_groups = head_dim // GROUP_SIZE
+    pieces = int2_pieces(head_dim, GROUP_SIZE)
+
+    n_history = history_tokens_ref[b]
+    first_slot = split * PAGES_PER_SPLIT
+    last_slot = jnp.minimum(first_slot + PAGES_PER_SPLIT, cdiv(n_history, PAGE_SIZE))
+    num_blocks = jnp.maximum(cdiv(last_slot - first_slot, PAGES_PER_BLOCK), 0)
+    offset = lax.iota(jnp.int32, PAGE_SIZE)  # [L]
+    q_pieces, q_group_sums = _int2_query_terms(q_ref, pieces, num_groups)
+
+    def body(i, carry):
+        o_pieces, m, l = carry
+        pages = []
+        for j in range(PAGES_PER_BLOCK):  # static: the pages' loads are independent
+            slot = first_slot + i * PAGES_PER_BLOCK + j
+            valid = slot * PAGE_SIZE + offset < n_history  # [L]
+            page = jnp.where(slot < last_slot, page_table_ref[slot], 0)  # never dereference unused slots
+            k_planes = _code_planes(lambda c0, w: k_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype)
+            k_scale = _int2_metadata(k_scale_ref, (page, slice(None)), valid, num_groups)
+            k_min = _int2_metadata(k_min_ref, (page, slice(None)), valid, num_groups)
+            scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces) * SOFTMAX_SCALE
+            pages.append((page, valid, jnp.where(valid[None, :], scores, MASK_VALUE)))
+        m_new = m
+        for _, _, scores in pages:
+            m_new = jnp.maximum(m_new, jnp.max(scores, axis=1))
+        correction = jnp.exp(m - m_new)
+        l = l * correction
+        o_pieces = [o_piece * correction[:, None] for o_piece in o_pieces]
+        for page, valid, scores in pages:
+            p = jnp.where(valid[None, :], jnp.exp(scores - m_new[:, None]), 0.0)  # [BLOCK_M, L]
+            l = l + jnp.sum(p, axis=1)
+            v_planes = _code_planes(lambda c0, w: v_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype)
+            v_scale = _int2_metadata(v_scale_ref, (page, slice(None)), valid, num_groups)
+            v_min = _int2_metadata(v_min_ref, (page, slice(None)), valid, num_groups)
+            updates = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype)
+            o_pieces = [o_piece + update for o_piece, update in zip(o_pieces, updates)]
+        return tuple(o_pieces), m_new, l
+
+    _int2_finish(body, num_blocks, pieces, o_ref, lse_ref)
+
+
+def _int2_tier_gather_kernel(
+    page_table_ref, history_tokens_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref, v_codes_ref, v_scale_ref,
+    v_min_ref, o_ref, lse_ref, *, GROUP_SIZE: int, PAGE_SIZE: int, PAGES_PER_SPLIT: int, PAGES_PER_BLOCK: int,
+    SOFTMAX_SCALE: float,
+):
+    """As `_int2_tier_kernel` (same refs), for any page size: one block of PAGES_PER_BLOCK·L ≥ 16
+    tokens gathered token by token (a page id per token)."""
     b, split = pl.program_id(0), pl.program_id(3)
     block_m, head_dim = q_ref.shape
     block_n = PAGES_PER_BLOCK * PAGE_SIZE
@@ -284,66 +386,33 @@ def _int2_tier_kernel(
     first_slot = split * PAGES_PER_SPLIT
     last_slot = jnp.minimum(first_slot + PAGES_PER_SPLIT, cdiv(n_history, PAGE_SIZE))
     num_blocks = jnp.maximum(cdiv(last_slot - first_slot, PAGES_PER_BLOCK), 0)
-
     token = lax.iota(jnp.int32, block_n)
     offset = token % PAGE_SIZE  # [N]
     slot_in_block = token // PAGE_SIZE  # [N]
-
-    # Query pieces in the layout of the code planes, and per-group sums Σ q (for the min term).
-    q_pieces = [q_ref[:, pl.ds(c0, width)] for (_, width, _, c0, _) in pieces]  # [BLOCK_M, W] each
-    q_group_sums = [jnp.zeros((block_m,), jnp.float32) for _ in range(num_groups)]
-    for q_piece, (_, _, _, _, group) in zip(q_pieces, pieces):
-        q_group_sums[group] = q_group_sums[group] + jnp.sum(q_piece.astype(jnp.float32), axis=1)
-
-    def load_group_metadata(ref, page, valid, group):
-        value = ref[page, offset, group].astype(jnp.float32)  # [N]
-        return jnp.where(valid, value, 0.0)  # masked rows may be stale memory (NaN)
-
-    def load_planes(codes_ref, page):
-        """Each piece's codes as [N, W] in the compute dtype (uint8 → int32 → shift/mask)."""
-        chunks = {}
-        planes = []
-        for byte_start, width, plane, _, _ in pieces:
-            if byte_start not in chunks:
-                chunks[byte_start] = codes_ref[page, offset, pl.ds(byte_start, width)].astype(jnp.int32)
-            code = lax.shift_right_logical(chunks[byte_start], plane * CODE_BITS) & CODE_MASK
-            planes.append(code.astype(compute_dtype))
-        return planes
+    q_pieces, q_group_sums = _int2_query_terms(q_ref, pieces, num_groups)
 
     def body(i, carry):
         o_pieces, m, l = carry
         slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
         valid = slot * PAGE_SIZE + offset < n_history  # [N]
         page = jnp.where(valid, page_table_ref[slot], 0)  # [N] never dereference unused slots
-
-        # Scores: Σ_g s_g·(q_g · c_g) + m_g·Σ q_g.
-        k_planes = load_planes(k_codes_ref, page)
-        code_dots = [None] * num_groups
-        for q_piece, plane, (_, _, _, _, group) in zip(q_pieces, k_planes, pieces):
-            d = dot_nt(q_piece, plane)  # [BLOCK_M, N]
-            code_dots[group] = d if code_dots[group] is None else code_dots[group] + d
-        scores = jnp.zeros((block_m, block_n), jnp.float32)
-        for group in range(num_groups):
-            k_scale = load_group_metadata(k_scale_ref, page, valid, group)
-            k_min = load_group_metadata(k_min_ref, page, valid, group)
-            scores = scores + code_dots[group] * k_scale[None, :]
-            scores = scores + q_group_sums[group][:, None] * k_min[None, :]
+        k_planes = _code_planes(lambda c0, w: k_codes_ref[page, offset, pl.ds(c0, w)], pieces, compute_dtype)
+        k_scale = _int2_metadata(k_scale_ref, (page, offset), valid, num_groups)
+        k_min = _int2_metadata(k_min_ref, (page, offset), valid, num_groups)
+        scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces)
         p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
+        v_planes = _code_planes(lambda c0, w: v_codes_ref[page, offset, pl.ds(c0, w)], pieces, compute_dtype)
+        v_scale = _int2_metadata(v_scale_ref, (page, offset), valid, num_groups)
+        v_min = _int2_metadata(v_min_ref, (page, offset), valid, num_groups)
+        updates = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype)
+        return tuple(o * correction[:, None] + u for o, u in zip(o_pieces, updates)), m, l
 
-        # Output: Σ_n (p·s_v)·c_v + Σ_n p·m_v per group.
-        v_planes = load_planes(v_codes_ref, page)
-        p_scaled, p_min = [], []
-        for group in range(num_groups):
-            v_scale = load_group_metadata(v_scale_ref, page, valid, group)
-            v_min = load_group_metadata(v_min_ref, page, valid, group)
-            p_scaled.append((p * v_scale[None, :]).astype(compute_dtype))  # [BLOCK_M, N]
-            p_min.append(jnp.sum(p * v_min[None, :], axis=1))  # [BLOCK_M]
-        new_pieces = []
-        for o_piece, plane, (_, _, _, _, group) in zip(o_pieces, v_planes, pieces):
-            update = dot_nn(p_scaled[group], plane) + p_min[group][:, None]  # [BLOCK_M, W]
-            new_pieces.append(o_piece * correction[:, None] + update)
-        return tuple(new_pieces), m, l
+    _int2_finish(body, num_blocks, pieces, o_ref, lse_ref)
 
+
+def _int2_finish(body, num_blocks, pieces, o_ref, lse_ref):
+    """Run the online-softmax loop from an empty state and write the normalised partial."""
+    block_m = o_ref.shape[0]
     carry = (
         tuple(jnp.zeros((block_m, width), jnp.float32) for (_, width, _, _, _) in pieces),
         jnp.full((block_m,), MASK_VALUE, jnp.float32),
@@ -385,8 +454,9 @@ def int2_tier_partials(
     splits = num_splits(page_table.shape[1], pages_per_split)
     table_len = splits * pages_per_split
     page_table = jnp.pad(page_table, ((0, 0), (0, table_len - page_table.shape[1])))
+    # Whole pages per dot when a page fills a dot tile; otherwise gather tokens into a block.
     kernel = functools.partial(
-        _int2_tier_kernel,
+        _int2_tier_kernel if page_size >= MIN_DOT_DIM else _int2_tier_gather_kernel,
         GROUP_SIZE=group_size,
         PAGE_SIZE=page_size,
         PAGES_PER_SPLIT=pages_per_split,

@@ -95,6 +95,7 @@ def build_cache(
     recent: int = 32,
     spare_pages: int = 2,
     shape_for_lengths=None,
+    page_size: int = PAGE_SIZE,
 ) -> MixedCache:
     """A poisoned, shuffled paged cache holding sequences of the given lengths (tiers per shared_math).
 
@@ -102,19 +103,20 @@ def build_cache(
     matching length) to keep the array shapes fixed while the lengths vary.
     """
     config = OscarConfig(
-        head_dim=head_dim, group_size=group_size, sink=SINK, recent=recent, page_size=PAGE_SIZE
+        head_dim=head_dim, group_size=group_size, sink=SINK, recent=recent, page_size=page_size
     )
+    sink_slots = SINK // page_size
     splits = [tier_split(int(length), config) for length in lengths]
     sizing = splits if shape_for_lengths is None else [tier_split(int(n), config) for n in shape_for_lengths]
     batch, groups, packed = len(lengths), head_dim // group_size, head_dim // CODES_PER_BYTE
-    bf16_slots = SINK_SLOTS + max(s.recent_pages for s in sizing) + 1  # one slot always unused
+    bf16_slots = sink_slots + max(s.recent_pages for s in sizing) + 1  # one slot always unused
     history_slots = max(s.history_pages for s in sizing) + 1
     bf16_pages = 1 + sum(s.bf16_pages for s in sizing) + spare_pages
     int2_pages = 1 + sum(s.history_pages for s in sizing) + spare_pages
 
-    k_bf16 = np.full((bf16_pages, num_kv_heads, PAGE_SIZE, head_dim), np.nan, np.float32)
+    k_bf16 = np.full((bf16_pages, num_kv_heads, page_size, head_dim), np.nan, np.float32)
     v_bf16 = k_bf16.copy()
-    codes_shape = (int2_pages, num_kv_heads, PAGE_SIZE, packed)
+    codes_shape = (int2_pages, num_kv_heads, page_size, packed)
     k_codes = rng.integers(0, 256, codes_shape, dtype=np.uint8)
     v_codes = rng.integers(0, 256, codes_shape, dtype=np.uint8)
     meta = [np.full(codes_shape[:-1] + (groups,), np.nan, np.float16) for _ in range(4)]
@@ -130,13 +132,13 @@ def build_cache(
         tiers = {}
         for name, start, count, first_slot in (
             ("sink", 0, split.sink_tokens, 0),
-            ("recent", split.recent_start, split.recent_tokens, SINK_SLOTS),
+            ("recent", split.recent_start, split.recent_tokens, sink_slots),
         ):
             k_tier, v_tier = _bf16_round(k[start : start + count]), _bf16_round(v[start : start + count])
-            for j in range(0, count, PAGE_SIZE):
+            for j in range(0, count, page_size):
                 page = free_bf16.pop()
-                bf16_table[b, first_slot + j // PAGE_SIZE] = page
-                rows = min(PAGE_SIZE, count - j)
+                bf16_table[b, first_slot + j // page_size] = page
+                rows = min(page_size, count - j)
                 k_bf16[page, :, :rows] = k_tier[j : j + rows].transpose(1, 0, 2)
                 v_bf16[page, :, :rows] = v_tier[j : j + rows].transpose(1, 0, 2)
             tiers[name] = (k_tier, v_tier)
@@ -146,7 +148,7 @@ def build_cache(
         for j in range(split.history_pages):
             page = free_int2.pop()
             history_table[b, j] = page
-            rows = slice(j * PAGE_SIZE, (j + 1) * PAGE_SIZE)
+            rows = slice(j * page_size, (j + 1) * page_size)
             k_codes[page], v_codes[page] = k_q[0][rows].transpose(1, 0, 2), v_q[0][rows].transpose(1, 0, 2)
             for pool, value in zip(meta, (k_q[1], k_q[2], v_q[1], v_q[2])):
                 pool[page] = value[rows].transpose(1, 0, 2)
@@ -240,6 +242,23 @@ def test_decode_matches_float64_reference_over_dequantized_cache(case):
     np.testing.assert_allclose(split_k, one_pass, rtol=1e-12, atol=1e-12)  # the two references agree
     error = assert_close(out, split_k, dtype)
     print(f"{_case_id(case)}: max abs error {error:.2e}")
+
+
+# Page sizes other than 16: 8 (< the dot tile: the token-gather kernel) and 32 (whole-page kernel).
+PAGE_SIZE_CASES = [(8, 2, 64, 32, jnp.float32), (8, 4, 128, 128, jnp.bfloat16), (32, 1, 128, 64, jnp.float32)]
+
+
+@pytest.mark.parametrize("page_size,pages_per_block,head_dim,group_size,dtype", PAGE_SIZE_CASES)
+def test_decode_other_page_sizes(page_size, pages_per_block, head_dim, group_size, dtype):
+    rng = np.random.default_rng(page_size * 1000 + pages_per_block)
+    lengths = (337, 5, 65, 200)
+    cache = build_cache(rng, lengths, num_kv_heads=2, head_dim=head_dim, group_size=group_size, recent=32,
+                        page_size=page_size)
+    q = random_query(rng, len(lengths), 2 * 3, head_dim, dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    out = decode_attention(q, *cache.arrays, sink_slots=SINK // page_size, group_size=group_size,
+                           softmax_scale=scale, pages_per_split=4, pages_per_block=pages_per_block)
+    assert_close(out, reference_decode(q, cache, scale), dtype)
 
 
 @hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
@@ -368,6 +387,8 @@ def test_bad_cache_arrays_raise(small_cache, index, transform, message):
         (dict(softmax_scale=0.0), "softmax_scale=0.0"),
         (dict(pages_per_split=3), "pages_per_split=3"),
         (dict(pages_per_block=8, pages_per_split=4), "pages_per_block=8"),
+        (dict(num_warps=3), "num_warps=3"),
+        (dict(num_stages=0), "num_stages=0"),
     ],
 )
 def test_bad_static_arguments_raise(small_cache, overrides, message):

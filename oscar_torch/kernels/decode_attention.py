@@ -285,9 +285,13 @@ def _plane_codes(packed, PLANE: tl.constexpr, BF16_DOTS: tl.constexpr, TENSOR_CO
     """Bit plane PLANE of packed int32 [N, D/4]: the codes of channels [PLANE·D/4, …) as a dot
     operand (small integers: exact in bfloat16 and float32)."""
     codes = ((packed >> (PLANE * 2)) & 3).to(tl.float32)
-    if BF16_DOTS and TENSOR_CORES:
-        return codes.to(tl.bfloat16)
-    return codes
+    if BF16_DOTS:  # nested constexpr ifs: `a and b` of constexprs is not folded at compile time
+        if TENSOR_CORES:
+            return codes.to(tl.bfloat16)
+        else:
+            return codes
+    else:
+        return codes
 
 
 @triton.jit
@@ -338,6 +342,42 @@ def _store_plane(o_ptr, o_plane, inv_l, out_row, PLANE: tl.constexpr, D: tl.cons
     QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
     column = PLANE * QUARTER + tl.arange(0, QUARTER)[None, :]
     tl.store(o_ptr + out_row[:, None].to(tl.int64) * D + column, o_plane * inv_l[:, None])
+
+
+@triton.jit
+def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+                v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
+                q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS: tl.constexpr, D: tl.constexpr,
+                GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr,
+                SOFTMAX_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr):
+    """One block of PAGES_PER_BLOCK history pages: scores, online softmax, the four output planes."""
+    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
+    NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
+    slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
+    valid = (slot * PAGE_SIZE + offset < n_history) & (slot < table_slots)  # [N]
+    page = tl.load(page_table_ptr + b * table_slots + slot, mask=valid, other=0)
+    row = (page.to(tl.int64) * NUM_HEADS + h) * PAGE_SIZE + offset  # [N]
+    columns = tl.arange(0, QUARTER)[None, :]
+    packed = tl.load(k_codes_ptr + row[:, None] * QUARTER + columns).to(tl.int32)  # [N, D/4]
+    scores = _plane_scores(q0, s0, packed, k_scale_ptr, k_min_ptr, row, valid, 0,
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+    scores += _plane_scores(q1, s1, packed, k_scale_ptr, k_min_ptr, row, valid, 1,
+                            QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+    scores += _plane_scores(q2, s2, packed, k_scale_ptr, k_min_ptr, row, valid, 2,
+                            QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+    scores += _plane_scores(q3, s3, packed, k_scale_ptr, k_min_ptr, row, valid, 3,
+                            QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+    p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
+    packed = tl.load(v_codes_ptr + row[:, None] * QUARTER + columns).to(tl.int32)
+    o0 = _plane_update(o0, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 0,
+                       QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+    o1 = _plane_update(o1, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 1,
+                       QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+    o2 = _plane_update(o2, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 2,
+                       QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+    o3 = _plane_update(o3, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 3,
+                       QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+    return o0, o1, o2, o3, m, l
 
 
 @triton.jit
@@ -401,32 +441,20 @@ def _int2_tier_kernel(
     o3 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
     m = tl.full((BLOCK_M,), MASK_VALUE_C, tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
-    for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):  # static trip count (see above)
-        if i < num_blocks:
-            slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
-            valid = (slot * PAGE_SIZE + offset < n_history) & (slot < table_slots)  # [N]
-            page = tl.load(page_table_ptr + b * table_slots + slot, mask=valid, other=0)
-            row = (page.to(tl.int64) * NUM_HEADS + h) * PAGE_SIZE + offset  # [N]
-            columns = tl.arange(0, QUARTER)[None, :]
-            packed = tl.load(k_codes_ptr + row[:, None] * QUARTER + columns).to(tl.int32)  # [N, D/4]
-            scores = _plane_scores(q0, s0, packed, k_scale_ptr, k_min_ptr, row, valid, 0,
-                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
-            scores += _plane_scores(q1, s1, packed, k_scale_ptr, k_min_ptr, row, valid, 1,
-                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
-            scores += _plane_scores(q2, s2, packed, k_scale_ptr, k_min_ptr, row, valid, 2,
-                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
-            scores += _plane_scores(q3, s3, packed, k_scale_ptr, k_min_ptr, row, valid, 3,
-                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
-            p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
-            packed = tl.load(v_codes_ptr + row[:, None] * QUARTER + columns).to(tl.int32)
-            o0 = _plane_update(o0, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 0,
-                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
-            o1 = _plane_update(o1, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 1,
-                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
-            o2 = _plane_update(o2, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 2,
-                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
-            o3 = _plane_update(o3, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 3,
-                                   QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+    # (Triton calls take no *args: constexpr arguments must be passed by name or position.)
+    if TENSOR_CORES:  # compiled: a loop bounded by the loaded length, which Triton can pipeline
+        for i in range(0, num_blocks):
+            o0, o1, o2, o3, m, l = _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+                    v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
+                    q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
+                    SOFTMAX_SCALE, Q_BF16, TENSOR_CORES)
+    else:  # interpreter: a static trip count with a guard (see the BF16 kernel)
+        for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
+            if i < num_blocks:
+                o0, o1, o2, o3, m, l = _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+                        v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
+                        q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
+                        SOFTMAX_SCALE, Q_BF16, TENSOR_CORES)
 
     out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
     nonempty = l > 0.0
