@@ -127,7 +127,10 @@ def dequantized_sequence(pools, bf16_table, history_table, group_size):
 # ------------------------------------------------------------------------------ variants
 
 
-def run_config(context: int, batch: int, group_size: int, seed: int = 0, tuning: list | None = None) -> dict:
+def run_config(context: int, batch: int, group_size: int, seed: int = 0, tuning: list | None = None,
+               triton_tuning: list | None = None) -> dict:
+    """One (context, batch): every variant checked, then timed. `tuning` / `triton_tuning` are extra
+    keyword sets for oscar_jax.ops.decode_attention / oscar_torch's, timed as extra variants."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -188,7 +191,6 @@ def run_config(context: int, batch: int, group_size: int, seed: int = 0, tuning:
 
     variants = [("oscar_int2_pallas", {})] + [(f"oscar_int2_pallas[{t}]", t) for t in (tuning or [])]
     for name, tiling in variants:
-        tiling = {k: v for k, v in tiling.items() if k in ("pages_per_split", "pages_per_block")}
         try:
             err = check(jax.jit(lambda q_: jax_int2(q_, 0, **tiling))(q))
             timing = time_jax_variant(lambda q_, c: jax_int2(q_, c, **tiling)) if err <= REL_TOL else None
@@ -204,14 +206,22 @@ def run_config(context: int, batch: int, group_size: int, seed: int = 0, tuning:
     t_history_tables = torch.from_dlpack(history_tables_j)
     t_lengths = {n: torch.from_dlpack(v) for n, v in lengths_j.items()}
 
-    def torch_int2(c):
+    def torch_int2(c, **tiling):
         return torch_attention.decode_attention(
             tq, *tpools, t_bf16_tables[c], t_lengths["sink_tokens"], t_lengths["recent_tokens"],
-            t_history_tables[c], t_lengths["history_tokens"], **common)
+            t_history_tables[c], t_lengths["history_tokens"], **common, **tiling)
 
-    err = check(torch_int2(0).cpu().numpy())
-    timing = harness.time_torch_graph([lambda c=c: torch_int2(c) for c in range(copies)]) if err <= REL_TOL else None
-    record("oscar_int2_triton", int2_read["total"], timing, err)
+    triton_variants = [("oscar_int2_triton", {})] + [(f"oscar_int2_triton[{t}]", t) for t in (triton_tuning or [])]
+    for name, tiling in triton_variants:
+        try:
+            err = check(torch_int2(0, **tiling).cpu().numpy())
+            timing = (harness.time_torch_graph([lambda c=c: torch_int2(c, **tiling) for c in range(copies)])
+                      if err <= REL_TOL else None)
+        except Exception as e:  # noqa: BLE001 - a failing tiling is recorded, not fatal
+            print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            result["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+            continue
+        record(name, int2_read["total"], timing, err)
     del tpools, t_bf16_tables, t_history_tables, pools, pool_args
     gc.collect()
     torch.cuda.empty_cache()

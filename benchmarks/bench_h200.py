@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 SECTIONS = ("copy", "decode", "write", "e2e")
+# Tilings timed as extra variants at 128K, batch 1 and 8 (NOTES.md: why these).
 TUNING_128K = [
-    {"pages_per_split": 16, "pages_per_block": 4},
-    {"pages_per_split": 32, "pages_per_block": 4},
-    {"pages_per_split": 128, "pages_per_block": 4},
-    {"pages_per_split": 64, "pages_per_block": 2},
-    {"pages_per_split": 64, "pages_per_block": 8},
+    dict(pages_per_split=ps, pages_per_block=pb, num_warps=nw, num_stages=ns)
+    for ps, pb, nw, ns in [(16, 1, 4, 2), (16, 1, 4, 3), (16, 1, 4, 4), (16, 2, 4, 3), (16, 1, 8, 3), (16, 2, 8, 3),
+                           (8, 1, 4, 3), (32, 1, 4, 3), (64, 1, 4, 3), (32, 4, 4, 2)]
 ]
+TRITON_TUNING_128K = [dict(pages_per_split=ps, pages_per_block=pb) for ps, pb in [(16, 1), (32, 1), (16, 2), (64, 1)]]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -72,9 +72,11 @@ def main(argv=None) -> None:
         configs = []
         for context in args.contexts or bench_decode.CONTEXTS:
             for batch in args.batches or bench_decode.BATCHES:
-                tuning = TUNING_128K if (context >= 131072 and batch in (1, 8) and not args.no_tuning) else None
+                sweep = context >= 131072 and batch in (1, 8) and not args.no_tuning
                 t0 = time.perf_counter()
-                configs.append(bench_decode.run_config(context, batch, args.group_size, tuning=tuning))
+                configs.append(bench_decode.run_config(
+                    context, batch, args.group_size, tuning=TUNING_128K if sweep else None,
+                    triton_tuning=TRITON_TUNING_128K if sweep else None))
                 print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
                 save("decode", {"configs": configs})
     if "write" in sections:

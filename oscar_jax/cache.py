@@ -153,7 +153,8 @@ class OscarKVCache:
         common = dict(sink_slots=cfg.sink // cfg.page_size, group_size=cfg.group_size, softmax_scale=d**-0.5,
                       interpret=self.interpret)
         if self.phase == "decode":
-            o = ops.decode_attention(q_rot[:, 0], *pools, *tables, **common)[:, None]
+            # The rotated query in the model's dtype: bf16 models take the tensor-core path.
+            o = ops.decode_attention(q_rot[:, 0].astype(q.dtype), *pools, *tables, **common)[:, None]
         else:
             o = ops.prefill_attention(q_rot, k_rot, v32, *pools, *tables, plan.new_tokens, **common)
         updates = {name: getattr(self, name).at[layer].set(pool) for name, pool in zip(POOL_NAMES, pools)}
