@@ -171,3 +171,16 @@ def test_invalid_json_and_cli_exit(tmp_path):
         S.summarize(tmp_path, None, plots=False)
     with pytest.raises(SystemExit, match="error: e2e_h200.json"):
         S.main(["--results", str(tmp_path), "--markdown", str(tmp_path / "B.md"), "--no-plots"])
+
+
+def test_torch_uses_the_fastest_passing_triton_tiling(tmp_path):
+    results = fake_results()
+    variants = results["decode"]["configs"][1]["variants"]
+    variants["oscar_int2_triton[{'pages_per_split': 16, 'pages_per_block': 1}]"] = _variant(100e-6, 3_000_000_000)
+    variants["oscar_int2_triton[{'pages_per_split': 64, 'pages_per_block': 1}]"] = _variant(
+        50e-6, 3_000_000_000, passed=False)  # faster but failed its check: ignored
+    summary = S.summarize(write_files(tmp_path, results), None, plots=False)
+    assert summary["decode_speedup_vs_cudnn_bf16_128k_b1"]["torch"] == pytest.approx(10.0)
+    provenance = json.loads((tmp_path / "summary_h200_provenance.json").read_text())
+    assert provenance["decode_speedup_vs_cudnn_bf16_128k_b1"]["torch_variant"] == \
+        "oscar_int2_triton[{'pages_per_split': 16, 'pages_per_block': 1}]"
