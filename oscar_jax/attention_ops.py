@@ -39,10 +39,15 @@ from oscar_jax.kernels.decode_attention import MIN_DOT_DIM, bf16_tier_partials, 
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 
-# Split-K: by default the history table is cut into about TARGET_SPLITS splits (B·Hkv·splits
-# programs: a few per SM of an H200 at batch 1–8, and few partials to merge at long context).
-TARGET_SPLITS = 32
-DEFAULT_PAGES_PER_BLOCK = 4
+# Split-K: by default the history table is cut into about TARGET_SPLITS splits of at least
+# MIN_TOKENS_PER_SPLIT tokens. Measured on the H200 at 128K, Qwen3-8B shapes, pages of 64
+# (benchmarks/NOTES.md): 16 pages per split (128 splits) beat 64 by 20 % at batch 1 and 8; more
+# splits add partials to write and merge ([B, Hkv, S, 16, D] float32).
+TARGET_SPLITS = 128
+MIN_TOKENS_PER_SPLIT = 256
+# Pages per inner iteration: None → one page when a page fills a dot tile (L ≥ 16), else enough
+# pages for 16 tokens. One 64-token page per iteration beat four by 20 % (same run).
+DEFAULT_PAGES_PER_BLOCK = None
 DEFAULT_NUM_WARPS = 4  # Triton launch parameters of the decode kernels
 DEFAULT_NUM_STAGES = 2
 DEFAULT_PREFILL_BLOCK_M = 64
@@ -177,18 +182,31 @@ def _validate_cache(
     return num_kv_heads, page_size
 
 
-def _resolve_pages_per_split(pages_per_split, pages_per_block, history_page_table):
+def _resolve_tiling(pages_per_split, pages_per_block, history_page_table, page_size):
+    """(pages_per_split, pages_per_block) with the defaults filled in."""
+    if pages_per_block is None:
+        pages_per_block = default_pages_per_block(page_size)
     if pages_per_split is not None:
-        return pages_per_split
+        return pages_per_split, pages_per_block
     _check_static_int("pages_per_block", pages_per_block, power_of_two=True, minimum=1)
     slots = history_page_table.shape[1] if len(getattr(history_page_table, "shape", ())) == 2 else 0
-    return default_pages_per_split(slots, pages_per_block)
+    return default_pages_per_split(slots, pages_per_block, page_size), pages_per_block
 
 
-def default_pages_per_split(history_slots: int, pages_per_block: int) -> int:
-    """Pages per split when none is given: ≈ history_slots / TARGET_SPLITS, a power of two
-    ≥ pages_per_block."""
-    return max(pages_per_block, _next_power_of_two(-(-history_slots // TARGET_SPLITS)))
+def _page_size(k_bf16) -> int:
+    shape = getattr(k_bf16, "shape", ())
+    return int(shape[2]) if len(shape) == 4 else 0  # a malformed pool is reported by _validate_cache
+
+
+def default_pages_per_block(page_size: int) -> int:
+    return max(1, MIN_DOT_DIM // page_size) if isinstance(page_size, int) and page_size > 0 else 1
+
+
+def default_pages_per_split(history_slots: int, pages_per_block: int, page_size: int = 64) -> int:
+    """Pages per split when none is given: ≈ history_slots / TARGET_SPLITS and at least
+    MIN_TOKENS_PER_SPLIT tokens, a power of two ≥ pages_per_block."""
+    floor = -(-MIN_TOKENS_PER_SPLIT // max(page_size, 1))
+    return max(pages_per_block, _next_power_of_two(max(floor, -(-history_slots // TARGET_SPLITS))))
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +286,7 @@ def decode_attention(
     group_size: int,
     softmax_scale: float,
     pages_per_split: int | None = None,
-    pages_per_block: int = DEFAULT_PAGES_PER_BLOCK,
+    pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
     interpret: bool | None = None,
@@ -283,8 +301,9 @@ def decode_attention(
       group_size: G of the INT2 pages (format v1).
       softmax_scale: multiplies q·k (typically 1/√D).
       pages_per_split: pages of one split-K program (a power of two); None → about
-        NH / TARGET_SPLITS (`default_pages_per_split`).
-      pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16).
+        NH / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens (`default_pages_per_split`).
+      pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
+        None → `default_pages_per_block` (one page when L ≥ 16).
       num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only).
       interpret: run the Pallas kernels in interpret mode; None → on when the default backend is CPU.
     Returns:
@@ -294,7 +313,8 @@ def decode_attention(
     batch, q_heads, head_dim = q.shape
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
-    pages_per_split = _resolve_pages_per_split(pages_per_split, pages_per_block, history_page_table)
+    pages_per_split, pages_per_block = _resolve_tiling(
+        pages_per_split, pages_per_block, history_page_table, _page_size(k_bf16))
     _validate_cache(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
@@ -374,7 +394,7 @@ def prefill_attention(
     group_size: int,
     softmax_scale: float,
     pages_per_split: int | None = None,
-    pages_per_block: int = DEFAULT_PAGES_PER_BLOCK,
+    pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
     block_m: int = DEFAULT_PREFILL_BLOCK_M,
     block_n: int = DEFAULT_PREFILL_BLOCK_N,
     interpret: bool | None = None,
@@ -402,7 +422,8 @@ def prefill_attention(
         raise ValueError(f"the chunk must hold at least one token, got q of shape {tuple(q.shape)}")
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
-    pages_per_split = _resolve_pages_per_split(pages_per_split, pages_per_block, history_page_table)
+    pages_per_split, pages_per_block = _resolve_tiling(
+        pages_per_split, pages_per_block, history_page_table, _page_size(k_bf16))
     cache_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
