@@ -36,6 +36,7 @@ import numpy as np
 
 from oscar_jax.kernels.codec import resolve_interpret
 from oscar_jax.kernels.decode_attention import MIN_DOT_DIM, bf16_tier_partials, int2_tier_partials
+from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 
@@ -193,6 +194,21 @@ def _resolve_tiling(pages_per_split, pages_per_block, history_page_table, page_s
     return default_pages_per_split(slots, pages_per_block, page_size), pages_per_block
 
 
+POOL_ARGUMENTS = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
+
+
+def _layer_views(cache: tuple, layer):
+    """The cache arguments with the eight pools replaced by shape views of layer `layer` (stacked
+    pools) for validation; unchanged when layer is None."""
+    if layer is None:
+        return cache
+    for name, pool in zip(POOL_ARGUMENTS, cache):
+        if not hasattr(pool, "shape") or not hasattr(pool, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(pool).__name__}")
+    views = layer_views(dict(zip(POOL_ARGUMENTS, cache)), layer)
+    return tuple(views[name] for name in POOL_ARGUMENTS) + tuple(cache[len(POOL_ARGUMENTS):])
+
+
 def _page_size(k_bf16) -> int:
     shape = getattr(k_bf16, "shape", ())
     return int(shape[2]) if len(shape) == 4 else 0  # a malformed pool is reported by _validate_cache
@@ -216,7 +232,7 @@ def default_pages_per_split(history_slots: int, pages_per_block: int, page_size:
 
 def _cache_partials(
     q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, block_m, interpret,
-    num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES,
+    num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, layer=None,
 ):
     """Partials of q_rows [B, Hkv, M, D] over both tiers, concatenated on the split axis."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
@@ -229,6 +245,7 @@ def _cache_partials(
         interpret=interpret,
         num_warps=num_warps,
         num_stages=num_stages,
+        layer=layer,
     )
     outputs, lses = bf16_tier_partials(
         q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots=sink_slots, **tiling
@@ -242,16 +259,16 @@ def _cache_partials(
     return jnp.concatenate([outputs, int2_outputs], axis=2), jnp.concatenate([lses, int2_lses], axis=2)
 
 
-_STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "pages_per_block", "interpret")
+_STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "pages_per_block", "interpret", "layer")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("num_warps", "num_stages"))
 def _decode_attention(
     q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, interpret, num_warps,
-    num_stages,
+    num_stages, layer,
 ):
     batch, q_heads, head_dim = q.shape
-    num_kv_heads = cache[0].shape[1]
+    num_kv_heads = cache[0].shape[-3]  # k_bf16 [(Y,) P, K, L, D]
     heads_per_kv = q_heads // num_kv_heads
     rows = max(MIN_DOT_DIM, _next_power_of_two(heads_per_kv))  # GQA group padded for dot's M ≥ 16
     q_rows = q.reshape(batch, num_kv_heads, heads_per_kv, head_dim)
@@ -259,7 +276,7 @@ def _decode_attention(
     outputs, lses = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, interpret=interpret,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, layer=layer,
     )
     # Drop the padding rows before the merge: [B, Hkv, S, Gq, D] → o [B, Hkv, Gq, D].
     o, _ = merge_partials(outputs[..., :heads_per_kv, :], lses[..., :heads_per_kv])
@@ -289,6 +306,7 @@ def decode_attention(
     pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
+    layer: int | None = None,
     interpret: bool | None = None,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
@@ -305,6 +323,8 @@ def decode_attention(
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `default_pages_per_block` (one page when L ≥ 16).
       num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only).
+      layer: None, or a static layer index when the eight pools are stacked [Y, P, …] (all
+        layers): that layer is read in place, without slicing it out (`kernels.layered`).
       interpret: run the Pallas kernels in interpret mode; None → on when the default backend is CPU.
     Returns:
       float32 [B, Hq, D].
@@ -313,10 +333,11 @@ def decode_attention(
     batch, q_heads, head_dim = q.shape
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
+    views = _layer_views(cache, layer)
     pages_per_split, pages_per_block = _resolve_tiling(
-        pages_per_split, pages_per_block, history_page_table, _page_size(k_bf16))
+        pages_per_split, pages_per_block, history_page_table, _page_size(views[0]))
     _validate_cache(
-        q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
+        q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
     _check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
@@ -324,14 +345,14 @@ def decode_attention(
     return _decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
         pages_per_split=int(pages_per_split), pages_per_block=int(pages_per_block),
-        num_warps=int(num_warps), num_stages=int(num_stages), interpret=resolve_interpret(interpret),
+        num_warps=int(num_warps), num_stages=int(num_stages), layer=layer, interpret=resolve_interpret(interpret),
     )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("block_m", "block_n"))
 def _prefill_attention(
     q, k_new, v_new, cache, new_tokens, *, sink_slots, group_size, softmax_scale, pages_per_split,
-    pages_per_block, block_m, block_n, interpret,
+    pages_per_block, block_m, block_n, interpret, layer,
 ):
     batch, chunk, q_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[2]
@@ -349,7 +370,7 @@ def _prefill_attention(
     prefix_outputs, prefix_lses = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=block_m,
-        interpret=interpret,
+        interpret=interpret, layer=layer,
     )
 
     chunk_dtype = jnp.promote_types(q.dtype, k_new.dtype)  # the chunk stays in full precision
@@ -397,6 +418,7 @@ def prefill_attention(
     pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
     block_m: int = DEFAULT_PREFILL_BLOCK_M,
     block_n: int = DEFAULT_PREFILL_BLOCK_N,
+    layer: int | None = None,
     interpret: bool | None = None,
 ):
     """Attention of a chunk of T new tokens: causal over the chunk (full precision) + the cached prefix.
@@ -422,10 +444,11 @@ def prefill_attention(
         raise ValueError(f"the chunk must hold at least one token, got q of shape {tuple(q.shape)}")
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
+    views = _layer_views(cache, layer)
     pages_per_split, pages_per_block = _resolve_tiling(
-        pages_per_split, pages_per_block, history_page_table, _page_size(k_bf16))
+        pages_per_split, pages_per_block, history_page_table, _page_size(views[0]))
     cache_kv_heads, _ = _validate_cache(
-        q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
+        q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
     if num_kv_heads != cache_kv_heads:
@@ -439,5 +462,5 @@ def prefill_attention(
         q, k_new, v_new, cache, new_tokens, sink_slots=int(sink_slots), group_size=int(group_size),
         softmax_scale=float(softmax_scale), pages_per_split=int(pages_per_split),
         pages_per_block=int(pages_per_block), block_m=int(block_m), block_n=int(block_n),
-        interpret=resolve_interpret(interpret),
+        interpret=resolve_interpret(interpret), layer=layer,
     )

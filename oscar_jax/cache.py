@@ -136,13 +136,16 @@ class OscarKVCache:
         k_rot = jnp.einsum("btkd,kde->btke", k.astype(jnp.float32), rot, precision=_HIGHEST)
         v32 = v.astype(jnp.float32)
         flat = lambda x: x.reshape((b * t,) + x.shape[2:])  # noqa: E731
-        k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min = self.layer_pools(layer)
-        dst = dict(page_ids=flat(plan.bf16_write_page), slots=flat(plan.bf16_write_slot), interpret=self.interpret)
-        k_bf16 = ops.write_bf16_pages(k_bf16, flat(k_rot), **dst)
-        v_bf16 = ops.write_bf16_pages(v_bf16, flat(v32), **dst)
+        # Every op takes the stacked pools and the static layer index: no layer is sliced out or
+        # written back, so with the cache donated nothing is copied (oscar_jax.kernels.layered).
+        at = dict(layer=layer, interpret=self.interpret)
+        dst = dict(page_ids=flat(plan.bf16_write_page), slots=flat(plan.bf16_write_slot), **at)
+        k_bf16 = ops.write_bf16_pages(self.k_bf16, flat(k_rot), **dst)
+        v_bf16 = ops.write_bf16_pages(self.v_bf16, flat(v32), **dst)
+        k_codes, k_scale, k_min, v_codes, v_scale, v_min = (getattr(self, n) for n in POOL_NAMES[2:])
         if self.phase == "prefill":
             dst = dict(page_ids=flat(plan.int2_write_page), slots=flat(plan.int2_write_slot),
-                       group_size=cfg.group_size, levels=cfg.levels, interpret=self.interpret)
+                       group_size=cfg.group_size, levels=cfg.levels, **at)
             k_codes, k_scale, k_min = ops.write_pages(k_codes, k_scale, k_min, flat(k.astype(jnp.float32)),
                                                       rotation=rot, clip_ratio=self.k_clip_ratio[layer], **dst)
             v_codes, v_scale, v_min = ops.write_pages(v_codes, v_scale, v_min, flat(v32),
@@ -150,14 +153,13 @@ class OscarKVCache:
         pools = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
         tables = (plan.bf16_page_table, plan.sink_tokens, plan.recent_tokens, plan.history_page_table,
                   plan.history_tokens)
-        common = dict(sink_slots=cfg.sink // cfg.page_size, group_size=cfg.group_size, softmax_scale=d**-0.5,
-                      interpret=self.interpret)
+        common = dict(sink_slots=cfg.sink // cfg.page_size, group_size=cfg.group_size, softmax_scale=d**-0.5, **at)
         if self.phase == "decode":
             # The rotated query in the model's dtype: bf16 models take the tensor-core path.
             o = ops.decode_attention(q_rot[:, 0].astype(q.dtype), *pools, *tables, **common)[:, None]
         else:
             o = ops.prefill_attention(q_rot, k_rot, v32, *pools, *tables, plan.new_tokens, **common)
-        updates = {name: getattr(self, name).at[layer].set(pool) for name, pool in zip(POOL_NAMES, pools)}
+        updates = dict(zip(POOL_NAMES, pools))
         return o.astype(q.dtype), dataclasses.replace(self, **updates)
 
     def demote(self, src_pages, dst_pages) -> "OscarKVCache":

@@ -186,7 +186,12 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 def _dot(x, w):
-    return jnp.matmul(x, w, precision=_HIGHEST)
+    # float32 models: exact float32 products (the transformers comparisons need them). bfloat16
+    # models: bf16 operands with float32 accumulation; HIGHEST would make XLA run an fp32 GEMM
+    # on upcast weights (benchmarks/NOTES.md, end-to-end decode).
+    f32 = jnp.dtype(jnp.float32)
+    precision = _HIGHEST if f32 in (jnp.dtype(x.dtype), jnp.dtype(w.dtype)) else None
+    return jnp.matmul(x, w, precision=precision)
 
 
 class LayerActivations(NamedTuple):
@@ -240,7 +245,8 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final norm + output projection; float32 logits."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if cfg.tie_embeddings:
-        logits = jnp.einsum("...h,vh->...v", x, params["embed"], precision=_HIGHEST)
+        logits = jnp.einsum("...h,vh->...v", x, params["embed"],
+                            precision=_HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None)
     else:
         logits = _dot(x, params["lm_head"])
     return logits.astype(jnp.float32)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax.kernels.codec import decode_rows, encode_rows, resolve_interpret
+from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.write import (
     demote_pages_rows,
     write_bf16_pages_rows,
@@ -41,8 +42,9 @@ _KERNEL_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dty
 
 
 def _as_array(a):
-    """Arrays and tracers pass through; anything else (lists, scalars) becomes a numpy array."""
-    return a if isinstance(a, (jax.Array, np.ndarray)) else np.asarray(a)
+    """Arrays, tracers and shape views pass through; anything else (lists, scalars) becomes a
+    numpy array."""
+    return a if isinstance(a, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) else np.asarray(a)
 
 
 def _concrete(a) -> np.ndarray | None:
@@ -301,33 +303,38 @@ def write_pages(
     group_size: int,
     clip_ratio: float,
     levels: str = "minmax",
+    layer: int | None = None,
     interpret: bool | None = None,
 ):
     """Quantize rows [T, K, D] (rotated by rotation [K, D, D] float32 when given) into the INT2
     page pools at (page_ids[t], slots[t]) for every kv head; nothing else in the pools changes.
 
     Args:
-      codes, scale, minimum: the INT2 pools u8[P, K, L, D/4], f16[P, K, L, D/G] (twice).
+      codes, scale, minimum: the INT2 pools u8[P, K, L, D/4], f16[P, K, L, D/G] (twice); with
+        `layer` (a static int), pools of all layers [Y, P, …] of which layer `layer` is written in
+        place (no slice is copied out: `kernels.layered`).
       rows: real [T, K, D]. page_ids, slots: integer [T], page in [0, P), slot in [0, L); the
         (page, slot) pairs must be distinct. Checked on the host when concrete; under tracing an
         out-of-range destination is skipped (never written).
     Returns:
       the updated (codes, scale, minimum).
     """
-    codes, scale, minimum, d = _int2_pools(codes, scale, minimum, ndims=(4,))
-    num_pages, num_heads, page_size, _ = codes.shape
+    codes, scale, minimum = _as_array(codes), _as_array(scale), _as_array(minimum)
+    views = layer_views({"codes": codes, "scale": scale, "minimum": minimum}, layer)
+    view, scale_view, _, d = _int2_pools(views["codes"], views["scale"], views["minimum"], ndims=(4,))
+    num_pages, num_heads, page_size, _ = view.shape
     rows = _token_rows(rows, "rows")
     num_tokens = rows.shape[0]
     _check_shape(rows, "rows", (num_tokens, num_heads, d), "(kv_heads and head_dim of the pools)")
     k = _codec_args(d, group_size, clip_ratio, levels)
-    _check_metadata_width(scale, d, group_size)
+    _check_metadata_width(scale_view, d, group_size)
     rotation = _rotation(rotation, num_heads, d)
     page_ids = _index_vector(page_ids, "page_ids", num_tokens)
     slots = _index_vector(slots, "slots", num_tokens)
     _check_range(page_ids, "page_ids", num_pages, "pages in the pool")
     _check_range(slots, "slots", page_size, "the page size")
     _check_distinct([page_ids, slots], "(page_id, slot) destinations")
-    _check_byte_addressable(codes, "codes", interpret)
+    _check_byte_addressable(codes, "codes", interpret)  # the whole (stacked) pool the kernel indexes
     if num_tokens == 0:
         return codes, scale, minimum
     return tuple(
@@ -343,18 +350,20 @@ def write_pages(
             clip_index=k,
             levels=levels,
             interpret=interpret,
+            layer=layer,
         )
     )
 
 
-def write_bf16_pages(pool, rows, page_ids, slots, *, interpret: bool | None = None):
+def write_bf16_pages(pool, rows, page_ids, slots, *, layer: int | None = None, interpret: bool | None = None):
     """Write rows [T, K, D] into the BF16 pool bf16[P, K, L, D] at (page_ids[t], slots[t])
-    (float → bfloat16 round-to-nearest-even); returns the updated pool. Same id rules as
-    write_pages."""
+    (float → bfloat16 round-to-nearest-even); returns the updated pool. Same id rules, and the
+    same `layer` option (stacked pools [Y, P, K, L, D]), as write_pages."""
     pool = _as_array(pool)
-    _check_dtype(pool, "pool", jnp.bfloat16)
-    _check_ndim(pool, "pool", (4,), "[pages, kv_heads, page_size, head_dim]")
-    num_pages, num_heads, page_size, d = pool.shape
+    view = layer_views({"pool": pool}, layer)["pool"]
+    _check_dtype(view, "pool", jnp.bfloat16)
+    _check_ndim(view, "pool", (4,), "[pages, kv_heads, page_size, head_dim]")
+    num_pages, num_heads, page_size, d = view.shape
     rows = _as_array(rows)
     if not jnp.issubdtype(rows.dtype, jnp.floating):
         raise ValueError(f"rows must be a float array, got dtype {rows.dtype}")
@@ -369,7 +378,7 @@ def write_bf16_pages(pool, rows, page_ids, slots, *, interpret: bool | None = No
     if num_tokens == 0:
         return pool
     return write_bf16_pages_rows(
-        pool, jnp.asarray(rows), _as_int32(page_ids), _as_int32(slots), interpret=interpret
+        pool, jnp.asarray(rows), _as_int32(page_ids), _as_int32(slots), interpret=interpret, layer=layer
     )
 
 

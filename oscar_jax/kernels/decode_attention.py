@@ -47,6 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.spec import CODE_BITS, CODE_MASK, CODES_PER_BYTE
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
@@ -188,13 +189,15 @@ def bf16_tier_partials(
     interpret: bool,
     num_warps: int = 4,
     num_stages: int = 2,
+    layer: int | None = None,
 ):
     """Partials over the BF16 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
 
+    With `layer`, the pools are stacked [Y, P, K, L, D] and layer `layer` is read (kernels.layered).
     Inputs are validated by the public op; the asserts guard internal invariants only.
     """
     batch, num_kv_heads, rows, head_dim = q.shape
-    num_pages, _, page_size, _ = k_bf16.shape
+    num_pages, _, page_size, _ = per_layer_shape(k_bf16.shape, layer)
     assert rows % block_m == 0 and pages_per_split % pages_per_block == 0
     splits = num_splits(page_table.shape[1], pages_per_split)
     table_len = splits * pages_per_split
@@ -207,6 +210,7 @@ def bf16_tier_partials(
         PAGES_PER_BLOCK=pages_per_block,
         SOFTMAX_SCALE=float(softmax_scale),
     )
+    pool_spec = layer_block_spec((num_pages, None, page_size, head_dim), lambda b, h, r, s: (0, h, 0, 0), layer)
     grid = (batch, num_kv_heads, rows // block_m, splits)
     return pl.pallas_call(
         kernel,
@@ -216,8 +220,8 @@ def bf16_tier_partials(
             pl.BlockSpec((batch,), lambda b, h, r, s: (0,)),  # sink_tokens (read at b)
             pl.BlockSpec((batch,), lambda b, h, r, s: (0,)),  # recent_tokens (read at b)
             pl.BlockSpec((None, None, block_m, head_dim), lambda b, h, r, s: (b, h, r, 0)),  # q
-            pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, h, r, s: (0, h, 0, 0)),  # K pool
-            pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, h, r, s: (0, h, 0, 0)),  # V pool
+            pool_spec,  # K pool of KV head h
+            pool_spec,  # V pool
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_m, head_dim), lambda b, h, r, s: (b, h, s, r, 0)),  # o
@@ -444,10 +448,12 @@ def int2_tier_partials(
     interpret: bool,
     num_warps: int = 4,
     num_stages: int = 2,
+    layer: int | None = None,
 ):
-    """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M])."""
+    """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
+    With `layer`, the pools are stacked [Y, P, K, L, ·] and layer `layer` is read."""
     batch, num_kv_heads, rows, head_dim = q.shape
-    num_pages, _, page_size, packed = k_codes.shape
+    num_pages, _, page_size, packed = per_layer_shape(k_codes.shape, layer)
     num_groups = k_scale.shape[-1]
     assert rows % block_m == 0 and pages_per_split % pages_per_block == 0
     assert packed * CODES_PER_BYTE == head_dim and num_groups * group_size == head_dim
@@ -463,8 +469,8 @@ def int2_tier_partials(
         PAGES_PER_BLOCK=pages_per_block,
         SOFTMAX_SCALE=float(softmax_scale),
     )
-    codes_spec = pl.BlockSpec((num_pages, None, page_size, packed), lambda b, h, r, s: (0, h, 0, 0))
-    meta_spec = pl.BlockSpec((num_pages, None, page_size, num_groups), lambda b, h, r, s: (0, h, 0, 0))
+    codes_spec = layer_block_spec((num_pages, None, page_size, packed), lambda b, h, r, s: (0, h, 0, 0), layer)
+    meta_spec = layer_block_spec((num_pages, None, page_size, num_groups), lambda b, h, r, s: (0, h, 0, 0), layer)
     grid = (batch, num_kv_heads, rows // block_m, splits)
     return pl.pallas_call(
         kernel,

@@ -36,6 +36,7 @@ from oscar_jax.kernels.codec import (
     select_order_statistic,
     store_block,
 )
+from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.spec import CODES_PER_BYTE
 
 # tl.dot needs M, N, K ≥ 16: the fused rotation runs on blocks of at least this many tokens.
@@ -72,6 +73,12 @@ def _token_mask(block_tokens: int, num_tokens: int, grid_axis: int):
 def _full_spec(shape):
     """The whole array as one block (page pools: indexed inside the kernel)."""
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _pool_spec(shape, layer: int | None):
+    """A whole pool as one block, or the whole of layer `layer` of a stacked pool (kernels.layered)."""
+    block = per_layer_shape(shape, layer)
+    return layer_block_spec(block, lambda *_: (0,) * len(block), layer)
 
 
 def _token_block_rows(num_tokens: int, block_tokens: int, rotate: bool) -> int:
@@ -212,7 +219,7 @@ def _write_pages_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "group_size", "clip_index", "levels", "order_statistic", "block_tokens", "num_warps", "interpret",
+        "group_size", "clip_index", "levels", "order_statistic", "block_tokens", "num_warps", "interpret", "layer",
     ),
 )
 def write_pages_rows(
@@ -231,9 +238,11 @@ def write_pages_rows(
     block_tokens: int = DEFAULT_BLOCK_ROWS,
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool | None = None,
+    layer: int | None = None,
 ):
     """Encode x [T, K, D] (rotated by rotation [K, D, D] unless None) into the INT2 pools at
-    (page_ids[t], slots[t]); returns the updated (codes, scale, minimum)."""
+    (page_ids[t], slots[t]); returns the updated (codes, scale, minimum). With `layer`, the
+    pools are stacked [Y, P, K, L, ·] and only layer `layer` is written (in place)."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
     if order_statistic is None:
@@ -250,9 +259,9 @@ def write_pages_rows(
     in_specs += [
         pl.BlockSpec((rows,), lambda h, i: (i,)),  # page ids of the R tokens
         pl.BlockSpec((rows,), lambda h, i: (i,)),  # slots of the R tokens
-        _full_spec(codes.shape),  # codes pool (aliased to output 0)
-        _full_spec(scale.shape),  # scale pool (aliased to output 1)
-        _full_spec(minimum.shape),  # minimum pool (aliased to output 2)
+        _pool_spec(codes.shape, layer),  # codes pool (aliased to output 0)
+        _pool_spec(scale.shape, layer),  # scale pool (aliased to output 1)
+        _pool_spec(minimum.shape, layer),  # minimum pool (aliased to output 2)
     ]
     operands += [page_ids, slots, codes, scale, minimum]
     return pl.pallas_call(
@@ -261,7 +270,7 @@ def write_pages_rows(
         ),
         grid=(num_heads, pl.cdiv(num_tokens, rows)),
         in_specs=in_specs,
-        out_specs=[_full_spec(codes.shape), _full_spec(scale.shape), _full_spec(minimum.shape)],
+        out_specs=[_pool_spec(codes.shape, layer), _pool_spec(scale.shape, layer), _pool_spec(minimum.shape, layer)],
         out_shape=[
             jax.ShapeDtypeStruct(codes.shape, codes.dtype),
             jax.ShapeDtypeStruct(scale.shape, scale.dtype),
@@ -290,7 +299,7 @@ def _write_bf16_pages_kernel(
     x = load_block(x_ref, mask).astype(pool_ref.dtype)  # round-to-nearest-even
     _scatter_rows(pool_ref, pl.program_id(0), page, slot, valid, x)
 
-@functools.partial(jax.jit, static_argnames=("block_tokens", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_tokens", "num_warps", "interpret", "layer"))
 def write_bf16_pages_rows(
     pool,
     x,
@@ -300,21 +309,23 @@ def write_bf16_pages_rows(
     block_tokens: int = DEFAULT_BLOCK_ROWS,
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool | None = None,
+    layer: int | None = None,
 ):
-    """pool [P, K, L, D] ← x [T, K, D] at (page_ids[t], slots[t]); returns the updated pool."""
+    """pool [P, K, L, D] ← x [T, K, D] at (page_ids[t], slots[t]); returns the updated pool.
+    With `layer`, pool is stacked [Y, P, K, L, D] and only layer `layer` is written (in place)."""
     num_tokens, num_heads, d = x.shape
     rows = _token_block_rows(num_tokens, block_tokens, rotate=False)
     in_specs = [
         pl.BlockSpec((rows, None, d), lambda h, i: (i, h, 0)),  # x: R tokens of head h
         pl.BlockSpec((rows,), lambda h, i: (i,)),  # page ids
         pl.BlockSpec((rows,), lambda h, i: (i,)),  # slots
-        _full_spec(pool.shape),  # pool (aliased to the output)
+        _pool_spec(pool.shape, layer),  # pool (aliased to the output)
     ]
     return pl.pallas_call(
         functools.partial(_write_bf16_pages_kernel, num_tokens=num_tokens),
         grid=(num_heads, pl.cdiv(num_tokens, rows)),
         in_specs=in_specs,
-        out_specs=_full_spec(pool.shape),
+        out_specs=_pool_spec(pool.shape, layer),
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         input_output_aliases={len(in_specs) - 1: 0},  # the pool, the last operand
         interpret=resolve_interpret(interpret),
