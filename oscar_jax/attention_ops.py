@@ -39,16 +39,9 @@ from oscar_jax.kernels.decode_attention import MIN_DOT_DIM, bf16_tier_partials, 
 from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
+from shared_math.tiling import default_pages_per_block, default_pages_per_split
 
-# Split-K: by default the history table is cut into about TARGET_SPLITS splits of at least
-# MIN_TOKENS_PER_SPLIT tokens. Measured on the H200 at 128K, Qwen3-8B shapes, pages of 64
-# (benchmarks/NOTES.md): 16 pages per split (128 splits) beat 64 by 20 % at batch 1 and 8; more
-# splits add partials to write and merge ([B, Hkv, S, 16, D] float32).
-TARGET_SPLITS = 128
-MIN_TOKENS_PER_SPLIT = 256
-# Pages per inner iteration: None → one page when a page fills a dot tile (L ≥ 16), else enough
-# pages for 16 tokens. One 64-token page per iteration beat four by 20 % (same run).
-DEFAULT_PAGES_PER_BLOCK = None
+DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
 DEFAULT_NUM_WARPS = 4  # Triton launch parameters of the decode kernels
 DEFAULT_NUM_STAGES = 2
 DEFAULT_PREFILL_BLOCK_M = 64
@@ -214,17 +207,6 @@ def _page_size(k_bf16) -> int:
     return int(shape[2]) if len(shape) == 4 else 0  # a malformed pool is reported by _validate_cache
 
 
-def default_pages_per_block(page_size: int) -> int:
-    return max(1, MIN_DOT_DIM // page_size) if isinstance(page_size, int) and page_size > 0 else 1
-
-
-def default_pages_per_split(history_slots: int, pages_per_block: int, page_size: int = 64) -> int:
-    """Pages per split when none is given: ≈ history_slots / TARGET_SPLITS and at least
-    MIN_TOKENS_PER_SPLIT tokens, a power of two ≥ pages_per_block."""
-    floor = -(-MIN_TOKENS_PER_SPLIT // max(page_size, 1))
-    return max(pages_per_block, _next_power_of_two(max(floor, -(-history_slots // TARGET_SPLITS))))
-
-
 # --------------------------------------------------------------------------------------------
 # Prefix (cache) partials shared by decode and prefill.
 # --------------------------------------------------------------------------------------------
@@ -319,9 +301,9 @@ def decode_attention(
       group_size: G of the INT2 pages (format v1).
       softmax_scale: multiplies q·k (typically 1/√D).
       pages_per_split: pages of one split-K program (a power of two); None → about
-        NH / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens (`default_pages_per_split`).
+        NH / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens (`shared_math.tiling`).
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
-        None → `default_pages_per_block` (one page when L ≥ 16).
+        None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
       num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only).
       layer: None, or a static layer index when the eight pools are stacked [Y, P, …] (all
         layers): that layer is read in place, without slicing it out (`kernels.layered`).

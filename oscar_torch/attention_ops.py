@@ -42,11 +42,9 @@ from oscar_torch.validation import (
     check_tensor,
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
+from shared_math.tiling import default_pages_per_block, default_pages_per_split
 
-# Split-K: by default the history table is cut into about TARGET_SPLITS splits (B·Hkv·splits
-# programs: a few per SM of an H200 at batch 1–8, and few partials to merge at long context).
-TARGET_SPLITS = 32
-DEFAULT_PAGES_PER_BLOCK = 4
+DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
 DEFAULT_PREFILL_BLOCK_M = 64
 DEFAULT_PREFILL_BLOCK_N = 64
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
@@ -152,18 +150,16 @@ def _validate_cache(
     return num_kv_heads, page_size
 
 
-def default_pages_per_split(history_slots: int, pages_per_block: int) -> int:
-    """Pages per split when none is given: ≈ history_slots / TARGET_SPLITS, a power of two
-    ≥ pages_per_block."""
-    return max(pages_per_block, _next_power_of_two(-(-history_slots // TARGET_SPLITS)))
-
-
-def _resolve_pages_per_split(pages_per_split, pages_per_block, history_page_table):
+def _resolve_tiling(pages_per_split, pages_per_block, history_page_table, k_bf16):
+    """(pages_per_split, pages_per_block) with the shared defaults (shared_math.tiling) filled in."""
+    page_size = int(k_bf16.shape[2]) if isinstance(k_bf16, torch.Tensor) and k_bf16.dim() == 4 else 0
+    if pages_per_block is None:
+        pages_per_block = default_pages_per_block(page_size)
     if pages_per_split is not None:
-        return pages_per_split
+        return pages_per_split, pages_per_block
     check_static_int("pages_per_block", pages_per_block, power_of_two=True, minimum=1)
     slots = history_page_table.shape[1] if isinstance(history_page_table, torch.Tensor) and history_page_table.dim() == 2 else 0
-    return default_pages_per_split(slots, pages_per_block)
+    return default_pages_per_split(slots, pages_per_block, page_size), pages_per_block
 
 
 _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min",
@@ -213,7 +209,7 @@ def decode_attention(
     group_size: int,
     softmax_scale: float,
     pages_per_split: int | None = None,
-    pages_per_block: int = DEFAULT_PAGES_PER_BLOCK,
+    pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
 
@@ -225,8 +221,9 @@ def decode_attention(
       group_size: G of the INT2 pages (format v1).
       softmax_scale: multiplies q·k (typically 1/√D).
       pages_per_split: pages of one split-K program (a power of two); None → about
-        NH / TARGET_SPLITS (`default_pages_per_split`).
-      pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16).
+        NH / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens (`shared_math.tiling`).
+      pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
+        None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
     Returns:
       float32 [B, Hq, D].
     """
@@ -234,7 +231,7 @@ def decode_attention(
     batch, q_heads, head_dim = q.shape
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
-    pages_per_split = _resolve_pages_per_split(pages_per_split, pages_per_block, history_page_table)
+    pages_per_split, pages_per_block = _resolve_tiling(pages_per_split, pages_per_block, history_page_table, k_bf16)
     num_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
@@ -276,7 +273,7 @@ def prefill_attention(
     group_size: int,
     softmax_scale: float,
     pages_per_split: int | None = None,
-    pages_per_block: int = DEFAULT_PAGES_PER_BLOCK,
+    pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
     block_m: int = DEFAULT_PREFILL_BLOCK_M,
     block_n: int = DEFAULT_PREFILL_BLOCK_N,
 ):
@@ -303,7 +300,7 @@ def prefill_attention(
         raise ValueError(f"the chunk must hold at least one token, got q of shape {tuple(q.shape)}")
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
-    pages_per_split = _resolve_pages_per_split(pages_per_split, pages_per_block, history_page_table)
+    pages_per_split, pages_per_block = _resolve_tiling(pages_per_split, pages_per_block, history_page_table, k_bf16)
     cache_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,

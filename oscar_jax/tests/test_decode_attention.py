@@ -489,7 +489,8 @@ def compile_triton_kernels_for_h200(fn, *args) -> dict[str, dict]:
             usage = subprocess.run(
                 [cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True
             ).stdout
-            local = [int(word.split(":")[1]) for word in usage.split() if word.startswith("LOCAL:")]
+            # Spilled registers live in the stack frame (STACK:), local arrays in LOCAL:.
+            local = [int(word.split(":")[1]) for word in usage.split() if word.startswith(("LOCAL:", "STACK:"))]
             results[name] = {"shared": compiled.metadata.shared, "spills": sum(local)}
     return results
 

