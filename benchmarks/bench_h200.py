@@ -24,7 +24,7 @@ TUNING_128K = [
     for ps, pb, nw, ns in [(16, 1, 4, 2), (16, 1, 4, 3), (16, 1, 4, 4), (16, 2, 4, 3), (16, 1, 8, 3), (16, 2, 8, 3),
                            (8, 1, 4, 3), (32, 1, 4, 3), (64, 1, 4, 3), (32, 4, 4, 2)]
 ]
-TRITON_TUNING_128K = [dict(pages_per_split=ps, pages_per_block=pb) for ps, pb in [(16, 1), (32, 1), (16, 2), (64, 1)]]
+TRITON_TUNING_128K = [dict(pages_per_split=ps, pages_per_block=pb) for ps, pb in [(32, 1), (16, 2), (64, 1), (64, 4)]]
 
 
 def _ints(text: str) -> tuple[int, ...]:

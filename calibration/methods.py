@@ -58,7 +58,7 @@ The methods and their source configurations (`parse_method` builds them from a s
 
 Window options (`windows=S0/W`, `page=N`) use shared_math.tiers, so the tier of every position
 is exactly the runtime's: a page of the recent window is demoted when the window reaches
-W + page tokens, *after* that step's attention (oscar_jax.allocator keeps the pre-demotion view
+W + page tokens, *after* that step's attention (shared_math.allocator keeps the pre-demotion view
 until the step has attended), so query t reads the history of `tier_split(t)` and the new token
 t in BF16. `windows=0/0` therefore still holds the up to page newest tokens in BF16 while
 attending (the runtime's granularity); `windows=0/0:page=1` quantizes every earlier token (the

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax.allocator import PageAllocator
+from shared_math.allocator import PageAllocator
 from oscar_jax.cache import OscarKVCache, StepPlan
 from oscar_jax.model import ModelConfig, Params, decode_step, fold_value_rotation, prefill
 from shared_math.artifact import ModelFingerprint, RotationArtifact

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from oscar_jax.allocator import Demotion, Sequence
+from shared_math.allocator import Demotion, Sequence
 from oscar_jax.cache import POOL_NAMES
 
 SNAPSHOT_VERSION = 1

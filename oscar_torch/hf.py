@@ -11,7 +11,7 @@ Two pieces, used together (each refuses to run without the other):
 
 * `OscarHFCache`, a `transformers.Cache`: the paged mixed-precision pools of every layer
   (`oscar_torch.cache.OscarTorchCache`: sink and recent tiers in BF16, history in INT2 pages of
-  format v1) and the host planning of each step (`oscar_jax.allocator.PageAllocator`, pure
+  format v1) and the host planning of each step (`shared_math.allocator.PageAllocator`, pure
   numpy). Its `update(key, value, layer)` — what LlamaAttention / Qwen3Attention call — plans the
   step at layer 0 and returns the new key/value states unchanged, tagged for the attention
   function: it never materialises a key/value tensor of the whole sequence.
@@ -56,7 +56,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar_jax.allocator import PageAllocator  # pure numpy (no JAX); the JAX runtime's planner
+from shared_math.allocator import PageAllocator  # pure numpy: the host planner both runtimes share
 from oscar_torch.cache import OscarTorchCache, StepPlan
 from shared_math.artifact import ArtifactError, ModelFingerprint, RotationArtifact, read_artifact, validate_artifact
 from shared_math.spec import OscarConfig
@@ -105,7 +105,7 @@ class _Step:
     tokens: int
     start: int  # position of the first token of this step
     plans: list[tuple[int, int, StepPlan]]  # (first, end) token rows of the step, plan
-    demotions: list  # oscar_jax.allocator.Demotion, run after the last layer
+    demotions: list  # shared_math.allocator.Demotion, run after the last layer
     updated: int = 0  # layers whose `update` has run
     attended: int = 0  # layers whose attention has run
 

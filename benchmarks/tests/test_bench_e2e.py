@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks import bench_e2e
-from oscar_jax.allocator import PageAllocator
+from shared_math.allocator import PageAllocator
 from shared_math.tiers import demotes_on_append
 
 QWEN = dict(num_layers=36, num_kv_heads=8)

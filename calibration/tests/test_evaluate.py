@@ -49,7 +49,7 @@ class DecodeReference:
 
     Tiered methods: append to the sink while it is not full, else to the recent list; when the
     recent list reaches W + page rows, quantize its oldest page into the history after this step's
-    attention (the runtime's demotion: oscar_jax.allocator keeps the pre-demotion view). KIVI: its
+    attention (the runtime's demotion: shared_math.allocator keeps the pre-demotion view). KIVI: its
     decode step (keys flushed R at a time after attention, values kept R + 1 during attention).
     Attention is a float64 softmax over [sink, history, recent] / KIVI's lists.
     """

@@ -8,7 +8,7 @@ the same one-token prompt, then decode). Twenty pages are demoted to INT2 on the
 Root cause of the disagreement this file used to record as an open investigation (max |Δlogit|
 2.2, median 0.14 over 1024 tokens), two parts:
 1. Demotion timing (a real semantic difference, fixed in calibration.methods): the runtime attends
-   before it demotes the page an append makes due (oscar_jax.allocator keeps the pre-demotion
+   before it demotes the page an append makes due (shared_math.allocator keeps the pre-demotion
    view; oscar_torch does the same), so query t reads the history of tier_split(t); the emulation
    used tier_split(t + 1) and read that page through INT2 one step early. At the demoting steps
    the median |Δlogit| was 0.30 with the old view and is 0.07 with the fixed one (520 tokens).

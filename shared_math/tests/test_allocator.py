@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oscar_jax.allocator import SCRATCH_PAGE, PageAllocator, PoolExhausted
+from shared_math.allocator import SCRATCH_PAGE, PageAllocator, PoolExhausted
 from shared_math.spec import OscarConfig
 from shared_math.tiers import tier_split
 
