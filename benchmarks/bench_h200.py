@@ -40,6 +40,9 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=_ints, default=None, help="decode batches (default 1,8,32)")
     parser.add_argument("--group-size", type=int, default=128, help="INT2 group size G")
     parser.add_argument("--no-tuning", action="store_true", help="skip the tiling sweep at 128K")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the (context, batch) configs of an existing <out>/decode_h200.json that this "
+                             "run does not re-measure (a sweep split over several device calls)")
     parser.add_argument("--e2e-contexts", type=_ints, default=None, help="end-to-end contexts (default 30000,60000,100000)")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
@@ -70,13 +73,19 @@ def main(argv=None) -> None:
         from benchmarks import bench_decode
 
         configs = []
+        previous = args.out / "decode_h200.json"
+        if args.merge and previous.exists():
+            configs = json.loads(previous.read_text())["configs"]
+            print(f"merging into {len(configs)} configs of {previous}", flush=True)
         for context in args.contexts or bench_decode.CONTEXTS:
             for batch in args.batches or bench_decode.BATCHES:
                 sweep = context >= 131072 and batch in (1, 8) and not args.no_tuning
                 t0 = time.perf_counter()
-                configs.append(bench_decode.run_config(
+                config = bench_decode.run_config(
                     context, batch, args.group_size, tuning=TUNING_128K if sweep else None,
-                    triton_tuning=TRITON_TUNING_128K if sweep else None))
+                    triton_tuning=TRITON_TUNING_128K if sweep else None)
+                config["git_sha"] = env["git_sha"]  # merged files may hold configs of several runs
+                configs = [c for c in configs if (c["context"], c["batch"]) != (context, batch)] + [config]
                 print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
                 save("decode", {"configs": configs})
     if "write" in sections:
