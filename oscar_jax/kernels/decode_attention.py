@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
-from shared_math.spec import CODE_BITS, CODE_MASK, CODES_PER_BYTE
+from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
 # running maximum finite and exp(m_old − m_new) never becomes exp(−inf + inf) = NaN.
@@ -268,35 +268,56 @@ def _int2_query_terms(q_ref, pieces, num_groups):
     return q_pieces, q_group_sums
 
 
+def code_offset(compute_dtype) -> float:
+    """What `_code_planes` adds to every code: 128 for bfloat16 operands (see there), else 0."""
+    return BF16_CODE_BIAS if jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) else 0.0
+
+
 def _code_planes(load_chunk, pieces, compute_dtype):
-    """Each piece's codes as [N, W] in the compute dtype; `load_chunk(byte_start, width)` gives
-    the uint8 bytes [N, W] (widened to int32 before the shift: the Triton lowering's rule)."""
+    """Each piece's codes as [N, W] dot operands; `load_chunk(byte_start, width)` gives the uint8
+    bytes [N, W] (widened to int32 before the shift: the Triton lowering's rule).
+
+    bfloat16: the operand is built as bits `0x4300 | c`, i.e. the exact value 128 + c, with one
+    integer op per code instead of an int→bf16 conversion: conversions issue at 16/clk/SM on
+    sm_90 (a quarter of integer ops), and at 128 per thread per page they bounded the kernel
+    (benchmarks/NOTES.md). The +128 is folded back into the minimum terms (`code_offset`).
+    float32: the exact codes."""
+    bf16 = code_offset(compute_dtype) != 0.0
     chunks, planes = {}, []
     for byte_start, width, plane, _, _ in pieces:
         if byte_start not in chunks:
             chunks[byte_start] = load_chunk(byte_start, width).astype(jnp.int32)
         code = lax.shift_right_logical(chunks[byte_start], plane * CODE_BITS) & CODE_MASK
-        planes.append(code.astype(compute_dtype))
+        if bf16:
+            planes.append(lax.bitcast_convert_type((code | BF16_CODE_BIAS_BITS).astype(jnp.uint16), jnp.bfloat16))
+        else:
+            planes.append(code.astype(compute_dtype))
     return planes
 
 
-def _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces):
-    """Σ_g s_g·(q_g · c_g) + m_g·Σ q_g → [BLOCK_M, N]; k_scale / k_min per group, each [N]."""
+def _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias):
+    """Σ_g s_g·(q_g · c_g) + m_g·Σ q_g → [BLOCK_M, N]; k_scale / k_min per group, each [N].
+    The planes hold c + code_bias, so the minimum term uses m − code_bias·s."""
     code_dots = [None] * len(k_scale)
     for q_piece, plane, (_, _, _, _, group) in zip(q_pieces, k_planes, pieces):
         d = dot_nt(q_piece, plane)
         code_dots[group] = d if code_dots[group] is None else code_dots[group] + d
     scores = None
     for group, (scale, minimum) in enumerate(zip(k_scale, k_min)):
-        term = code_dots[group] * scale[None, :] + q_group_sums[group][:, None] * minimum[None, :]
+        shifted_min = minimum - code_bias * scale if code_bias else minimum
+        term = code_dots[group] * scale[None, :] + q_group_sums[group][:, None] * shifted_min[None, :]
         scores = term if scores is None else scores + term
     return scores
 
 
-def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype):
-    """Per piece Σ_n (p·s_v)·c_v + Σ_n p·m_v → [BLOCK_M, W] (p [BLOCK_M, N] unnormalised)."""
+def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias):
+    """Per piece Σ_n (p·s_v)·c_v + Σ_n p·m_v → [BLOCK_M, W] (p [BLOCK_M, N] unnormalised).
+    The planes hold c + code_bias: subtract code_bias·Σ_n (p·s_v) of the *rounded* operand, so
+    the bias cancels exactly up to float32 accumulation."""
     p_scaled = [(p * scale[None, :]).astype(compute_dtype) for scale in v_scale]
     p_min = [jnp.sum(p * minimum[None, :], axis=1) for minimum in v_min]
+    if code_bias:
+        p_min = [m - code_bias * jnp.sum(ps.astype(jnp.float32), axis=1) for m, ps in zip(p_min, p_scaled)]
     return [dot_nn(p_scaled[group], plane) + p_min[group][:, None]
             for plane, (_, _, _, _, group) in zip(v_planes, pieces)]
 
@@ -331,6 +352,7 @@ def _int2_tier_kernel(
     b, split = pl.program_id(0), pl.program_id(3)
     block_m, head_dim = q_ref.shape
     compute_dtype = q_ref.dtype
+    code_bias = code_offset(compute_dtype)
     num_groups = head_dim // GROUP_SIZE
     pieces = int2_pieces(head_dim, GROUP_SIZE)
 
@@ -351,7 +373,7 @@ def _int2_tier_kernel(
             k_planes = _code_planes(lambda c0, w: k_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype)
             k_scale = _int2_metadata(k_scale_ref, (page, slice(None)), valid, num_groups)
             k_min = _int2_metadata(k_min_ref, (page, slice(None)), valid, num_groups)
-            scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces) * SOFTMAX_SCALE
+            scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias) * SOFTMAX_SCALE
             pages.append((page, valid, jnp.where(valid[None, :], scores, MASK_VALUE)))
         m_new = m
         for _, _, scores in pages:
@@ -365,7 +387,7 @@ def _int2_tier_kernel(
             v_planes = _code_planes(lambda c0, w: v_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype)
             v_scale = _int2_metadata(v_scale_ref, (page, slice(None)), valid, num_groups)
             v_min = _int2_metadata(v_min_ref, (page, slice(None)), valid, num_groups)
-            updates = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype)
+            updates = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
             o_pieces = [o_piece + update for o_piece, update in zip(o_pieces, updates)]
         return tuple(o_pieces), m_new, l
 
@@ -383,6 +405,7 @@ def _int2_tier_gather_kernel(
     block_m, head_dim = q_ref.shape
     block_n = PAGES_PER_BLOCK * PAGE_SIZE
     compute_dtype = q_ref.dtype
+    code_bias = code_offset(compute_dtype)
     num_groups = head_dim // GROUP_SIZE
     pieces = int2_pieces(head_dim, GROUP_SIZE)
 
@@ -403,12 +426,12 @@ def _int2_tier_gather_kernel(
         k_planes = _code_planes(lambda c0, w: k_codes_ref[page, offset, pl.ds(c0, w)], pieces, compute_dtype)
         k_scale = _int2_metadata(k_scale_ref, (page, offset), valid, num_groups)
         k_min = _int2_metadata(k_min_ref, (page, offset), valid, num_groups)
-        scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces)
+        scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias)
         p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
         v_planes = _code_planes(lambda c0, w: v_codes_ref[page, offset, pl.ds(c0, w)], pieces, compute_dtype)
         v_scale = _int2_metadata(v_scale_ref, (page, offset), valid, num_groups)
         v_min = _int2_metadata(v_min_ref, (page, offset), valid, num_groups)
-        updates = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype)
+        updates = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
         return tuple(o * correction[:, None] + u for o, u in zip(o_pieces, updates)), m, l
 
     _int2_finish(body, num_blocks, pieces, o_ref, lse_ref)

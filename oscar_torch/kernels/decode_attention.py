@@ -59,12 +59,14 @@ from oscar_torch.kernels.codec import (
     round_to_bf16,
     widen_bf16_bits,
 )
-from shared_math.spec import CODES_PER_BYTE
+from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODES_PER_BYTE
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
 # running maximum finite and exp(m_old − m_new) never becomes exp(−inf + inf) = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MASK_VALUE_C = tl.constexpr(MASK_VALUE)
+BF16_CODE_BIAS_C = tl.constexpr(BF16_CODE_BIAS)
+BF16_CODE_BIAS_BITS_C = tl.constexpr(BF16_CODE_BIAS_BITS)
 # `tl.dot` needs M, N, K ≥ 16 (mma tile); blocks are sized to respect it.
 MIN_DOT_DIM = 16
 DEFAULT_NUM_WARPS = 4
@@ -283,15 +285,35 @@ def _load_int2_tile(codes_ptr, scale_ptr, minimum_ptr, page, h, offset, valid,
 @triton.jit
 def _plane_codes(packed, PLANE: tl.constexpr, BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr):
     """Bit plane PLANE of packed int32 [N, D/4]: the codes of channels [PLANE·D/4, …) as a dot
-    operand (small integers: exact in bfloat16 and float32)."""
-    codes = ((packed >> (PLANE * 2)) & 3).to(tl.float32)
+    operand, exact: c in float32; 128 + c for bfloat16 dots (`_code_bias`: conversions issue at a
+    quarter of the integer rate on sm_90 and bounded the kernel, benchmarks/NOTES.md)."""
+    code = (packed >> (PLANE * 2)) & 3
     if BF16_DOTS:  # nested constexpr ifs: `a and b` of constexprs is not folded at compile time
-        if TENSOR_CORES:
-            return codes.to(tl.bfloat16)
-        else:
-            return codes
+        if TENSOR_CORES:  # bits 0x4300 | c = 128 + c: one integer op, no int→float conversion
+            return (code | BF16_CODE_BIAS_BITS_C).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:  # the interpreter's dots are float32: the same values
+            return code.to(tl.float32) + BF16_CODE_BIAS_C
     else:
-        return codes
+        return code.to(tl.float32)
+
+
+@triton.jit
+def _code_bias(BF16_DOTS: tl.constexpr):
+    """What `_plane_codes` adds to every code (128 for bfloat16 dots, else 0)."""
+    if BF16_DOTS:
+        return BF16_CODE_BIAS_C
+    else:
+        return 0.0
+
+
+@triton.jit
+def _value_minimum_term(p, minimum, p_scaled, BF16_DOTS: tl.constexpr):
+    """Σ_n p·m_v as [BLOCK_M, 1], less bias·Σ_n of the *rounded* p·s_v operand, so that the bias
+    the planes carry cancels exactly up to float32 accumulation."""
+    term = tl.sum(p * minimum[None, :], axis=1)
+    if BF16_DOTS:
+        term -= BF16_CODE_BIAS_C * tl.sum(p_scaled.to(tl.float32), axis=1)
+    return term[:, None]
 
 
 @triton.jit
@@ -311,7 +333,8 @@ def _plane_scores(q_plane, q_plane_sum, packed, scale_ptr, minimum_ptr, row, val
     scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     dots = dot_f32(q_plane, tl.trans(codes), BF16_DOTS, TENSOR_CORES)
-    return dots * scale[None, :] + q_plane_sum[:, None] * minimum[None, :]
+    shifted_min = minimum - _code_bias(BF16_DOTS) * scale  # the planes hold c + bias
+    return dots * scale[None, :] + q_plane_sum[:, None] * shifted_min[None, :]
 
 
 @triton.jit
@@ -323,7 +346,8 @@ def _plane_update(o_plane, correction, p, packed, scale_ptr, minimum_ptr, row, v
     scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     p_scaled = dot_operand(p * scale[None, :], BF16_DOTS, TENSOR_CORES)
-    update = dot_f32(p_scaled, codes, BF16_DOTS, TENSOR_CORES) + tl.sum(p * minimum[None, :], axis=1)[:, None]
+    p_min = _value_minimum_term(p, minimum, p_scaled, BF16_DOTS)
+    update = dot_f32(p_scaled, codes, BF16_DOTS, TENSOR_CORES) + p_min
     return o_plane * correction[:, None] + update
 
 
@@ -357,13 +381,14 @@ def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_
     dots += dot_f32(q3, tl.trans(_plane_codes(packed, 3, Q_BF16, TENSOR_CORES)), Q_BF16, TENSOR_CORES)
     k_scale = tl.where(valid, tl.load(k_scale_ptr + row).to(tl.float32), 0.0)  # masked rows may be NaN
     k_min = tl.where(valid, tl.load(k_min_ptr + row).to(tl.float32), 0.0)
+    k_min -= _code_bias(Q_BF16) * k_scale  # the planes hold c + bias
     scores = dots * k_scale[None, :] + q_sum[:, None] * k_min[None, :]
     p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
     packed = tl.load(v_codes_ptr + row[:, None] * QUARTER + columns).to(tl.int32)
     v_scale = tl.where(valid, tl.load(v_scale_ptr + row).to(tl.float32), 0.0)
     v_min = tl.where(valid, tl.load(v_min_ptr + row).to(tl.float32), 0.0)
     p_scaled = dot_operand(p * v_scale[None, :], Q_BF16, TENSOR_CORES)
-    p_min = tl.sum(p * v_min[None, :], axis=1)[:, None]
+    p_min = _value_minimum_term(p, v_min, p_scaled, Q_BF16)
     o0 = o0 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 0, Q_BF16, TENSOR_CORES), Q_BF16,
                                             TENSOR_CORES) + p_min
     o1 = o1 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 1, Q_BF16, TENSOR_CORES), Q_BF16,
