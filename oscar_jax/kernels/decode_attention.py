@@ -322,6 +322,13 @@ def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_
             for plane, (_, _, _, _, group) in zip(v_planes, pieces)]
 
 
+def _history_split(n_history, split, page_size, pages_per_split, pages_per_block):
+    """(n_history, first_slot, last_slot, num_blocks) of this split of the history table."""
+    first_slot = split * pages_per_split
+    last_slot = jnp.minimum(first_slot + pages_per_split, cdiv(n_history, page_size))
+    return n_history, first_slot, last_slot, jnp.maximum(cdiv(last_slot - first_slot, pages_per_block), 0)
+
+
 def _int2_metadata(ref, index, valid, num_groups):
     """fp16 scale or minimum per group as float32 [N], zero where invalid (stale memory may be NaN)."""
     return [jnp.where(valid, ref[index + (group,)].astype(jnp.float32), 0.0) for group in range(num_groups)]
@@ -356,10 +363,8 @@ def _int2_tier_kernel(
     num_groups = head_dim // GROUP_SIZE
     pieces = int2_pieces(head_dim, GROUP_SIZE)
 
-    n_history = history_tokens_ref[b]
-    first_slot = split * PAGES_PER_SPLIT
-    last_slot = jnp.minimum(first_slot + PAGES_PER_SPLIT, cdiv(n_history, PAGE_SIZE))
-    num_blocks = jnp.maximum(cdiv(last_slot - first_slot, PAGES_PER_BLOCK), 0)
+    n_history, first_slot, last_slot, num_blocks = _history_split(
+        history_tokens_ref[b], split, PAGE_SIZE, PAGES_PER_SPLIT, PAGES_PER_BLOCK)
     offset = lax.iota(jnp.int32, PAGE_SIZE)  # [L]
     q_pieces, q_group_sums = _int2_query_terms(q_ref, pieces, num_groups)
 
@@ -409,10 +414,8 @@ def _int2_tier_gather_kernel(
     num_groups = head_dim // GROUP_SIZE
     pieces = int2_pieces(head_dim, GROUP_SIZE)
 
-    n_history = history_tokens_ref[b]
-    first_slot = split * PAGES_PER_SPLIT
-    last_slot = jnp.minimum(first_slot + PAGES_PER_SPLIT, cdiv(n_history, PAGE_SIZE))
-    num_blocks = jnp.maximum(cdiv(last_slot - first_slot, PAGES_PER_BLOCK), 0)
+    n_history, first_slot, last_slot, num_blocks = _history_split(
+        history_tokens_ref[b], split, PAGE_SIZE, PAGES_PER_SPLIT, PAGES_PER_BLOCK)
     token = lax.iota(jnp.int32, block_n)
     offset = token % PAGE_SIZE  # [N]
     slot_in_block = token // PAGE_SIZE  # [N]

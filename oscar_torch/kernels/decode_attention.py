@@ -51,6 +51,8 @@ import triton
 import triton.language as tl
 
 from oscar_torch.kernels.codec import (
+    CODE_BITS_C,
+    CODE_MASK_C,
     CODES_PER_BYTE_C,
     decode_block,
     interpreting,
@@ -287,7 +289,7 @@ def _plane_codes(packed, PLANE: tl.constexpr, BF16_DOTS: tl.constexpr, TENSOR_CO
     """Bit plane PLANE of packed int32 [N, D/4]: the codes of channels [PLANE·D/4, …) as a dot
     operand, exact: c in float32; 128 + c for bfloat16 dots (`_code_bias`: conversions issue at a
     quarter of the integer rate on sm_90 and bounded the kernel, benchmarks/NOTES.md)."""
-    code = (packed >> (PLANE * 2)) & 3
+    code = (packed >> (PLANE * CODE_BITS_C)) & CODE_MASK_C
     if BF16_DOTS:  # nested constexpr ifs: `a and b` of constexprs is not folded at compile time
         if TENSOR_CORES:  # bits 0x4300 | c = 128 + c: one integer op, no int→float conversion
             return (code | BF16_CODE_BIAS_BITS_C).to(tl.int16).to(tl.bfloat16, bitcast=True)
