@@ -321,13 +321,14 @@ def _device_memory_bytes() -> tuple[int | None, str]:
 def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar: OscarConfig | None = None,
         batch: int = 1, capacity_context: int | None = CAPACITY_CONTEXT, memory_bytes: int | None = None,
         reserve_bytes: int = WORKSPACE_RESERVE_BYTES, steps: int = 10, trials: int = 5, interpret=None,
-        seed: int = 0) -> dict:
+        seed: int = 0, on_progress=None) -> dict:
     """End-to-end decode steps per (cache, context), and capacity at `capacity_context`.
 
     `model` defaults to Qwen3-8B (`qwen3_8b_config`), `oscar` to page 64 / sink 64 / recent 256 /
     G 128. `copy_gb_per_s` (the caller's measured copy bandwidth) sets the floors (None: no
     floors). `memory_bytes` overrides the device memory used for capacity; `capacity_context=None`
-    skips the capacity part.
+    skips the capacity part. `on_progress(result)` is called with the partial result after every
+    measurement, so a run cut off by a time limit still leaves what it measured.
     """
     import jax
     import jax.numpy as jnp
@@ -394,23 +395,28 @@ def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar:
             if info is not None:
                 result["compile"][f"{kind}_b{batch}"] = info
             result["runs"].append(entry)
+            if on_progress:
+                on_progress(result)
         del compiled
         gc.collect()
 
     if capacity_context:
-        result["capacity"] = capacity(measure, model, oscar, weights["weight_bytes"], capacity_context,
-                                      memory_bytes, reserve_bytes, log)
+        result["capacity"] = {}
+        capacity(measure, model, oscar, weights["weight_bytes"], capacity_context, memory_bytes, reserve_bytes, log,
+                 out=result["capacity"], on_progress=(lambda: on_progress(result)) if on_progress else None)
     result["wall_s"] = time.perf_counter() - t_start
     del params
     gc.collect()
     return result
 
 
-def capacity(measure, model, oscar, weight_bytes, context, memory_bytes, reserve_bytes, log) -> dict:
+def capacity(measure, model, oscar, weight_bytes, context, memory_bytes, reserve_bytes, log, *, out=None,
+             on_progress=None) -> dict:
     source = "argument"
     if memory_bytes is None:
         memory_bytes, source = _device_memory_bytes()
-    out = {"context": context, "memory_bytes": memory_bytes, "memory_source": source,
+    out = {} if out is None else out
+    out |= {"context": context, "memory_bytes": memory_bytes, "memory_source": source,
            "workspace_reserve_bytes": reserve_bytes, "weight_bytes": weight_bytes}
     if memory_bytes is None:
         log("capacity skipped: device memory unknown")
@@ -429,6 +435,8 @@ def capacity(measure, model, oscar, weight_bytes, context, memory_bytes, reserve
                 gc.collect()
                 entry["attempts"].append({"batch": b, "error": f"{type(err).__name__}: {str(err)[:300]}"})
                 log(f"capacity {kind} b={b}: {type(err).__name__}: {str(err)[:200]}")
+                if on_progress:
+                    on_progress()
                 if not _is_oom(err):
                     break
                 b = min(b - 1, int(b * 0.9))
@@ -441,4 +449,6 @@ def capacity(measure, model, oscar, weight_bytes, context, memory_bytes, reserve
             entry.update(built_batch=0, tokens_per_s_at_capacity=None)
         entry.setdefault("tokens_per_s_at_capacity", None)
         gc.collect()
+        if on_progress:
+            on_progress()
     return out

@@ -99,7 +99,8 @@ def main(argv=None) -> None:
     if "e2e" in sections:
         from benchmarks import bench_e2e
 
-        save("e2e", bench_e2e.run(contexts=args.e2e_contexts, copy_gb_per_s=copy["gb_per_s"]))
+        save("e2e", bench_e2e.run(contexts=args.e2e_contexts, copy_gb_per_s=copy["gb_per_s"],
+                                  on_progress=lambda partial: save("e2e", partial)))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """bench_e2e on CPU: the fabricated decode plan, the byte accounting, and a tiny end-to-end run
 (2 layers, interpret mode) with its capacity search. The GPU timings themselves are not tested."""
 
+import json
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
+
 import pytest
 
 from benchmarks import bench_e2e
@@ -102,9 +104,12 @@ def test_tiny_run_end_to_end(tiny_model):
 
     weights = bench_e2e.param_bytes(init_params(tiny_model, jax.random.key(0), dtype=jnp.bfloat16))["weight_bytes"]
     memory = weights + 3 * per_seq + per_seq // 2
+    snapshots = []  # what a run cut off after each measurement would have saved
     result = bench_e2e.run(contexts=(500, 700), copy_gb_per_s=100.0, model=tiny_model, oscar=oscar,
                            capacity_context=700, memory_bytes=memory, reserve_bytes=0, steps=2, trials=2,
-                           interpret=True)
+                           interpret=True, on_progress=lambda partial: snapshots.append(json.dumps(partial)))
+    partial_runs = [len(json.loads(s)["runs"]) for s in snapshots]
+    assert partial_runs[:4] == [1, 2, 3, 4] and json.loads(snapshots[-1])["capacity"].keys() >= {"int2", "bf16"}
     assert result["weight_bytes"] == weights
     assert [(r["cache"], r["context"]) for r in result["runs"]] == [
         ("int2", 500), ("int2", 700), ("bf16", 500), ("bf16", 700)]
