@@ -279,8 +279,10 @@ def time_steps(step, params, tokens, cache, positions, *, steps: int, trials: in
     import jax
     import numpy as np
 
+    before = _pool_pointers(cache)
     logits, cache = step(params, tokens, cache, positions)
     first = np.asarray(logits)
+    after = _pool_pointers(cache)
     logits, cache = step(params, tokens, cache, positions)
     second = np.asarray(logits)
     times = []
@@ -292,10 +294,25 @@ def time_steps(step, params, tokens, cache, positions, *, steps: int, trials: in
         times.append((time.perf_counter() - t0) / steps)
     checks = {"logits_finite": bool(np.all(np.isfinite(first)) and np.all(np.isfinite(second))),
               "deterministic": bool(np.array_equal(first, second)),
-              "logits_abs_max": float(np.max(np.abs(first)))}
+              "logits_abs_max": float(np.max(np.abs(first))),
+              # a donated step must update the pools in place; a moved pool is a whole-pool copy
+              "pools_moved": sorted(n for n in before if before[n] is not None and before[n] != after[n])}
     timing = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "steps": steps,
               "trials": trials}
     return timing, checks, cache
+
+
+def _pool_pointers(cache) -> dict:
+    """Device address of every pool (None where the backend does not expose it)."""
+    from oscar_jax.cache import POOL_NAMES
+
+    pointers = {}
+    for name in POOL_NAMES:
+        try:
+            pointers[name] = getattr(cache, name).unsafe_buffer_pointer()
+        except Exception:  # noqa: BLE001 - diagnostics only
+            pointers[name] = None
+    return pointers
 
 
 def _is_oom(err: Exception) -> bool:
@@ -378,7 +395,8 @@ def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar:
         gc.collect()
         ratio = f", {entry['step_over_floor']:.2f}x floor" if entry["step_over_floor"] else ""
         log(f"{kind} ctx {context} b {b}: {entry['median_s'] * 1e3:.2f} ms/step{ratio}, "
-            f"finite={entry['logits_finite']} deterministic={entry['deterministic']}")
+            f"finite={entry['logits_finite']} deterministic={entry['deterministic']} "
+            f"pools moved by a step: {entry['pools_moved'] or 'none'}")
         return entry, compiled, info
 
     result = {"model": dataclasses.asdict(model), "model_name": "qwen3-8b shapes, random bf16 weights",

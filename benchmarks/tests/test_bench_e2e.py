@@ -115,6 +115,7 @@ def test_tiny_run_end_to_end(tiny_model):
         ("int2", 500), ("int2", 700), ("bf16", 500), ("bf16", 700)]
     for r in result["runs"]:
         assert r["logits_finite"] and r["deterministic"]
+        assert r["pools_moved"] == []  # the donated step updated every pool in place
         kv = bench_e2e.kv_bytes_read(r["cache"], r["context"], 1, 2, 2, oscar)
         assert r["kv_bytes_read"] == kv
         assert r["floor_s"] == pytest.approx((r["weight_bytes_read"] + kv) / 100e9)
