@@ -104,6 +104,18 @@ def test_summary_keys_and_values(tmp_path):
     assert "(this run: batch 8)" in text
 
 
+def test_concurrency_counts_built_batches_not_the_accounting(tmp_path):
+    results = fake_results()
+    results["e2e"]["capacity"]["int2"]["built_batch"] = 30  # 40 by the byte accounting
+    summary = S.summarize(write_files(tmp_path, results), None, plots=False)
+    assert summary["concurrent_100k_sequences_int2_over_bf16"] == {"jax": pytest.approx(6.0)}
+    results["e2e"]["capacity"]["bf16"].update(built_batch=0, tokens_per_s_at_capacity=None)
+    summary = S.summarize(write_files(tmp_path, results), None, plots=False)
+    assert summary["concurrent_100k_sequences_int2_over_bf16"] == {"jax": None}
+    provenance = json.loads((tmp_path / "summary_h200_provenance.json").read_text())
+    assert any("bf16 0" in w and "byte accounting" in w for w in provenance["warnings"])
+
+
 def test_fraction_falls_back_to_batch_1(tmp_path):
     results = fake_results()
     results["decode"]["configs"] = results["decode"]["configs"][:2]

@@ -14,9 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import subprocess
-import tempfile
-import warnings
 import zlib
 
 import hypothesis
@@ -432,67 +429,12 @@ def test_small_head_dim_is_not_implemented():
 # the final word.
 # ---------------------------------------------------------------------------------------------
 
-H200 = dict(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-H200_ARCH = 90
-
-
 def compile_triton_kernels_for_h200(fn, *args) -> dict[str, dict]:
-    """Lower jax.jit(fn)(*args) for an H200 and compile every Triton kernel in it to a cubin.
+    """{kernel name: {"registers", "spills", "shared", …}} of every Triton kernel in jax.jit(fn)(*args)."""
+    pytest.importorskip("triton")
+    from benchmarks.static_analysis import compile_pallas_for_h200
 
-    Returns {kernel name: {"shared": bytes of shared memory, "spills": local memory bytes}}.
-    """
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-
-    from jax._src.lib.mlir import ir as jax_ir
-    from jax._src.pallas.triton import lowering as triton_lowering
-
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(**H200))
-    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated", DeprecationWarning)
-        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    kernels = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for child in block.operations:
-                    attributes = child.operation.attributes
-                    is_call = child.operation.name == "stablehlo.custom_call"
-                    if is_call and "triton" in str(attributes["call_target_name"]):
-                        config = jax_ir.DictAttr(attributes["mhlo.backend_config"])
-                        kernels.append(
-                            (
-                                jax_ir.StringAttr(config["name"]).value,
-                                jax_ir.StringAttr(config["ir"]).value_bytes,
-                                jax_ir.IntegerAttr(config["num_warps"]).value,
-                                jax_ir.IntegerAttr(config["num_stages"]).value,
-                            )
-                        )
-                    walk(child.operation)
-
-    walk(lowered.compiler_ir("stablehlo").operation)
-    results = {}
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, bytecode, num_warps, num_stages in kernels:
-            with triton_lowering._new_ir_context():
-                text = jax_ir.Module.parse(bytecode).operation.get_asm()
-            path = os.path.join(tmp, f"{name}.ttir")
-            with open(path, "w") as f:
-                f.write(text)
-            options = dict(num_warps=num_warps, num_stages=num_stages)
-            compiled = triton.compile(path, target=GPUTarget("cuda", H200_ARCH, 32), options=options)
-            cubin = os.path.join(tmp, f"{name}.cubin")
-            with open(cubin, "wb") as f:
-                f.write(compiled.asm["cubin"])
-            usage = subprocess.run(
-                [cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True
-            ).stdout
-            # Spilled registers live in the stack frame (STACK:), local arrays in LOCAL:.
-            local = [int(word.split(":")[1]) for word in usage.split() if word.startswith(("LOCAL:", "STACK:"))]
-            results[name] = {"shared": compiled.metadata.shared, "spills": sum(local)}
-    return results
+    return compile_pallas_for_h200(fn, *args)
 
 
 @pytest.mark.parametrize(

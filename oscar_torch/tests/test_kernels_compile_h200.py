@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -20,9 +19,9 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from benchmarks.static_analysis import H200_ARCH, resource_usage  # noqa: E402
 from oscar_torch.kernels import decode_attention as kernels  # noqa: E402
 
-H200_ARCH = 90
 # Pointer element types by argument name (bfloat16 tensors are passed as int16 views).
 POINTERS = {
     "page_table_ptr": "*i32", "history_tokens_ptr": "*i32", "sink_tokens_ptr": "*i32", "recent_tokens_ptr": "*i32",
@@ -44,16 +43,7 @@ def compile_for_h200(kernel, constants: dict, num_warps: int, num_stages: int) -
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
                               target=GPUTarget("cuda", H200_ARCH, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
-                               check=True).stdout.split()
-    value = lambda key: sum(int(w.split(":")[1]) for w in usage if w.startswith(key))  # noqa: E731
-    # Spilled registers live in the stack frame (STACK:), local arrays in LOCAL:.
-    return {"registers": value("REG:"), "spills": value("STACK:") + value("LOCAL:"), "shared": compiled.metadata.shared}
+    return {**resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
 
 
 def _compile_in_fresh_process(kernel_name: str, constants: dict, num_warps: int, num_stages: int) -> dict:

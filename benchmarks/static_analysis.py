@@ -1,0 +1,193 @@
+"""Static analysis of the decode kernels for the H200 (sm_90), on a machine without a GPU.
+
+The Pallas kernels are lowered with jax's AOT path for an abstract H200 and their Triton IR is
+compiled to a cubin by the triton package's own sm_90 pipeline (ptxas ships with it); the torch
+Triton kernels are compiled from source. `cuobjdump` (also in the triton package) then gives the
+registers, the spilled bytes and the SASS. The instruction count of the page loop per warp,
+× warps ÷ tokens per iteration, is the per-(token, KV head) count Nsight Compute measured on the
+H200 (61 static vs 63 measured for the v3 Pallas kernel: benchmarks/NOTES.md), so it predicts
+an instruction-bound kernel's time without a GPU run.
+
+    python -m benchmarks.static_analysis            # the Pallas INT2 kernel over num_warps 1, 2, 4
+    python -m benchmarks.static_analysis --sass DIR  # also keep .ttir / .ttgir / .ptx / .sass there
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+import warnings
+
+H200 = dict(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+H200_ARCH = 90
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def _run_cuobjdump(cubin: bytes, flag: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([_cuobjdump(), flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """{"registers", "spills"} of a cubin; spilled registers live in STACK:, local arrays in LOCAL:."""
+    words = _run_cuobjdump(cubin, "--dump-resource-usage").split()
+    value = lambda key: sum(int(w.split(":")[1]) for w in words if w.startswith(key))  # noqa: E731
+    return {"registers": value("REG:"), "spills": value("STACK:") + value("LOCAL:")}
+
+
+def sass(cubin: bytes) -> str:
+    return _run_cuobjdump(cubin, "-sass")
+
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"BRA(?:\.U)?\s+0x([0-9a-f]+)")
+_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+
+
+def loop_profile(sass_text: str) -> dict:
+    """The largest loop of a kernel (the span of its longest backward branch): instruction count
+    and the count per opcode (modifiers dropped: `LOP3.LUT` → `LOP3`)."""
+    instructions = [(int(a, 16), text) for a, text in _INSTRUCTION.findall(sass_text)]
+    loops = [(int(m.group(1), 16), address) for address, text in instructions
+             if (m := _BRANCH.search(text)) and int(m.group(1), 16) < address]
+    if not loops:
+        raise ValueError("no backward branch in the SASS: the kernel has no loop")
+    start, end = max(loops, key=lambda span: span[1] - span[0])
+    body = [_PREDICATE.sub("", text) for address, text in instructions if start <= address <= end]
+    opcodes = collections.Counter(text.split()[0].split(".")[0] for text in body)
+    return {"instructions": len(body), "opcodes": dict(opcodes.most_common())}
+
+
+def pallas_triton_kernels(fn, *args) -> list[tuple[str, str, int, int]]:
+    """Lower jax.jit(fn)(*args) for an H200: (name, Triton IR text, num_warps, num_stages) of
+    every Pallas kernel in it."""
+    import jax
+    from jax._src.lib.mlir import ir as jax_ir
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(**H200))
+    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated", DeprecationWarning)
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    kernels = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    attributes = child.operation.attributes
+                    if child.operation.name == "stablehlo.custom_call" and "triton" in str(
+                            attributes["call_target_name"]):
+                        config = jax_ir.DictAttr(attributes["mhlo.backend_config"])
+                        with triton_lowering._new_ir_context():
+                            text = jax_ir.Module.parse(jax_ir.StringAttr(config["ir"]).value_bytes).operation.get_asm()
+                        kernels.append((jax_ir.StringAttr(config["name"]).value, text,
+                                        jax_ir.IntegerAttr(config["num_warps"]).value,
+                                        jax_ir.IntegerAttr(config["num_stages"]).value))
+                    walk(child.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    return kernels
+
+
+def compile_triton_ir(text: str, num_warps: int, num_stages: int):
+    """Compile Triton IR text for sm_90; returns triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ttir")
+        with open(path, "w") as f:
+            f.write(text)
+        return triton.compile(path, target=GPUTarget("cuda", H200_ARCH, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def compile_pallas_for_h200(fn, *args) -> dict[str, dict]:
+    """{kernel name: {"registers", "spills", "shared", "compiled"}} for every Pallas kernel of fn."""
+    results = {}
+    for name, text, num_warps, num_stages in pallas_triton_kernels(fn, *args):
+        compiled = compile_triton_ir(text, num_warps, num_stages)
+        results[name] = {**resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
+                         "num_warps": num_warps, "compiled": compiled}
+    return results
+
+
+def qwen3_decode_case(num_warps: int, pages_per_block: int = 1):
+    """(fn, args) of the production decode call at Qwen3-8B head shapes (d 128, G 128, GQA 4,
+    pages of 64, bf16 queries) over a small random cache (the kernels do not depend on its size)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from oscar_jax.attention_ops import decode_attention
+
+    batch, kv_heads, d, page = 2, 2, 128, 64
+    history_slots, bf16_slots, pool_pages = 64, 6, 130
+    rng = np.random.default_rng(0)
+    arrays = (
+        jnp.zeros((pool_pages, kv_heads, page, d), jnp.bfloat16),  # k_bf16
+        jnp.zeros((pool_pages, kv_heads, page, d), jnp.bfloat16),  # v_bf16
+        jnp.asarray(rng.integers(0, 256, (pool_pages, kv_heads, page, d // 4), dtype=np.uint8)),
+        jnp.ones((pool_pages, kv_heads, page, 1), jnp.float16), jnp.zeros((pool_pages, kv_heads, page, 1), jnp.float16),
+        jnp.asarray(rng.integers(0, 256, (pool_pages, kv_heads, page, d // 4), dtype=np.uint8)),
+        jnp.ones((pool_pages, kv_heads, page, 1), jnp.float16), jnp.zeros((pool_pages, kv_heads, page, 1), jnp.float16),
+        jnp.ones((batch, bf16_slots), jnp.int32), jnp.full((batch,), 64, jnp.int32), jnp.full((batch,), 300, jnp.int32),
+        jnp.ones((batch, history_slots), jnp.int32), jnp.full((batch,), 4000, jnp.int32),
+    )
+    q = jnp.zeros((batch, 4 * kv_heads, d), jnp.bfloat16)
+
+    def fn(q, *cache):
+        return decode_attention(q, *cache, sink_slots=1, group_size=128, softmax_scale=d**-0.5, interpret=False,
+                                num_warps=num_warps, pages_per_block=pages_per_block)
+
+    return fn, (q, *arrays)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-warps", default="1,2,4", help="comma-separated num_warps to compile")
+    parser.add_argument("--sass", default=None, help="directory to keep the IR, PTX and SASS in")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    page = 64
+    print("| kernel | warps | registers | spill B | SASS per loop iteration per warp | warp-instr per (token, head) |")
+    print("|---|---|---|---|---|---|")
+    top = {}
+    for num_warps in (int(w) for w in args.num_warps.split(",")):
+        fn, call_args = qwen3_decode_case(num_warps)
+        for name, usage in compile_pallas_for_h200(fn, *call_args).items():
+            compiled = usage["compiled"]
+            text = sass(compiled.asm["cubin"])
+            loop = loop_profile(text)
+            kind = name.split("_tier")[0]
+            per_token = loop["instructions"] * num_warps / page
+            print(f"| {kind} | {num_warps} | {usage['registers']} | {usage['spills']} | {loop['instructions']} "
+                  f"| {per_token:.0f} |")
+            top[(kind, num_warps)] = list(loop["opcodes"].items())[:12]
+            if args.sass:
+                os.makedirs(args.sass, exist_ok=True)
+                stem = os.path.join(args.sass, f"{kind}_w{num_warps}")
+                for ext, key in (("ttgir", "ttgir"), ("ptx", "ptx")):
+                    with open(f"{stem}.{ext}", "w") as f:
+                        f.write(compiled.asm[key])
+                with open(f"{stem}.sass", "w") as f:
+                    f.write(text)
+    print()
+    for (kind, num_warps), ops in top.items():
+        print(f"{kind} {num_warps} warps, loop opcodes: " + ", ".join(f"{op} {n}" for op, n in ops))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The SASS loop profiler on a known snippet, and the production kernel's instruction budget."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+from benchmarks import static_analysis as sa
+
+SNIPPET = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/                   LOP3.LUT R2, R0, 0x3, RZ, 0xc0, !PT ;
+        /*0030*/               @P0 SHF.R.U32.HI R3, RZ, 0x2, R2 ;
+        /*0040*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0050*/                   LOP3.LUT R2, R2, 0x4300, RZ, 0xfc, !PT ;
+        /*0060*/              @!P1 BRA 0x20 ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_loop_profile_counts_the_loop_body_only():
+    profile = sa.loop_profile(SNIPPET)
+    assert profile["instructions"] == 5  # 0x20 … 0x60
+    assert profile["opcodes"] == {"LOP3": 2, "SHF": 1, "HMMA": 1, "BRA": 1}
+
+
+def test_loop_profile_rejects_straight_line_code():
+    with pytest.raises(ValueError, match="no backward branch"):
+        sa.loop_profile(SNIPPET.replace("BRA 0x20", "BRA 0x70"))
+
+
+def test_int2_decode_kernel_instruction_budget():
+    """The default INT2 kernel (4 warps) at Qwen3-8B shapes: 61 warp instructions per (token, KV
+    head) at v3, which Nsight measured as the bound (63); a change that adds work fails here."""
+    pytest.importorskip("triton")
+    fn, args = sa.qwen3_decode_case(num_warps=4)
+    kernels = sa.compile_pallas_for_h200(fn, *args)
+    (name,) = [n for n in kernels if n.startswith("oscar_int2")]
+    usage = kernels[name]
+    loop = sa.loop_profile(sa.sass(usage["compiled"].asm["cubin"]))
+    per_token_head = loop["instructions"] * usage["num_warps"] / 64
+    assert usage["spills"] == 0
+    assert per_token_head <= 62, f"{per_token_head:.1f} warp instructions per (token, head); v3 had 61"
+    assert loop["opcodes"].get("I2F", 0) == 0  # codes become bf16 operands by bit pattern, not conversion
