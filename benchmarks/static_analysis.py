@@ -125,7 +125,7 @@ def compile_pallas_for_h200(fn, *args) -> dict[str, dict]:
     return results
 
 
-def qwen3_decode_case(num_warps: int, pages_per_block: int = 1):
+def qwen3_decode_case(num_warps: int, pages_per_block: int = 1, unpack_asm: bool = False):
     """(fn, args) of the production decode call at Qwen3-8B head shapes (d 128, G 128, GQA 4,
     pages of 64, bf16 queries) over a small random cache (the kernels do not depend on its size)."""
     import jax.numpy as jnp
@@ -150,7 +150,7 @@ def qwen3_decode_case(num_warps: int, pages_per_block: int = 1):
 
     def fn(q, *cache):
         return decode_attention(q, *cache, sink_slots=1, group_size=128, softmax_scale=d**-0.5, interpret=False,
-                                num_warps=num_warps, pages_per_block=pages_per_block)
+                                num_warps=num_warps, pages_per_block=pages_per_block, unpack_asm=unpack_asm)
 
     return fn, (q, *arrays)
 
@@ -158,35 +158,40 @@ def qwen3_decode_case(num_warps: int, pages_per_block: int = 1):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-warps", default="1,2,4", help="comma-separated num_warps to compile")
+    parser.add_argument("--unpack", default="jnp,asm", help="comma-separated: jnp (default kernel), asm (unpack_asm)")
     parser.add_argument("--sass", default=None, help="directory to keep the IR, PTX and SASS in")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     page = 64
-    print("| kernel | warps | registers | spill B | SASS per loop iteration per warp | warp-instr per (token, head) |")
-    print("|---|---|---|---|---|---|")
+    print("| kernel | unpack | warps | registers | spill B | SASS per loop iteration per warp "
+          "| warp-instr per (token, head) |")
+    print("|---|---|---|---|---|---|---|")
     top = {}
-    for num_warps in (int(w) for w in args.num_warps.split(",")):
-        fn, call_args = qwen3_decode_case(num_warps)
+    variants = [(u, int(w)) for u in args.unpack.split(",") for w in args.num_warps.split(",")]
+    for unpack, num_warps in variants:
+        fn, call_args = qwen3_decode_case(num_warps, unpack_asm=unpack == "asm")
         for name, usage in compile_pallas_for_h200(fn, *call_args).items():
             compiled = usage["compiled"]
             text = sass(compiled.asm["cubin"])
             loop = loop_profile(text)
             kind = name.split("_tier")[0]
+            if kind == "oscar_bf16" and unpack == "asm":
+                continue  # the BF16 tier has no codes: the same kernel as with jnp
             per_token = loop["instructions"] * num_warps / page
-            print(f"| {kind} | {num_warps} | {usage['registers']} | {usage['spills']} | {loop['instructions']} "
-                  f"| {per_token:.0f} |")
-            top[(kind, num_warps)] = list(loop["opcodes"].items())[:12]
+            print(f"| {kind} | {unpack if kind == 'oscar_int2' else '—'} | {num_warps} | {usage['registers']} "
+                  f"| {usage['spills']} | {loop['instructions']} | {per_token:.0f} |")
+            top[(kind, unpack, num_warps)] = list(loop["opcodes"].items())[:12]
             if args.sass:
                 os.makedirs(args.sass, exist_ok=True)
-                stem = os.path.join(args.sass, f"{kind}_w{num_warps}")
+                stem = os.path.join(args.sass, f"{kind}_{unpack}_w{num_warps}")
                 for ext, key in (("ttgir", "ttgir"), ("ptx", "ptx")):
                     with open(f"{stem}.{ext}", "w") as f:
                         f.write(compiled.asm[key])
                 with open(f"{stem}.sass", "w") as f:
                     f.write(text)
     print()
-    for (kind, num_warps), ops in top.items():
-        print(f"{kind} {num_warps} warps, loop opcodes: " + ", ".join(f"{op} {n}" for op, n in ops))
+    for (kind, unpack, num_warps), ops in top.items():
+        print(f"{kind} {unpack} {num_warps} warps, loop opcodes: " + ", ".join(f"{op} {n}" for op, n in ops))
 
 
 if __name__ == "__main__":

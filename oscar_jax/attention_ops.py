@@ -214,7 +214,7 @@ def _page_size(k_bf16) -> int:
 
 def _cache_partials(
     q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, block_m, interpret,
-    num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, layer=None,
+    num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, layer=None, unpack_asm=False,
 ):
     """Partials of q_rows [B, Hkv, M, D] over both tiers, concatenated on the split axis."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
@@ -236,7 +236,7 @@ def _cache_partials(
         return outputs, lses
     int2_outputs, int2_lses = int2_tier_partials(
         q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-        group_size=group_size, **tiling,
+        group_size=group_size, unpack_asm=unpack_asm, **tiling,
     )
     return jnp.concatenate([outputs, int2_outputs], axis=2), jnp.concatenate([lses, int2_lses], axis=2)
 
@@ -244,10 +244,10 @@ def _cache_partials(
 _STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "pages_per_block", "interpret", "layer")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("num_warps", "num_stages", "unpack_asm"))
 def _decode_attention(
     q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, interpret, num_warps,
-    num_stages, layer,
+    num_stages, layer, unpack_asm,
 ):
     batch, q_heads, head_dim = q.shape
     num_kv_heads = cache[0].shape[-3]  # k_bf16 [(Y,) P, K, L, D]
@@ -258,7 +258,7 @@ def _decode_attention(
     outputs, lses = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, interpret=interpret,
-        num_warps=num_warps, num_stages=num_stages, layer=layer,
+        num_warps=num_warps, num_stages=num_stages, layer=layer, unpack_asm=unpack_asm,
     )
     # Drop the padding rows before the merge: [B, Hkv, S, Gq, D] → o [B, Hkv, Gq, D].
     o, _ = merge_partials(outputs[..., :heads_per_kv, :], lses[..., :heads_per_kv])
@@ -289,6 +289,7 @@ def decode_attention(
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
     layer: int | None = None,
+    unpack_asm: bool = False,
     interpret: bool | None = None,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
@@ -305,6 +306,8 @@ def decode_attention(
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
       num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only).
+      unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, GPU only): the same operand
+        bits in fewer instructions; an experimental variant until the H200 sweep has timed it.
       layer: None, or a static layer index when the eight pools are stacked [Y, P, …] (all
         layers): that layer is read in place, without slicing it out (`kernels.layered`).
       interpret: run the Pallas kernels in interpret mode; None → on when the default backend is CPU.
@@ -324,10 +327,17 @@ def decode_attention(
     )
     _check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
     _check_static_int("num_stages", num_stages, minimum=1)
+    interpret = resolve_interpret(interpret)
+    if unpack_asm not in (True, False):
+        raise ValueError(f"unpack_asm={unpack_asm!r} must be a bool")
+    if unpack_asm and (interpret or jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"unpack_asm=True runs inline PTX on bfloat16 queries on the GPU; got q {q.dtype} and "
+                         f"interpret={interpret} (interpret mode cannot run PTX)")
     return _decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
         pages_per_split=int(pages_per_split), pages_per_block=int(pages_per_block),
-        num_warps=int(num_warps), num_stages=int(num_stages), layer=layer, interpret=resolve_interpret(interpret),
+        num_warps=int(num_warps), num_stages=int(num_stages), layer=layer, interpret=interpret,
+        unpack_asm=bool(unpack_asm),
     )
 
 

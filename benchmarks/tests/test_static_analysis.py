@@ -31,16 +31,18 @@ def test_loop_profile_rejects_straight_line_code():
         sa.loop_profile(SNIPPET.replace("BRA 0x20", "BRA 0x70"))
 
 
-def test_int2_decode_kernel_instruction_budget():
-    """The default INT2 kernel (4 warps) at Qwen3-8B shapes: 61 warp instructions per (token, KV
-    head) at v3, which Nsight measured as the bound (63); a change that adds work fails here."""
+@pytest.mark.parametrize("unpack_asm,budget", [(False, 62), (True, 54)])
+def test_int2_decode_kernel_instruction_budget(unpack_asm, budget):
+    """The INT2 kernel (4 warps) at Qwen3-8B shapes: 61 warp instructions per (token, KV head) at
+    v3, which Nsight measured as the bound (63); 53 with the inline-PTX unpacker (which this also
+    proves ptxas accepts). A change that adds work fails here."""
     pytest.importorskip("triton")
-    fn, args = sa.qwen3_decode_case(num_warps=4)
+    fn, args = sa.qwen3_decode_case(num_warps=4, unpack_asm=unpack_asm)
     kernels = sa.compile_pallas_for_h200(fn, *args)
     (name,) = [n for n in kernels if n.startswith("oscar_int2")]
     usage = kernels[name]
     loop = sa.loop_profile(sa.sass(usage["compiled"].asm["cubin"]))
     per_token_head = loop["instructions"] * usage["num_warps"] / 64
     assert usage["spills"] == 0
-    assert per_token_head <= 62, f"{per_token_head:.1f} warp instructions per (token, head); v3 had 61"
+    assert per_token_head <= budget, f"{per_token_head:.1f} warp instructions per (token, head)"
     assert loop["opcodes"].get("I2F", 0) == 0  # codes become bf16 operands by bit pattern, not conversion

@@ -273,7 +273,31 @@ def code_offset(compute_dtype) -> float:
     return BF16_CODE_BIAS if jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) else 0.0
 
 
-def _code_planes(load_chunk, pieces, compute_dtype):
+def unpack_plane_ptx(plane: int) -> str:
+    """Inline PTX of one bit plane for `elementwise_inline_asm(pack=4)`: $2 holds 4 code bytes
+    (element i in byte i), $0 / $1 receive elements (0, 1) / (2, 3) as bf16 halves (element 0
+    low). PRMT spreads bytes (0, 1) and (2, 3) over the two 16-bit halves of a word, then one shift
+    and one LOP3, (x >> 2·plane) & 0x00030003 | 0x43004300, give two bf16 operands 128 + code."""
+    mask = CODE_MASK | CODE_MASK << 16
+    bias = BF16_CODE_BIAS_BITS | BF16_CODE_BIAS_BITS << 16
+    shift = [f"shr.b32 lo, lo, {plane * CODE_BITS};", f"shr.b32 hi, hi, {plane * CODE_BITS};"] if plane else []
+    return "\n".join([
+        "{", ".reg .b32 lo, hi;", "prmt.b32 lo, $2, $2, 0x3120;", "prmt.b32 hi, $2, $2, 0x1302;", *shift,
+        f"lop3.b32 $0, lo, {mask:#010x}, {bias:#010x}, 0xEA;",  # 0xEA: (a & b) | c
+        f"lop3.b32 $1, hi, {mask:#010x}, {bias:#010x}, 0xEA;", "}"])
+
+
+def _unpack_planes_asm(chunk):
+    """uint8 [N, W] → its 4 bit planes as bfloat16 [N, W], code c as bits `0x4300 | c`, by inline
+    PTX (GPU only): ~1 instruction per code instead of ~2.6 (benchmarks/NOTES.md). One asm per
+    plane: jax's lowering of a multi-result inline asm returns one value; ptxas merges the PRMTs."""
+    return [pl_triton.elementwise_inline_asm(
+        unpack_plane_ptx(plane), args=[chunk], constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(chunk.shape, jnp.bfloat16)])[0]
+        for plane in range(CODES_PER_BYTE)]
+
+
+def _code_planes(load_chunk, pieces, compute_dtype, unpack_asm=False):
     """Each piece's codes as [N, W] dot operands; `load_chunk(byte_start, width)` gives the uint8
     bytes [N, W] (widened to int32 before the shift: the Triton lowering's rule).
 
@@ -281,8 +305,15 @@ def _code_planes(load_chunk, pieces, compute_dtype):
     integer op per code instead of an int→bf16 conversion: conversions issue at 16/clk/SM on
     sm_90 (a quarter of integer ops), and at 128 per thread per page they bounded the kernel
     (benchmarks/NOTES.md). The +128 is folded back into the minimum terms (`code_offset`).
-    float32: the exact codes."""
+    float32: the exact codes. `unpack_asm` (bfloat16, GPU only): the same bits through
+    `_unpack_planes_asm`."""
     bf16 = code_offset(compute_dtype) != 0.0
+    if bf16 and unpack_asm:
+        unpacked = {}
+        for byte_start, width, _, _, _ in pieces:
+            if byte_start not in unpacked:
+                unpacked[byte_start] = _unpack_planes_asm(load_chunk(byte_start, width))
+        return [unpacked[byte_start][plane] for byte_start, _, plane, _, _ in pieces]
     chunks, planes = {}, []
     for byte_start, width, plane, _, _ in pieces:
         if byte_start not in chunks:
@@ -352,6 +383,7 @@ def _int2_tier_kernel(
     PAGES_PER_SPLIT: int,
     PAGES_PER_BLOCK: int,
     SOFTMAX_SCALE: float,
+    UNPACK_ASM: bool = False,
 ):
     """One iteration = PAGES_PER_BLOCK pages, each read as a whole page through a scalar page id
     (contiguous [L, D/4] codes, no per-token addresses), one online-softmax update for all of them.
@@ -375,7 +407,8 @@ def _int2_tier_kernel(
             slot = first_slot + i * PAGES_PER_BLOCK + j
             valid = slot * PAGE_SIZE + offset < n_history  # [L]
             page = jnp.where(slot < last_slot, page_table_ref[slot], 0)  # never dereference unused slots
-            k_planes = _code_planes(lambda c0, w: k_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype)
+            k_planes = _code_planes(lambda c0, w: k_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype,
+                                     UNPACK_ASM)
             k_scale = _int2_metadata(k_scale_ref, (page, slice(None)), valid, num_groups)
             k_min = _int2_metadata(k_min_ref, (page, slice(None)), valid, num_groups)
             scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias) * SOFTMAX_SCALE
@@ -389,7 +422,8 @@ def _int2_tier_kernel(
         for page, valid, scores in pages:
             p = jnp.where(valid[None, :], jnp.exp(scores - m_new[:, None]), 0.0)  # [BLOCK_M, L]
             l = l + jnp.sum(p, axis=1)
-            v_planes = _code_planes(lambda c0, w: v_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype)
+            v_planes = _code_planes(lambda c0, w: v_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype,
+                                     UNPACK_ASM)
             v_scale = _int2_metadata(v_scale_ref, (page, slice(None)), valid, num_groups)
             v_min = _int2_metadata(v_min_ref, (page, slice(None)), valid, num_groups)
             updates = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
@@ -402,7 +436,7 @@ def _int2_tier_kernel(
 def _int2_tier_gather_kernel(
     page_table_ref, history_tokens_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref, v_codes_ref, v_scale_ref,
     v_min_ref, o_ref, lse_ref, *, GROUP_SIZE: int, PAGE_SIZE: int, PAGES_PER_SPLIT: int, PAGES_PER_BLOCK: int,
-    SOFTMAX_SCALE: float,
+    SOFTMAX_SCALE: float, UNPACK_ASM: bool = False,
 ):
     """As `_int2_tier_kernel` (same refs), for any page size: one block of PAGES_PER_BLOCK·L ≥ 16
     tokens gathered token by token (a page id per token)."""
@@ -426,12 +460,14 @@ def _int2_tier_gather_kernel(
         slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
         valid = slot * PAGE_SIZE + offset < n_history  # [N]
         page = jnp.where(valid, page_table_ref[slot], 0)  # [N] never dereference unused slots
-        k_planes = _code_planes(lambda c0, w: k_codes_ref[page, offset, pl.ds(c0, w)], pieces, compute_dtype)
+        k_planes = _code_planes(lambda c0, w: k_codes_ref[page, offset, pl.ds(c0, w)], pieces, compute_dtype,
+                                 UNPACK_ASM)
         k_scale = _int2_metadata(k_scale_ref, (page, offset), valid, num_groups)
         k_min = _int2_metadata(k_min_ref, (page, offset), valid, num_groups)
         scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias)
         p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
-        v_planes = _code_planes(lambda c0, w: v_codes_ref[page, offset, pl.ds(c0, w)], pieces, compute_dtype)
+        v_planes = _code_planes(lambda c0, w: v_codes_ref[page, offset, pl.ds(c0, w)], pieces, compute_dtype,
+                                 UNPACK_ASM)
         v_scale = _int2_metadata(v_scale_ref, (page, offset), valid, num_groups)
         v_min = _int2_metadata(v_min_ref, (page, offset), valid, num_groups)
         updates = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
@@ -475,9 +511,11 @@ def int2_tier_partials(
     num_warps: int = 4,
     num_stages: int = 2,
     layer: int | None = None,
+    unpack_asm: bool = False,
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
-    With `layer`, the pools are stacked [Y, P, K, L, ·] and layer `layer` is read."""
+    With `layer`, the pools are stacked [Y, P, K, L, ·] and layer `layer` is read.
+    `unpack_asm`: codes unpacked by inline PTX (bfloat16 q, GPU only; `_unpack_planes_asm`)."""
     batch, num_kv_heads, rows, head_dim = q.shape
     num_pages, _, page_size, packed = per_layer_shape(k_codes.shape, layer)
     num_groups = k_scale.shape[-1]
@@ -494,6 +532,7 @@ def int2_tier_partials(
         PAGES_PER_SPLIT=pages_per_split,
         PAGES_PER_BLOCK=pages_per_block,
         SOFTMAX_SCALE=float(softmax_scale),
+        UNPACK_ASM=bool(unpack_asm),
     )
     codes_spec = layer_block_spec((num_pages, None, page_size, packed), lambda b, h, r, s: (0, h, 0, 0), layer)
     meta_spec = layer_block_spec((num_pages, None, page_size, num_groups), lambda b, h, r, s: (0, h, 0, 0), layer)
@@ -524,5 +563,6 @@ def int2_tier_partials(
         interpret=interpret,
         name=(
             f"oscar_int2_tier_attention_{group_size=}_{block_m=}_{pages_per_split=}_{pages_per_block=}"
+            + ("_asm" if unpack_asm else "")
         ),
     )(page_table, history_tokens, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
