@@ -125,6 +125,48 @@ def compile_pallas_for_h200(fn, *args) -> dict[str, dict]:
     return results
 
 
+# The torch backend's Triton kernels, compiled from source: pointer element types by argument name
+# (bfloat16 tensors are passed as int16 views) and the constexprs of the Qwen3-8B decode shapes.
+TRITON_POINTERS = {
+    "page_table_ptr": "*i32", "history_tokens_ptr": "*i32", "sink_tokens_ptr": "*i32", "recent_tokens_ptr": "*i32",
+    "q_ptr": "*i16", "k_ptr": "*i16", "v_ptr": "*i16", "k_codes_ptr": "*u8", "v_codes_ptr": "*u8",
+    "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16", "v_scale_ptr": "*fp16", "v_min_ptr": "*fp16",
+    "o_ptr": "*fp32", "lse_ptr": "*fp32", "table_slots": "i32",
+}
+TRITON_QWEN3_8B = dict(NUM_HEADS=8, ROWS=16, D=128, PAGE_SIZE=64, PAGES_PER_SPLIT=16, NUM_SPLITS=4,
+                       SOFTMAX_SCALE=128**-0.5, BLOCK_M=16, TENSOR_CORES=True, GROUP_SIZE=128, PAGES_PER_BLOCK=1,
+                       Q_BF16=True, SINK_SLOTS=1)
+
+
+def compile_triton_source(kernel, constants: dict, num_warps: int, num_stages: int):
+    """Compile a `triton.jit` kernel with `constants` (its constexprs; the other arguments typed by
+    TRITON_POINTERS) for sm_90. Needs the real Triton (not TRITON_INTERPRET=1)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {name: TRITON_POINTERS.get(name, "constexpr") for name in names}
+    constexprs = {(names.index(name),): value for name, value in constants.items() if name in names}
+    missing = [n for n, t in signature.items() if t == "constexpr" and (names.index(n),) not in constexprs
+               and inspect.signature(kernel.fn).parameters[n].default is inspect.Parameter.empty]
+    if missing:
+        raise ValueError(f"no value for the constexpr arguments {missing}")
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", H200_ARCH, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def triton_kernel_usage(kernel, constants: dict, num_warps: int, num_stages: int, *, loop: bool = False) -> dict:
+    """{"registers", "spills", "shared"} of a compiled Triton kernel, plus its loop profile if asked."""
+    compiled = compile_triton_source(kernel, constants, num_warps, num_stages)
+    usage = {**resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
+    if loop:
+        usage["loop"] = loop_profile(sass(compiled.asm["cubin"]))
+    return usage
+
+
 def qwen3_decode_case(num_warps: int, pages_per_block: int = 1, unpack_asm: bool = False):
     """(fn, args) of the production decode call at Qwen3-8B head shapes (d 128, G 128, GQA 4,
     pages of 64, bf16 queries) over a small random cache (the kernels do not depend on its size)."""
@@ -189,6 +231,17 @@ def main(argv=None) -> None:
                         f.write(compiled.asm[key])
                 with open(f"{stem}.sass", "w") as f:
                     f.write(text)
+    if os.environ.get("TRITON_INTERPRET") != "1":  # the torch backend's kernel, compiled from source
+        from oscar_torch.kernels import decode_attention as torch_kernels
+
+        for unpack in args.unpack.split(","):
+            for num_warps in (int(w) for w in args.num_warps.split(",")):
+                constants = dict(TRITON_QWEN3_8B, UNPACK_ASM=unpack == "asm")
+                usage = triton_kernel_usage(torch_kernels._int2_tier_kernel, constants, num_warps, 2, loop=True)
+                loop = usage["loop"]
+                print(f"| torch int2 (Triton) | {unpack} | {num_warps} | {usage['registers']} | {usage['spills']} "
+                      f"| {loop['instructions']} | {loop['instructions'] * num_warps / page:.0f} |")
+                top[("torch_int2", unpack, num_warps)] = list(loop["opcodes"].items())[:12]
     print()
     for (kind, unpack, num_warps), ops in top.items():
         print(f"{kind} {unpack} {num_warps} warps, loop opcodes: " + ", ".join(f"{op} {n}" for op, n in ops))

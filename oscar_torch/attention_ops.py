@@ -34,6 +34,7 @@ import math
 import torch
 
 from oscar_torch import library
+from oscar_torch.kernels.codec import interpreting
 from oscar_torch.kernels.decode_attention import MIN_DOT_DIM
 from oscar_torch.validation import (
     check_devices,
@@ -172,7 +173,7 @@ _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v
 
 
 def _cache_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split,
-                    pages_per_block, block_m):
+                    pages_per_block, block_m, unpack_asm=False):
     """Partials of q_rows [B, Hkv, M, D] over both tiers, concatenated on the split axis."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
@@ -184,7 +185,7 @@ def _cache_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pag
         return outputs, lses
     int2_outputs, int2_lses = library.int2_tier_partials(
         q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-        group_size, softmax_scale, pages_per_split, pages_per_block, block_m,
+        group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm,
     )
     return torch.cat([outputs, int2_outputs], dim=2), torch.cat([lses, int2_lses], dim=2)
 
@@ -210,6 +211,7 @@ def decode_attention(
     softmax_scale: float,
     pages_per_split: int | None = None,
     pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
+    unpack_asm: bool = False,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
 
@@ -224,10 +226,17 @@ def decode_attention(
         NH / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens (`shared_math.tiling`).
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
+      unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, compiled Triton on a GPU):
+        the same operand bits in fewer instructions; experimental until the H200 sweep has timed it.
     Returns:
       float32 [B, Hq, D].
     """
     check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
+    if unpack_asm not in (True, False):
+        raise ValueError(f"unpack_asm={unpack_asm!r} must be a bool")
+    if unpack_asm and (interpreting() or q.dtype != torch.bfloat16):
+        raise ValueError(f"unpack_asm=True runs inline PTX on bfloat16 queries in compiled Triton; got q {q.dtype} "
+                         f"with the Triton interpreter {'on' if interpreting() else 'off'} (it cannot run PTX)")
     batch, q_heads, head_dim = q.shape
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
@@ -243,7 +252,7 @@ def decode_attention(
     q_rows = torch.nn.functional.pad(q_rows, (0, 0, 0, rows - heads_per_kv)).contiguous()
     outputs, lses = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=float(softmax_scale),
-        pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows,
+        pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, unpack_asm=bool(unpack_asm),
     )
     # Drop the padding rows before the merge: [B, Hkv, S, Gq, D] → o [B, Hkv, Gq, D].
     o, _ = merge_partials(outputs[..., :heads_per_kv, :], lses[..., :heads_per_kv])

@@ -192,17 +192,18 @@ def int2_tier_partials(
     pages_per_split: int,
     pages_per_block: int,
     block_m: int,
+    unpack_asm: bool = False,
 ) -> tuple[Tensor, Tensor]:
     return kdecode.int2_tier_partials(
         q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, page_table, history_tokens,
         group_size=group_size, softmax_scale=softmax_scale, pages_per_split=pages_per_split,
-        pages_per_block=pages_per_block, block_m=block_m,
+        pages_per_block=pages_per_block, block_m=block_m, unpack_asm=unpack_asm,
     )
 
 
 @int2_tier_partials.register_fake
 def _(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, page_table, history_tokens, group_size,
-      softmax_scale, pages_per_split, pages_per_block, block_m):
+      softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm=False):
     return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split))
 
 

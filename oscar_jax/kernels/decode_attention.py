@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
+from shared_math.ptx import UNPACK_CONSTRAINTS, UNPACK_PACK, unpack_plane_ptx
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
@@ -273,26 +274,12 @@ def code_offset(compute_dtype) -> float:
     return BF16_CODE_BIAS if jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) else 0.0
 
 
-def unpack_plane_ptx(plane: int) -> str:
-    """Inline PTX of one bit plane for `elementwise_inline_asm(pack=4)`: $2 holds 4 code bytes
-    (element i in byte i), $0 / $1 receive elements (0, 1) / (2, 3) as bf16 halves (element 0
-    low). PRMT spreads bytes (0, 1) and (2, 3) over the two 16-bit halves of a word, then one shift
-    and one LOP3, (x >> 2·plane) & 0x00030003 | 0x43004300, give two bf16 operands 128 + code."""
-    mask = CODE_MASK | CODE_MASK << 16
-    bias = BF16_CODE_BIAS_BITS | BF16_CODE_BIAS_BITS << 16
-    shift = [f"shr.b32 lo, lo, {plane * CODE_BITS};", f"shr.b32 hi, hi, {plane * CODE_BITS};"] if plane else []
-    return "\n".join([
-        "{", ".reg .b32 lo, hi;", "prmt.b32 lo, $2, $2, 0x3120;", "prmt.b32 hi, $2, $2, 0x1302;", *shift,
-        f"lop3.b32 $0, lo, {mask:#010x}, {bias:#010x}, 0xEA;",  # 0xEA: (a & b) | c
-        f"lop3.b32 $1, hi, {mask:#010x}, {bias:#010x}, 0xEA;", "}"])
-
-
 def _unpack_planes_asm(chunk):
     """uint8 [N, W] → its 4 bit planes as bfloat16 [N, W], code c as bits `0x4300 | c`, by inline
-    PTX (GPU only): ~1 instruction per code instead of ~2.6 (benchmarks/NOTES.md). One asm per
-    plane: jax's lowering of a multi-result inline asm returns one value; ptxas merges the PRMTs."""
+    PTX (GPU only; shared_math.ptx). One asm per plane: jax's lowering of a multi-result inline asm
+    returns one value; ptxas merges the repeated PRMTs."""
     return [pl_triton.elementwise_inline_asm(
-        unpack_plane_ptx(plane), args=[chunk], constraints="=r,=r,r", pack=4,
+        unpack_plane_ptx(plane), args=[chunk], constraints=UNPACK_CONSTRAINTS, pack=UNPACK_PACK,
         result_shape_dtypes=[jax.ShapeDtypeStruct(chunk.shape, jnp.bfloat16)])[0]
         for plane in range(CODES_PER_BYTE)]
 

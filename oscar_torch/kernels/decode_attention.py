@@ -61,6 +61,7 @@ from oscar_torch.kernels.codec import (
     round_to_bf16,
     widen_bf16_bits,
 )
+from shared_math.ptx import UNPACK_CONSTRAINTS, UNPACK_PACK, unpack_plane_ptx
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODES_PER_BYTE
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
@@ -69,6 +70,12 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MASK_VALUE_C = tl.constexpr(MASK_VALUE)
 BF16_CODE_BIAS_C = tl.constexpr(BF16_CODE_BIAS)
 BF16_CODE_BIAS_BITS_C = tl.constexpr(BF16_CODE_BIAS_BITS)
+UNPACK_PLANE_0_PTX = tl.constexpr(unpack_plane_ptx(0))
+UNPACK_PLANE_1_PTX = tl.constexpr(unpack_plane_ptx(1))
+UNPACK_PLANE_2_PTX = tl.constexpr(unpack_plane_ptx(2))
+UNPACK_PLANE_3_PTX = tl.constexpr(unpack_plane_ptx(3))
+UNPACK_CONSTRAINTS_C = tl.constexpr(UNPACK_CONSTRAINTS)
+UNPACK_PACK_C = tl.constexpr(UNPACK_PACK)
 # `tl.dot` needs M, N, K ≥ 16 (mma tile); blocks are sized to respect it.
 MIN_DOT_DIM = 16
 DEFAULT_NUM_WARPS = 4
@@ -285,18 +292,49 @@ def _load_int2_tile(codes_ptr, scale_ptr, minimum_ptr, page, h, offset, valid,
 
 
 @triton.jit
-def _plane_codes(packed, PLANE: tl.constexpr, BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr):
+def _load_packed(codes_ptr, row, columns, QUARTER: tl.constexpr, UNPACK_ASM: tl.constexpr):
+    """The code bytes [N, D/4] of rows `row`: uint8 for the PTX unpacker, else widened to int32
+    (the shifts of `_plane_codes` run on 32-bit integers)."""
+    packed = tl.load(codes_ptr + row[:, None] * QUARTER + columns)
+    if UNPACK_ASM:
+        return packed
+    else:
+        return packed.to(tl.int32)
+
+
+@triton.jit
+def _unpack_plane_asm(packed, PLANE: tl.constexpr):
+    """Bit plane PLANE of uint8 [N, D/4] as bfloat16 bits 0x4300 | c, by inline PTX (shared_math.ptx)."""
+    if PLANE == 0:
+        asm: tl.constexpr = UNPACK_PLANE_0_PTX
+    elif PLANE == 1:
+        asm: tl.constexpr = UNPACK_PLANE_1_PTX
+    elif PLANE == 2:
+        asm: tl.constexpr = UNPACK_PLANE_2_PTX
+    else:
+        asm: tl.constexpr = UNPACK_PLANE_3_PTX
+    return tl.inline_asm_elementwise(asm, UNPACK_CONSTRAINTS_C, [packed], dtype=tl.bfloat16, is_pure=True,
+                                     pack=UNPACK_PACK_C)
+
+
+@triton.jit
+def _plane_codes(packed, PLANE: tl.constexpr, BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr,
+                 UNPACK_ASM: tl.constexpr = False):
     """Bit plane PLANE of packed int32 [N, D/4]: the codes of channels [PLANE·D/4, …) as a dot
     operand, exact: c in float32; 128 + c for bfloat16 dots (`_code_bias`: conversions issue at a
-    quarter of the integer rate on sm_90 and bounded the kernel, benchmarks/NOTES.md)."""
-    code = (packed >> (PLANE * CODE_BITS_C)) & CODE_MASK_C
-    if BF16_DOTS:  # nested constexpr ifs: `a and b` of constexprs is not folded at compile time
-        if TENSOR_CORES:  # bits 0x4300 | c = 128 + c: one integer op, no int→float conversion
-            return (code | BF16_CODE_BIAS_BITS_C).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        else:  # the interpreter's dots are float32: the same values
-            return code.to(tl.float32) + BF16_CODE_BIAS_C
+    quarter of the integer rate on sm_90 and bounded the kernel, benchmarks/NOTES.md).
+    UNPACK_ASM (bfloat16 dots on the GPU; `packed` uint8): the same bits through inline PTX."""
+    if UNPACK_ASM:  # (if/else: Triton compiles the code after a constexpr-guarded return too)
+        return _unpack_plane_asm(packed, PLANE)
     else:
-        return code.to(tl.float32)
+        code = (packed >> (PLANE * CODE_BITS_C)) & CODE_MASK_C
+        if BF16_DOTS:  # nested constexpr ifs: `a and b` of constexprs is not folded at compile time
+            if TENSOR_CORES:  # bits 0x4300 | c = 128 + c: one integer op, no int→float conversion
+                return (code | BF16_CODE_BIAS_BITS_C).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            else:  # the interpreter's dots are float32: the same values
+                return code.to(tl.float32) + BF16_CODE_BIAS_C
+        else:
+            return code.to(tl.float32)
 
 
 @triton.jit
@@ -329,9 +367,9 @@ def _plane_metadata(ptr, row, valid, PLANE: tl.constexpr, QUARTER: tl.constexpr,
 @triton.jit
 def _plane_scores(q_plane, q_plane_sum, packed, scale_ptr, minimum_ptr, row, valid, PLANE: tl.constexpr,
                   QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr):
+                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr):
     """One bit plane's share of q·k̂: s·(q_plane · c_plane) + m·Σ q_plane  → [BLOCK_M, N]."""
-    codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES)  # [N, QUARTER]
+    codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES, UNPACK_ASM)  # [N, QUARTER]
     scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     dots = dot_f32(q_plane, tl.trans(codes), BF16_DOTS, TENSOR_CORES)
@@ -342,9 +380,9 @@ def _plane_scores(q_plane, q_plane_sum, packed, scale_ptr, minimum_ptr, row, val
 @triton.jit
 def _plane_update(o_plane, correction, p, packed, scale_ptr, minimum_ptr, row, valid, PLANE: tl.constexpr,
                   QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr):
+                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr):
     """o_plane [BLOCK_M, D/4] of channels [PLANE·D/4, …): rescaled, plus Σ_n (p·s)·c + Σ_n p·m."""
-    codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES)  # [N, QUARTER]
+    codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES, UNPACK_ASM)  # [N, QUARTER]
     scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     p_scaled = dot_operand(p * scale[None, :], BF16_DOTS, TENSOR_CORES)
@@ -373,31 +411,32 @@ def _store_plane(o_ptr, o_plane, inv_l, out_row, PLANE: tl.constexpr, D: tl.cons
 @triton.jit
 def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
                           v_min_ptr, row, valid, columns, q0, q1, q2, q3, q_sum, QUARTER: tl.constexpr,
-                          SOFTMAX_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr):
+                          SOFTMAX_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
+                          UNPACK_ASM: tl.constexpr):
     """`_int2_block` when G = D: the metadata is loaded, and p·s_v and Σ p·m_v are formed, once per
     token instead of once per plane (the per-plane form cost ~25 % more instructions, sm_90 SASS)."""
-    packed = tl.load(k_codes_ptr + row[:, None] * QUARTER + columns).to(tl.int32)  # [N, D/4]
-    dots = dot_f32(q0, tl.trans(_plane_codes(packed, 0, Q_BF16, TENSOR_CORES)), Q_BF16, TENSOR_CORES)
-    dots += dot_f32(q1, tl.trans(_plane_codes(packed, 1, Q_BF16, TENSOR_CORES)), Q_BF16, TENSOR_CORES)
-    dots += dot_f32(q2, tl.trans(_plane_codes(packed, 2, Q_BF16, TENSOR_CORES)), Q_BF16, TENSOR_CORES)
-    dots += dot_f32(q3, tl.trans(_plane_codes(packed, 3, Q_BF16, TENSOR_CORES)), Q_BF16, TENSOR_CORES)
+    packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
+    dots = dot_f32(q0, tl.trans(_plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
+    dots += dot_f32(q1, tl.trans(_plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
+    dots += dot_f32(q2, tl.trans(_plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
+    dots += dot_f32(q3, tl.trans(_plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
     k_scale = tl.where(valid, tl.load(k_scale_ptr + row).to(tl.float32), 0.0)  # masked rows may be NaN
     k_min = tl.where(valid, tl.load(k_min_ptr + row).to(tl.float32), 0.0)
     k_min -= _code_bias(Q_BF16) * k_scale  # the planes hold c + bias
     scores = dots * k_scale[None, :] + q_sum[:, None] * k_min[None, :]
     p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
-    packed = tl.load(v_codes_ptr + row[:, None] * QUARTER + columns).to(tl.int32)
+    packed = _load_packed(v_codes_ptr, row, columns, QUARTER, UNPACK_ASM)
     v_scale = tl.where(valid, tl.load(v_scale_ptr + row).to(tl.float32), 0.0)
     v_min = tl.where(valid, tl.load(v_min_ptr + row).to(tl.float32), 0.0)
     p_scaled = dot_operand(p * v_scale[None, :], Q_BF16, TENSOR_CORES)
     p_min = _value_minimum_term(p, v_min, p_scaled, Q_BF16)
-    o0 = o0 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 0, Q_BF16, TENSOR_CORES), Q_BF16,
+    o0 = o0 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16,
                                             TENSOR_CORES) + p_min
-    o1 = o1 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 1, Q_BF16, TENSOR_CORES), Q_BF16,
+    o1 = o1 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16,
                                             TENSOR_CORES) + p_min
-    o2 = o2 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 2, Q_BF16, TENSOR_CORES), Q_BF16,
+    o2 = o2 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16,
                                             TENSOR_CORES) + p_min
-    o3 = o3 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 3, Q_BF16, TENSOR_CORES), Q_BF16,
+    o3 = o3 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16,
                                             TENSOR_CORES) + p_min
     return o0, o1, o2, o3, m, l
 
@@ -407,7 +446,8 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
                 v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                 q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS: tl.constexpr, D: tl.constexpr,
                 GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr,
-                SOFTMAX_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr):
+                SOFTMAX_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
+                UNPACK_ASM: tl.constexpr):
     """One block of PAGES_PER_BLOCK history pages: scores, online softmax, the four output planes."""
     QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
     NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
@@ -426,27 +466,28 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
     if GROUP_SIZE >= D:  # one group per row: the four planes share its scale and minimum
         o0, o1, o2, o3, m, l = _int2_block_one_group(
             o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr,
-            row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, QUARTER, SOFTMAX_SCALE, Q_BF16, TENSOR_CORES)
+            row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, QUARTER, SOFTMAX_SCALE, Q_BF16, TENSOR_CORES,
+            UNPACK_ASM)
     else:
-        packed = tl.load(k_codes_ptr + row[:, None] * QUARTER + columns).to(tl.int32)  # [N, D/4]
+        packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
         scores = _plane_scores(q0, s0, packed, k_scale_ptr, k_min_ptr, row, valid, 0,
-                               QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+                               QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         scores += _plane_scores(q1, s1, packed, k_scale_ptr, k_min_ptr, row, valid, 1,
-                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         scores += _plane_scores(q2, s2, packed, k_scale_ptr, k_min_ptr, row, valid, 2,
-                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         scores += _plane_scores(q3, s3, packed, k_scale_ptr, k_min_ptr, row, valid, 3,
-                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
-        packed = tl.load(v_codes_ptr + row[:, None] * QUARTER + columns).to(tl.int32)
+        packed = _load_packed(v_codes_ptr, row, columns, QUARTER, UNPACK_ASM)
         o0 = _plane_update(o0, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 0,
-                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         o1 = _plane_update(o1, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 1,
-                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         o2 = _plane_update(o2, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 2,
-                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         o3 = _plane_update(o3, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 3,
-                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES)
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
     return o0, o1, o2, o3, m, l
 
 
@@ -476,6 +517,7 @@ def _int2_tier_kernel(
     BLOCK_M: tl.constexpr,
     Q_BF16: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
+    UNPACK_ASM: tl.constexpr = False,
 ):
     """Folded form (as the Pallas kernel): the dots run on the raw 2-bit codes, one per bit plane
     (quartered packing: plane p of byte j is channel p·D/4 + j, and a plane lies inside one group
@@ -517,14 +559,14 @@ def _int2_tier_kernel(
             o0, o1, o2, o3, m, l = _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                     v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                     q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
-                    SOFTMAX_SCALE, Q_BF16, TENSOR_CORES)
+                    SOFTMAX_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM)
     else:  # interpreter: a static trip count with a guard (see the BF16 kernel)
         for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
             if i < num_blocks:
                 o0, o1, o2, o3, m, l = _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                         v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                         q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
-                        SOFTMAX_SCALE, Q_BF16, TENSOR_CORES)
+                        SOFTMAX_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM)
 
     out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
     nonempty = l > 0.0
@@ -609,8 +651,11 @@ def int2_tier_partials(
     block_m: int,
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
+    unpack_asm: bool = False,
 ):
-    """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M])."""
+    """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
+    `unpack_asm`: the folded kernel unpacks codes by inline PTX (bfloat16 q on the GPU; the G < D/4
+    dequantizing fallback has no code planes and ignores it)."""
     batch, num_kv_heads, rows, head_dim = q.shape
     _, _, page_size, packed = k_codes.shape
     assert rows % block_m == 0 and pages_per_split % pages_per_block == 0
@@ -618,14 +663,16 @@ def int2_tier_partials(
     splits = num_splits(page_table.shape[1], pages_per_split)
     o = torch.empty((batch, num_kv_heads, splits, rows, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_kv_heads, splits, rows), dtype=torch.float32, device=q.device)
-    kernel = _int2_tier_kernel if group_size >= head_dim // CODES_PER_BYTE else _int2_tier_dequantizing_kernel
+    folded = group_size >= head_dim // CODES_PER_BYTE
+    kernel = _int2_tier_kernel if folded else _int2_tier_dequantizing_kernel
+    extra = dict(UNPACK_ASM=bool(unpack_asm)) if folded and unpack_asm else {}
     kernel[(batch, num_kv_heads, (rows // block_m) * splits)](
         page_table, history_tokens, kernel_view(q), k_codes, k_scale, k_min, v_codes, v_scale, v_min,
         o, lse, page_table.shape[1],
         NUM_HEADS=num_kv_heads, ROWS=rows, D=head_dim, GROUP_SIZE=group_size, PAGE_SIZE=page_size,
         PAGES_PER_SPLIT=pages_per_split, PAGES_PER_BLOCK=pages_per_block, NUM_SPLITS=splits,
         SOFTMAX_SCALE=float(softmax_scale), BLOCK_M=block_m, Q_BF16=q.dtype == torch.bfloat16,
-        TENSOR_CORES=not interpreting(), num_warps=num_warps, num_stages=num_stages,
+        TENSOR_CORES=not interpreting(), num_warps=num_warps, num_stages=num_stages, **extra,
     )
     return o, lse
 

@@ -173,3 +173,20 @@ def test_pages_per_block_times_page_size_must_fill_a_dot_tile():
                                                                      "pages_per_block": 2, "pages_per_split": 2})
     assert_close(out.cpu().numpy(), reference_decode(case, cache, case.query()), case.q_dtype)
     assert to_torch(np.zeros(1)).device.type == DEVICE.type
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    AttentionCase("qwen3_8b_asm", 128, 128, 8, 4, (4000, 1337, 300), q_dtype="bfloat16", recent=256, page_size=64,
+                  pages_per_split=16),
+    AttentionCase("g32_asm", 128, 32, 2, 4, (700, 65), q_dtype="bfloat16"),
+], ids=lambda c: c.name)
+def test_unpack_asm_on_the_gpu_matches_the_default_kernel(case):
+    """The inline-PTX unpacker builds the same operand bits: equal to the default kernel up to
+    float32 reassociation, and within the bf16 tolerance of the float64 reference."""
+    cache = build_cache(case)
+    arrays, kwargs = cache_arrays(cache), attention_kwargs(case)
+    default = ops.decode_attention(query(case), *arrays, **kwargs).cpu().numpy()
+    unpacked = ops.decode_attention(query(case), *arrays, unpack_asm=True, **kwargs).cpu().numpy()
+    np.testing.assert_allclose(unpacked, default, rtol=0, atol=1e-6)
+    assert_close(unpacked, reference_decode(case, cache, case.query()), case.q_dtype)

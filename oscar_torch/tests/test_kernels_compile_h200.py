@@ -7,7 +7,6 @@ each kernel to a cubin without a GPU, so such errors and register spills show up
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -16,42 +15,25 @@ import sys
 import pytest
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
-from benchmarks.static_analysis import H200_ARCH, resource_usage  # noqa: E402
+from benchmarks.static_analysis import TRITON_QWEN3_8B, triton_kernel_usage  # noqa: E402
 from oscar_torch.kernels import decode_attention as kernels  # noqa: E402
 
-# Pointer element types by argument name (bfloat16 tensors are passed as int16 views).
-POINTERS = {
-    "page_table_ptr": "*i32", "history_tokens_ptr": "*i32", "sink_tokens_ptr": "*i32", "recent_tokens_ptr": "*i32",
-    "q_ptr": "*i16", "k_ptr": "*i16", "v_ptr": "*i16", "k_codes_ptr": "*u8", "v_codes_ptr": "*u8",
-    "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16", "v_scale_ptr": "*fp16", "v_min_ptr": "*fp16",
-    "o_ptr": "*fp32", "lse_ptr": "*fp32", "table_slots": "i32",
-}
-QWEN3_8B = dict(NUM_HEADS=8, ROWS=16, D=128, PAGE_SIZE=64, PAGES_PER_SPLIT=16, NUM_SPLITS=4,
-                SOFTMAX_SCALE=128**-0.5, BLOCK_M=16, TENSOR_CORES=True)
+QWEN3_8B = {k: v for k, v in TRITON_QWEN3_8B.items() if k not in ("GROUP_SIZE", "PAGES_PER_BLOCK", "Q_BF16")}
 
 
-def compile_for_h200(kernel, constants: dict, num_warps: int, num_stages: int) -> dict:
-    """Lower `kernel` with `constants` to a cubin; returns {"registers", "spills", "shared"}."""
-    names = list(inspect.signature(kernel.fn).parameters)
-    signature = {name: POINTERS.get(name, "constexpr") for name in names}
-    constexprs = {(names.index(name),): value for name, value in constants.items() if name in names}
-    missing = [n for n, t in signature.items() if t == "constexpr" and (names.index(n),) not in constexprs]
-    assert not missing, f"no value for constexpr arguments {missing}"
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", H200_ARCH, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
-    return {**resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
+def compile_for_h200(kernel, constants: dict, num_warps: int, num_stages: int, loop: bool = False) -> dict:
+    """Lower `kernel` with `constants` to a cubin; returns {"registers", "spills", "shared"[, "loop"]}."""
+    return triton_kernel_usage(kernel, constants, num_warps, num_stages, loop=loop)
 
 
-def _compile_in_fresh_process(kernel_name: str, constants: dict, num_warps: int, num_stages: int) -> dict:
+def _compile_in_fresh_process(kernel_name: str, constants: dict, num_warps: int, num_stages: int,
+                              loop: bool = False) -> dict:
     """The test session runs Triton in interpreter mode (TRITON_INTERPRET=1), whose kernels cannot be
     compiled; a child process without it imports the real `triton.jit` kernels."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"import json, sys; from oscar_torch.tests.test_kernels_compile_h200 import compile_for_h200, kernels; "
-            f"print(json.dumps(compile_for_h200(kernels.{kernel_name}, {constants!r}, {num_warps}, {num_stages})))")
+            f"print(json.dumps(compile_for_h200(kernels.{kernel_name}, {constants!r}, {num_warps}, {num_stages}, {loop})))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert done.returncode == 0, f"{kernel_name} failed to compile for sm_90:\n{done.stderr[-3000:]}"
@@ -84,3 +66,35 @@ def test_decode_kernel_compiles_for_h200_without_spills(kernel, group_size, page
     usage = _compile_in_fresh_process(kernel, constants, num_warps, num_stages)
     assert usage["spills"] == 0, f"{kernel} spills {usage['spills']} bytes: {usage}"
     assert 0 < usage["registers"] <= 255
+
+
+def test_ptx_unpacker_compiles_and_removes_instructions():
+    """UNPACK_ASM (shared_math.ptx): ptxas accepts the inline PTX, nothing spills, and the page loop
+    has fewer instructions than with the compiler's own unpacking."""
+    constants = dict(QWEN3_8B, GROUP_SIZE=128, PAGES_PER_BLOCK=1, Q_BF16=True, SINK_SLOTS=1)
+    plain = _compile_in_fresh_process("_int2_tier_kernel", constants, 4, 2, loop=True)
+    asm = _compile_in_fresh_process("_int2_tier_kernel", dict(constants, UNPACK_ASM=True), 4, 2, loop=True)
+    assert asm["spills"] == 0
+    assert asm["loop"]["instructions"] < plain["loop"]["instructions"], (plain["loop"], asm["loop"])
+
+
+def test_unpack_asm_is_refused_where_it_cannot_run():
+    """The interpreter cannot run PTX, and float32 queries have no bf16 operands to build."""
+    import torch
+
+    from oscar_torch.attention_ops import decode_attention
+
+    zeros = dict(dtype=torch.int32)
+    pools = (torch.zeros(2, 1, 16, 64, dtype=torch.bfloat16), torch.zeros(2, 1, 16, 64, dtype=torch.bfloat16),
+             torch.zeros(2, 1, 16, 16, dtype=torch.uint8), torch.zeros(2, 1, 16, 1, dtype=torch.float16),
+             torch.zeros(2, 1, 16, 1, dtype=torch.float16), torch.zeros(2, 1, 16, 16, dtype=torch.uint8),
+             torch.zeros(2, 1, 16, 1, dtype=torch.float16), torch.zeros(2, 1, 16, 1, dtype=torch.float16))
+    tables = (torch.ones(1, 4, **zeros), torch.full((1,), 16, **zeros), torch.zeros(1, **zeros),
+              torch.ones(1, 1, **zeros), torch.zeros(1, **zeros))
+    for q, message in ((torch.zeros(1, 2, 64, dtype=torch.bfloat16), "interpreter on"),
+                       (torch.zeros(1, 2, 64, dtype=torch.float32), "q torch.float32")):
+        with pytest.raises(ValueError, match=message):
+            decode_attention(q, *pools, *tables, sink_slots=1, group_size=64, softmax_scale=0.1, unpack_asm=True)
+    with pytest.raises(ValueError, match="unpack_asm='yes' must be a bool"):
+        decode_attention(torch.zeros(1, 2, 64, dtype=torch.bfloat16), *pools, *tables, sink_slots=1, group_size=64,
+                         softmax_scale=0.1, unpack_asm="yes")
