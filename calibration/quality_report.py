@@ -1,0 +1,123 @@
+"""The quality report: calibration/REPORT.md generated from the committed evaluation results.
+
+    python -m calibration.quality_report [--results calibration/results] [--out calibration/REPORT.md]
+
+One section per `eval_*.json` written by `python -m calibration.evaluate` (sorted by name): the
+command that produced it, its git sha, date, wall time and artifact, a table of every method
+(perplexity, × BF16, KL(BF16 ‖ method), top-1 agreement, stored bits per element at 2K and 128K),
+the per-window ratios, and the plot next to it. Every number is read from the files; nothing is
+typed by hand (QUALITY.md holds the interpretation and quotes these tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+METRICS = ("perplexity", "kl_vs_bf16", "top1_agreement", "bits_per_element")
+
+
+class ResultFileError(ValueError):
+    """An evaluation result file that does not have the shape `calibration.evaluate` writes."""
+
+
+def _number(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ResultFileError(f"{where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def load_result(path: Path) -> dict:
+    """Read and validate one evaluation result (JSON only: no pickle, no code)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ResultFileError(f"{path}: not a readable JSON file ({err})") from err
+    if not isinstance(data, dict) or not isinstance(data.get("methods"), dict) or not data["methods"]:
+        raise ResultFileError(f"{path}: expected an object with a non-empty 'methods' object")
+    if "bf16" not in data["methods"]:
+        raise ResultFileError(f"{path}: the methods hold no 'bf16' reference to compare against")
+    for name, entry in data["methods"].items():
+        if not isinstance(entry, dict):
+            raise ResultFileError(f"{path}: methods[{name!r}] must be an object")
+        for metric in METRICS:
+            _number(entry.get(metric), f"{path}: methods[{name!r}].{metric}")
+        windows = entry.get("per_window", [])
+        if not isinstance(windows, list) or not all(isinstance(w, dict) for w in windows):
+            raise ResultFileError(f"{path}: methods[{name!r}].per_window must be a list of objects")
+        for i, window in enumerate(windows):
+            _number(window.get("perplexity"), f"{path}: methods[{name!r}].per_window[{i}].perplexity")
+    for key in ("config", "environment"):
+        if not isinstance(data.get(key, {}), dict):
+            raise ResultFileError(f"{path}: '{key}' must be an object")
+    return data
+
+
+def _f(value, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def section(path: Path, data: dict, md_dir: Path) -> list[str]:
+    config, env, methods = data.get("config", {}), data.get("environment", {}), data["methods"]
+    bf16 = methods["bf16"]
+    artifact = config.get("artifact") or {}
+    lines = [f"## {path.stem}", "",
+             f"`{path.name}` — {config.get('num_windows', '?')} windows × {config.get('context', '?')} tokens "
+             f"({config.get('tokens_evaluated', '?')} scored), git `{str(env.get('git_sha', '?'))[:12]}`, "
+             f"{env.get('date_utc', '?')}, {_f(config.get('seconds'), '.1f')} s.", ""]
+    if config.get("command"):
+        lines += ["```", config["command"], "```", ""]
+    if artifact:
+        path_text = str(artifact.get("path", "?"))
+        shipped = path_text.find("oscar_jax/artifacts/")  # absolute paths of the machine that ran it
+        lines += [f"Artifact: `{path_text[shipped:] if shipped >= 0 else path_text}` (codec {artifact.get('codec')}).", ""]
+    lines += ["| method | perplexity | ×BF16 | KL(BF16‖method) | top-1 | bits/elem @2K | bits/elem @128K |",
+              "|---|---|---|---|---|---|---|"]
+    for name, m in methods.items():
+        lines.append(f"| {name} | {m['perplexity']:.3f} | {m['perplexity'] / bf16['perplexity']:.4f} | "
+                     f"{m['kl_vs_bf16']:.4f} | {m['top1_agreement']:.4f} | {m['bits_per_element']:.3f} | "
+                     f"{_f(m.get('bits_per_element_128k'), '.3f')} |")
+    reference = [w["perplexity"] for w in bf16.get("per_window", [])]
+    if reference:
+        lines += ["", "Per window, perplexity × BF16 of that window:", "",
+                  "| method | " + " | ".join(f"w{i + 1}" for i in range(len(reference))) + " |",
+                  "|---|" + "---|" * len(reference)]
+        for name, m in methods.items():
+            ratios = [w["perplexity"] / r for w, r in zip(m.get("per_window", []), reference)]
+            lines.append(f"| {name} | " + " | ".join(f"{x:.4f}" for x in ratios) + " |")
+    plot = path.with_suffix(".png")
+    if plot.is_file():
+        lines += ["", f"![{path.stem}]({os.path.relpath(plot, md_dir)})"]
+    return lines + [""]
+
+
+def write_report(results: Path = RESULTS, out: Path | None = None) -> Path:
+    results = Path(results)
+    out = Path(out) if out is not None else results.parent / "REPORT.md"
+    files = sorted(results.glob("eval_*.json"))
+    if not files:
+        raise FileNotFoundError(f"no eval_*.json in {results}: run python -m calibration.evaluate first")
+    lines = ["# Quality results (generated)", "",
+             f"Generated by `python -m calibration.quality_report` from {len(files)} result files in "
+             f"`{os.path.relpath(results, out.parent)}/`; do not edit by hand. Interpretation: QUALITY.md.", ""]
+    for path in files:
+        lines += section(path, load_result(path), out.parent)
+    out.write_text("\n".join(lines), encoding="utf-8")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m calibration.quality_report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", type=Path, default=RESULTS, help="directory of eval_*.json files")
+    p.add_argument("--out", type=Path, default=None, help="report path (default: <results>/../REPORT.md)")
+    args = p.parse_args(argv)
+    print(f"wrote {write_report(args.results, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""calibration.quality_report: REPORT.md from result files, and clear errors for bad files."""
+
+import json
+
+import pytest
+
+from calibration import quality_report as qr
+
+
+def _result(ppl_oscar=14.0, windows=((10.0, 11.0), (10.0, 12.1))):
+    methods = {}
+    for name, (w1, w2), ppl in (("bf16", windows[0], 10.488), ("oscar", windows[1], ppl_oscar)):
+        methods[name] = {"perplexity": ppl, "kl_vs_bf16": 0.0 if name == "bf16" else 0.02,
+                         "top1_agreement": 1.0 if name == "bf16" else 0.94, "bits_per_element": 16.0,
+                         "bits_per_element_128k": 2.533, "per_window": [{"perplexity": w1}, {"perplexity": w2}]}
+    return {"methods": methods, "config": {"command": "python -m calibration.evaluate --x", "num_windows": 2,
+                                           "context": 2048, "tokens_evaluated": 4094, "seconds": 12.5,
+                                           "artifact": {"path": "/abs/oscar_jax/artifacts/m", "codec": {"levels": "x"}}},
+            "environment": {"git_sha": "0123456789abcdef", "date_utc": "2026-12-01T00:00:00Z"}}
+
+
+def test_report_tables_come_from_the_files(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "eval_b.json").write_text(json.dumps(_result()))
+    (results / "eval_a.json").write_text(json.dumps(_result(ppl_oscar=11.0)))
+    (results / "eval_a.png").write_bytes(b"png")
+    out = qr.write_report(results)
+    text = out.read_text()
+    assert out == tmp_path / "REPORT.md"
+    assert text.index("## eval_a") < text.index("## eval_b")  # sorted by name
+    assert "| oscar | 14.000 | 1.3349 | 0.0200 | 0.9400 | 16.000 | 2.533 |" in text  # 14 / 10.488
+    assert "| oscar | 1.0000 | 1.1000 |" in text  # per window: 10/10, 12.1/11
+    assert "python -m calibration.evaluate --x" in text and "`0123456789ab`" in text
+    assert "`oscar_jax/artifacts/m`" in text and "![eval_a](results/eval_a.png)" in text
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d.pop("methods"), "non-empty 'methods'"),
+    (lambda d: d["methods"].pop("bf16"), "no 'bf16' reference"),
+    (lambda d: d["methods"]["oscar"].update(perplexity=float("nan")), r"methods\['oscar'\].perplexity must be a finite"),
+    (lambda d: d["methods"]["oscar"].update(kl_vs_bf16="0.1"), r"kl_vs_bf16 must be a finite number, got '0.1'"),
+    (lambda d: d["methods"]["oscar"]["per_window"][1].update(perplexity=None), r"per_window\[1\].perplexity"),
+])
+def test_bad_result_files_are_named(tmp_path, mutate, message):
+    data = _result()
+    mutate(data)
+    path = tmp_path / "eval_bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(qr.ResultFileError, match=message):
+        qr.load_result(path)
+
+
+def test_unreadable_and_missing_results(tmp_path):
+    (tmp_path / "eval_x.json").write_text("{not json")
+    with pytest.raises(qr.ResultFileError, match="not a readable JSON file"):
+        qr.load_result(tmp_path / "eval_x.json")
+    with pytest.raises(FileNotFoundError, match="no eval_"):
+        qr.write_report(tmp_path / "empty")
