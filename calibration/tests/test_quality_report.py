@@ -57,3 +57,10 @@ def test_unreadable_and_missing_results(tmp_path):
         qr.load_result(tmp_path / "eval_x.json")
     with pytest.raises(FileNotFoundError, match="no eval_"):
         qr.write_report(tmp_path / "empty")
+
+
+def test_committed_report_is_up_to_date():
+    """calibration/REPORT.md is what the command writes from the committed results."""
+    committed = (qr.RESULTS.parent / "REPORT.md").read_text(encoding="utf-8")
+    assert committed == qr.render(qr.RESULTS, qr.RESULTS.parent), \
+        "calibration/REPORT.md is stale: run python -m calibration.quality_report"
