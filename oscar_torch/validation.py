@@ -92,8 +92,12 @@ def check_positive_float(name: str, value) -> float:
 
 
 def checking_values() -> bool:
-    """Value checks (which read device memory) run in eager mode, not while torch.compile traces."""
-    return not torch.compiler.is_compiling()
+    """Value checks (which read device memory) run in eager mode, not while torch.compile traces
+    nor while a CUDA graph is captured (a host read would break the capture); the kernels mask
+    out-of-range destinations instead."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def index_vector(name: str, ids, length: int | None = None) -> torch.Tensor:

@@ -357,3 +357,41 @@ def test_cache_decode_step_runs_under_torch_compile_fullgraph(prefilled):
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
     for n, t in after_eager.items():  # the compiled step wrote the same bytes in place
         assert torch.equal(getattr(cache, n).view(torch.int16), t.view(torch.int16)), n
+
+
+@pytest.mark.gpu
+def test_cache_decode_step_replays_as_a_cuda_graph(prefilled):
+    """A decode step (rotation, BF16 writes, both tiers' attention, merge) captured once in a CUDA
+    graph and replayed: the same output and the same pool bytes as eager. The plan tensors are
+    static; a serving loop refills them in place before each replay."""
+    cache, pages = prefilled["cache"], prefilled["pages"]
+    length = PROMPT + 1
+    _, tables = pages.tables(length)
+    plan = _plan(tables, pages.destinations([PROMPT], length), 1)
+    q = to_torch(prefilled["q"][1, None, PROMPT : PROMPT + 1])
+    k = to_torch(prefilled["k"][1, None, PROMPT : PROMPT + 1])
+    v = to_torch(prefilled["v"][1, None, PROMPT : PROMPT + 1])
+    names = ("k_bf16", "v_bf16")
+    saved = {n: getattr(cache, n).clone() for n in names}
+
+    def restore():
+        for n, t in saved.items():
+            getattr(cache, n).copy_(t)
+
+    eager = cache.attend(1, q, k, v, plan, "decode")
+    after_eager = {n: getattr(cache, n).clone() for n in names}
+    restore()
+    side = torch.cuda.Stream()  # warm-up off the capture stream, as CUDA graphs require
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cache.attend(1, q, k, v, plan, "decode")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cache.attend(1, q, k, v, plan, "decode")
+    restore()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    for n, t in after_eager.items():
+        assert torch.equal(getattr(cache, n).view(torch.int16), t.view(torch.int16)), n
