@@ -438,14 +438,17 @@ def compile_triton_kernels_for_h200(fn, *args) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize(
-    "head_dim,group_size,heads_per_kv,dtype", [(128, 128, 4, jnp.bfloat16), (64, 16, 3, jnp.float32)]
+    "head_dim,group_size,heads_per_kv,dtype,unpack_asm",
+    [(128, 128, 4, jnp.bfloat16, False), (64, 16, 3, jnp.float32, False),
+     (64, 16, 3, jnp.bfloat16, True)],  # the inline-PTX unpacker in the token-gather kernel (pages of 16)
 )
-def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dtype):
+def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dtype, unpack_asm):
     rng = np.random.default_rng(0)
     cache = build_cache(rng, (337, 65), num_kv_heads=2, head_dim=head_dim, group_size=group_size)
     q = jnp.zeros((2, 2 * heads_per_kv, head_dim), dtype)
     fn = lambda q, *c: decode_attention(  # noqa: E731
-        q, *c, sink_slots=SINK_SLOTS, group_size=group_size, softmax_scale=0.1, interpret=False
+        q, *c, sink_slots=SINK_SLOTS, group_size=group_size, softmax_scale=0.1, interpret=False,
+        unpack_asm=unpack_asm,
     )
     kernels = compile_triton_kernels_for_h200(fn, q, *cache.arrays)
     assert sorted(name.split("_tier")[0] for name in kernels) == ["oscar_bf16", "oscar_int2"]
