@@ -337,17 +337,20 @@ def test_step_runs_under_torch_compile_fullgraph_and_equals_eager():
                            b.view(torch.uint8) if b.dtype != torch.uint8 else b)
 
 
+def _decode_step_inputs(prefilled):
+    """(q, k, v, plan) of sequence 1's next token (position PROMPT) on the prefilled cache."""
+    pages, length = prefilled["pages"], PROMPT + 1
+    _, tables = pages.tables(length)
+    plan = _plan(tables, pages.destinations([PROMPT], length), 1)
+    q, k, v = (to_torch(prefilled[x][1, None, PROMPT : PROMPT + 1]) for x in ("q", "k", "v"))
+    return q, k, v, plan
+
+
 def test_cache_decode_step_runs_under_torch_compile_fullgraph(prefilled):
     """One decode step of the cache (rotation, BF16 writes, split-K attention over both tiers,
     merge) as a single graph; the same pools and output as eager on a copy of the cache."""
     torch._dynamo.reset()
-    cache, pages = prefilled["cache"], prefilled["pages"]
-    length = PROMPT + 1
-    _, tables = pages.tables(length)
-    plan = _plan(tables, pages.destinations([PROMPT], length), 1)
-    q = to_torch(prefilled["q"][1, None, PROMPT : PROMPT + 1])
-    k = to_torch(prefilled["k"][1, None, PROMPT : PROMPT + 1])
-    v = to_torch(prefilled["v"][1, None, PROMPT : PROMPT + 1])
+    cache, (q, k, v, plan) = prefilled["cache"], _decode_step_inputs(prefilled)
     saved = {n: getattr(cache, n).clone() for n in ("k_bf16", "v_bf16")}
     eager = cache.attend(1, q, k, v, plan, "decode")
     after_eager = {n: getattr(cache, n).clone() for n in saved}
@@ -364,13 +367,7 @@ def test_cache_decode_step_replays_as_a_cuda_graph(prefilled):
     """A decode step (rotation, BF16 writes, both tiers' attention, merge) captured once in a CUDA
     graph and replayed: the same output and the same pool bytes as eager. The plan tensors are
     static; a serving loop refills them in place before each replay."""
-    cache, pages = prefilled["cache"], prefilled["pages"]
-    length = PROMPT + 1
-    _, tables = pages.tables(length)
-    plan = _plan(tables, pages.destinations([PROMPT], length), 1)
-    q = to_torch(prefilled["q"][1, None, PROMPT : PROMPT + 1])
-    k = to_torch(prefilled["k"][1, None, PROMPT : PROMPT + 1])
-    v = to_torch(prefilled["v"][1, None, PROMPT : PROMPT + 1])
+    cache, (q, k, v, plan) = prefilled["cache"], _decode_step_inputs(prefilled)
     names = ("k_bf16", "v_bf16")
     saved = {n: getattr(cache, n).clone() for n in names}
 
