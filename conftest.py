@@ -14,19 +14,26 @@ if os.environ.get("OSCAR_TEST_GPU") != "1":
 import pytest
 
 
-def _has_gpu() -> bool:
-    if os.environ.get("OSCAR_TEST_GPU") != "1":
-        return False
+def _gpu_missing() -> str | None:
+    """Why OSCAR_TEST_GPU=1 cannot be honoured (None when JAX and torch both see a GPU)."""
     try:
         import jax
-
-        return jax.default_backend() == "gpu"
-    except Exception:
-        return False
+        import torch
+    except ImportError as e:
+        return f"a backend does not import: {e}"
+    if jax.default_backend() != "gpu":
+        return f"JAX runs on {jax.default_backend()!r} (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r})"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
-    if _has_gpu():
+    if os.environ.get("OSCAR_TEST_GPU") == "1":
+        # a GPU run that quietly fell back to CPU would report interpret-mode passes as GPU passes
+        missing = _gpu_missing()
+        if missing:
+            raise pytest.UsageError(f"OSCAR_TEST_GPU=1 but {missing}")
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (set OSCAR_TEST_GPU=1 on a GPU machine)")
     for item in items:

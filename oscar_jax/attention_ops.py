@@ -289,7 +289,7 @@ def decode_attention(
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
     layer: int | None = None,
-    unpack_asm: bool = False,
+    unpack_asm: bool | None = None,
     interpret: bool | None = None,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
@@ -307,7 +307,8 @@ def decode_attention(
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
       num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only).
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, GPU only): the same operand
-        bits in fewer instructions; an experimental variant until the H200 sweep has timed it.
+        bits in fewer instructions (H200, 128K: 161 → 133 µs, benchmarks/NOTES.md v4); None → on
+        where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
       layer: None, or a static layer index when the eight pools are stacked [Y, P, …] (all
         layers): that layer is read in place, without slicing it out (`kernels.layered`).
       interpret: run the Pallas kernels in interpret mode; None → on when the default backend is CPU.
@@ -328,8 +329,10 @@ def decode_attention(
     _check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
     _check_static_int("num_stages", num_stages, minimum=1)
     interpret = resolve_interpret(interpret)
+    if unpack_asm is None:
+        unpack_asm = not interpret and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
     if unpack_asm not in (True, False):
-        raise ValueError(f"unpack_asm={unpack_asm!r} must be a bool")
+        raise ValueError(f"unpack_asm={unpack_asm!r} must be a bool or None")
     if unpack_asm and (interpret or jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"unpack_asm=True runs inline PTX on bfloat16 queries on the GPU; got q {q.dtype} and "
                          f"interpret={interpret} (interpret mode cannot run PTX)")

@@ -211,7 +211,7 @@ def decode_attention(
     softmax_scale: float,
     pages_per_split: int | None = None,
     pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
-    unpack_asm: bool = False,
+    unpack_asm: bool | None = None,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
 
@@ -227,13 +227,16 @@ def decode_attention(
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, compiled Triton on a GPU):
-        the same operand bits in fewer instructions; experimental until the H200 sweep has timed it.
+        the same operand bits in fewer instructions (H200, 128K: 211 → 192 µs, benchmarks/NOTES.md
+        v4); None → on where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
     Returns:
       float32 [B, Hq, D].
     """
     check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
+    if unpack_asm is None:
+        unpack_asm = not interpreting() and q.dtype == torch.bfloat16
     if unpack_asm not in (True, False):
-        raise ValueError(f"unpack_asm={unpack_asm!r} must be a bool")
+        raise ValueError(f"unpack_asm={unpack_asm!r} must be a bool or None")
     if unpack_asm and (interpreting() or q.dtype != torch.bfloat16):
         raise ValueError(f"unpack_asm=True runs inline PTX on bfloat16 queries in compiled Triton; got q {q.dtype} "
                          f"with the Triton interpreter {'on' if interpreting() else 'off'} (it cannot run PTX)")

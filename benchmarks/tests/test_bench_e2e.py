@@ -2,9 +2,6 @@
 (2 layers, interpret mode) with its capacity search. The GPU timings themselves are not tested."""
 
 import json
-import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 

@@ -1,9 +1,5 @@
 """The SASS loop profiler on a known snippet, and the production kernel's instruction budget."""
 
-import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import pytest
 
 from benchmarks import static_analysis as sa

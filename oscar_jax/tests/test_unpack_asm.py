@@ -1,10 +1,6 @@
 """`decode_attention(unpack_asm=True)`: the inline-PTX unpacker (shared_math.ptx, whose PTX is
 emulated in shared_math/tests/test_ptx.py) in the Pallas kernel — refused where it cannot run, and
-on the GPU equal to the default kernel."""
-
-import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+on the GPU equal to the compiler's unpacking and chosen by default for bfloat16 queries."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -30,14 +26,16 @@ def test_unpack_asm_refuses_what_it_cannot_run():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,group_size,page_size", [(128, 128, 64), (128, 32, 64), (64, 16, 16)])
-def test_unpack_asm_on_the_gpu_matches_the_default_kernel(head_dim, group_size, page_size):
+def test_unpack_asm_on_the_gpu_matches_the_compiler_unpacking(head_dim, group_size, page_size):
     from oscar_jax.tests.test_decode_attention import SINK, build_cache
 
     cache = build_cache(np.random.default_rng(1), (4000, 1337, 300), num_kv_heads=2, head_dim=head_dim,
                         group_size=group_size, page_size=page_size, recent=256)
     q = jnp.asarray(np.random.default_rng(2).standard_normal((3, 8, head_dim)), jnp.bfloat16)
     kw = dict(sink_slots=SINK // page_size, group_size=group_size, softmax_scale=head_dim**-0.5, interpret=False)
-    default = np.asarray(decode_attention(q, *cache.arrays, **kw))
+    compiler = np.asarray(decode_attention(q, *cache.arrays, unpack_asm=False, **kw))
     unpacked = np.asarray(decode_attention(q, *cache.arrays, unpack_asm=True, **kw))
+    default = np.asarray(decode_attention(q, *cache.arrays, **kw))
     # the same dot operands (bits) feed the same arithmetic: equal up to float32 reassociation
-    np.testing.assert_allclose(unpacked, default, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(unpacked, compiler, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(default, unpacked)  # None → the PTX unpacker on the GPU for bf16 q

@@ -181,12 +181,14 @@ def test_pages_per_block_times_page_size_must_fill_a_dot_tile():
                   pages_per_split=16),
     AttentionCase("g32_asm", 128, 32, 2, 4, (700, 65), q_dtype="bfloat16"),
 ], ids=lambda c: c.name)
-def test_unpack_asm_on_the_gpu_matches_the_default_kernel(case):
-    """The inline-PTX unpacker builds the same operand bits: equal to the default kernel up to
+def test_unpack_asm_on_the_gpu_matches_the_compiler_unpacking(case):
+    """The inline-PTX unpacker builds the same operand bits: equal to the compiler's unpacking up to
     float32 reassociation, and within the bf16 tolerance of the float64 reference."""
     cache = build_cache(case)
     arrays, kwargs = cache_arrays(cache), attention_kwargs(case)
-    default = ops.decode_attention(query(case), *arrays, **kwargs).cpu().numpy()
+    compiler = ops.decode_attention(query(case), *arrays, unpack_asm=False, **kwargs).cpu().numpy()
     unpacked = ops.decode_attention(query(case), *arrays, unpack_asm=True, **kwargs).cpu().numpy()
-    np.testing.assert_allclose(unpacked, default, rtol=0, atol=1e-6)
+    default = ops.decode_attention(query(case), *arrays, **kwargs).cpu().numpy()
+    np.testing.assert_allclose(unpacked, compiler, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(default, unpacked)  # None → the PTX unpacker on the GPU for bf16 q
     assert_close(unpacked, reference_decode(case, cache, case.query()), case.q_dtype)
