@@ -128,9 +128,11 @@ def dequantized_sequence(pools, bf16_table, history_table, group_size):
 
 
 def run_config(context: int, batch: int, group_size: int, seed: int = 0, tuning: list | None = None,
-               triton_tuning: list | None = None) -> dict:
+               triton_tuning: list | None = None, on_variant=None) -> dict:
     """One (context, batch): every variant checked, then timed. `tuning` / `triton_tuning` are extra
-    keyword sets for oscar_jax.ops.decode_attention / oscar_torch's, timed as extra variants."""
+    keyword sets for oscar_jax.ops.decode_attention / oscar_torch's, timed as extra variants.
+    `on_variant(result)` is called after each variant with the config so far, so a run stopped by a
+    time limit still leaves what it measured."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -156,6 +158,8 @@ def run_config(context: int, batch: int, group_size: int, seed: int = 0, tuning:
         if timing is not None:
             entry.update(timing, gb_per_s=bytes_read / timing["median_s"] / 1e9)
         result["variants"][name] = entry
+        if on_variant is not None:
+            on_variant(result)
         t = f"{timing['median_s'] * 1e6:9.1f} us {entry['gb_per_s']:7.0f} GB/s" if timing else "   (not timed)"
         print(f"  {name:24s} ctx {context:6d} b {batch:2d}: err {err:.2e} {t}", flush=True)
 

@@ -65,11 +65,12 @@ def main(argv=None) -> None:
     print(f"copy bandwidth: torch {copy['torch']['gb_per_s']:.0f} GB/s, jax {copy['jax']['gb_per_s']:.0f} GB/s",
           flush=True)
 
-    def save(section: str, payload: dict) -> None:
-        path = args.out / f"{section}_h200.json"
+    def save(section: str, payload: dict, name: str | None = None, quiet: bool = False) -> None:
+        path = args.out / f"{name or section}_h200.json"
         path.write_text(json.dumps({"section": section, "environment": env, "copy_bandwidth": copy, **payload},
                                    indent=1))
-        print(f"wrote {path}", flush=True)
+        if not quiet:
+            print(f"wrote {path}", flush=True)
 
     if "copy" in sections:
         save("copy", {})
@@ -85,13 +86,17 @@ def main(argv=None) -> None:
             for batch in args.batches or bench_decode.BATCHES:
                 sweep = context >= 131072 and batch in (1, 8) and not args.no_tuning
                 t0 = time.perf_counter()
+                # A config cut off by a time limit leaves what it measured in decode_partial_h200.json;
+                # decode_h200.json (what the summary reads) only ever holds complete configs.
                 config = bench_decode.run_config(
                     context, batch, args.group_size, tuning=TUNING_128K if sweep else None,
-                    triton_tuning=TRITON_TUNING_128K if sweep else None)
+                    triton_tuning=TRITON_TUNING_128K if sweep else None,
+                    on_variant=lambda partial: save("decode", {"configs": [{**partial, "git_sha": env["git_sha"]}]},
+                                                    name="decode_partial", quiet=True))
                 config["git_sha"] = env["git_sha"]  # merged files may hold configs of several runs
                 configs = [c for c in configs if (c["context"], c["batch"]) != (context, batch)] + [config]
-                print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
                 save("decode", {"configs": configs})
+                print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     if "write" in sections:
         from benchmarks import bench_write
 
