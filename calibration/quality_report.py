@@ -5,8 +5,11 @@
 One section per `eval_*.json` written by `python -m calibration.evaluate` (sorted by name): the
 command that produced it, its git sha, date, wall time and artifact, a table of every method
 (perplexity, × BF16, KL(BF16 ‖ method), top-1 agreement, stored bits per element at 2K and 128K),
-the per-window ratios, and the plot next to it. Every number is read from the files; nothing is
-typed by hand (QUALITY.md holds the interpretation and quotes these tables).
+the per-window ratios, and the plot next to it. Then one section per `ablations_*.json`
+(`python -m calibration.ablations`: a table per group of variants) and per `passkey_*.json`
+(`python -m calibration.passkey`: accuracy per method, by length and by depth). Every number is
+read from the files; nothing is typed by hand (QUALITY.md holds the interpretation and quotes
+these tables).
 """
 
 from __future__ import annotations
@@ -31,12 +34,22 @@ def _number(value, where: str) -> float:
     return float(value)
 
 
-def load_result(path: Path) -> dict:
-    """Read and validate one evaluation result (JSON only: no pickle, no code)."""
+def _read_json(path: Path):
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ResultFileError(f"{path}: not a readable JSON file ({err})") from err
+
+
+def _object(value, where: str) -> dict:
+    if not isinstance(value, dict) or not value:
+        raise ResultFileError(f"{where} must be a non-empty object")
+    return value
+
+
+def load_result(path: Path) -> dict:
+    """Read and validate one evaluation result (JSON only: no pickle, no code)."""
+    data = _read_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("methods"), dict) or not data["methods"]:
         raise ResultFileError(f"{path}: expected an object with a non-empty 'methods' object")
     if "bf16" not in data["methods"]:
@@ -54,6 +67,35 @@ def load_result(path: Path) -> dict:
     for key in ("config", "environment"):
         if not isinstance(data.get(key, {}), dict):
             raise ResultFileError(f"{path}: '{key}' must be an object")
+    return data
+
+
+def load_ablations(path: Path) -> dict:
+    """Read and validate one `calibration.ablations` result: {group: {variant: metrics}}."""
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise ResultFileError(f"{path}: expected an object")
+    for group, rows in _object(data.get("ablations"), f"{path}: 'ablations'").items():
+        for label, row in _object(rows, f"{path}: ablations[{group!r}]").items():
+            where = f"{path}: ablations[{group!r}][{label!r}]"
+            _object(row, where)
+            for metric in METRICS + ("perplexity_vs_bf16",):
+                _number(row.get(metric), f"{where}.{metric}")
+    return data
+
+
+def load_passkey(path: Path) -> dict:
+    """Read and validate one `calibration.passkey` result: accuracy per method, length and depth."""
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise ResultFileError(f"{path}: expected an object")
+    for name, entry in _object(data.get("methods"), f"{path}: 'methods'").items():
+        where = f"{path}: methods[{name!r}]"
+        _object(entry, where)
+        _number(entry.get("accuracy"), f"{where}.accuracy")
+        for key in ("by_length", "by_depth"):
+            for k, v in _object(entry.get(key), f"{where}.{key}").items():
+                _number(v, f"{where}.{key}[{k!r}]")
     return data
 
 
@@ -95,16 +137,66 @@ def section(path: Path, data: dict, md_dir: Path) -> list[str]:
     return lines + [""]
 
 
+def _provenance(path: Path, data: dict, md_dir: Path) -> list[str]:
+    config, env = data.get("config", {}), data.get("environment", {})
+    lines = [f"## {path.stem}", "",
+             f"`{path.name}` — git `{str(env.get('git_sha', '?'))[:12]}`, {env.get('date_utc', '?')}, "
+             f"{_f(config.get('seconds'), '.1f')} s.", ""]
+    if config.get("command"):
+        lines += ["```", config["command"], "```", ""]
+    return lines
+
+
+def _plot_line(path: Path, md_dir: Path) -> list[str]:
+    plot = path.with_suffix(".png")
+    return ["", f"![{path.stem}]({os.path.relpath(plot, md_dir)})"] if plot.is_file() else []
+
+
+def ablations_section(path: Path, data: dict, md_dir: Path) -> list[str]:
+    config = data.get("config", {})
+    lines = _provenance(path, data, md_dir)
+    lines += [f"{config.get('num_windows', '?')} windows × {config.get('context', '?')} tokens; every variant "
+              "changes one thing against the paper configuration (module docstring of `calibration.ablations`).", ""]
+    for group, rows in data["ablations"].items():
+        lines += [f"**{group}**", "", "| variant | perplexity | ×BF16 | KL(BF16‖variant) | top-1 | bits/elem @2K |",
+                  "|---|---|---|---|---|---|"]
+        for label, r in rows.items():
+            lines.append(f"| {label} | {r['perplexity']:.3f} | {r['perplexity_vs_bf16']:.4f} | {r['kl_vs_bf16']:.4f} | "
+                         f"{r['top1_agreement']:.4f} | {r['bits_per_element']:.3f} |")
+        lines.append("")
+    return lines + _plot_line(path, md_dir) + [""]
+
+
+def passkey_section(path: Path, data: dict, md_dir: Path) -> list[str]:
+    config, methods = data.get("config", {}), data["methods"]
+    lines = _provenance(path, data, md_dir)
+    lines += [f"Mode {config.get('mode', '?')}, {config.get('samples', '?')} samples per (length, depth); haystack: "
+              f"{config.get('haystack', '?')}.", ""]
+    lengths = list(next(iter(methods.values()))["by_length"])
+    depths = list(next(iter(methods.values()))["by_depth"])
+    lines += ["| method | accuracy | " + " | ".join(f"{n} tok" for n in lengths) + " | "
+              + " | ".join(f"depth {d}" for d in depths) + " |",
+              "|---|---|" + "---|" * (len(lengths) + len(depths))]
+    for name, m in methods.items():
+        cells = [_f(m["by_length"].get(n), ".3f") for n in lengths] + [_f(m["by_depth"].get(d), ".3f") for d in depths]
+        lines.append(f"| {name} | {m['accuracy']:.3f} | " + " | ".join(cells) + " |")
+    return lines + _plot_line(path, md_dir) + [""]
+
+
 def render(results: Path, md_dir: Path) -> str:
     """The report's text for a file in `md_dir` (links are relative to it)."""
     files = sorted(Path(results).glob("eval_*.json"))
     if not files:
         raise FileNotFoundError(f"no eval_*.json in {results}: run python -m calibration.evaluate first")
     lines = ["# Quality results (generated)", "",
-             f"Generated by `python -m calibration.quality_report` from {len(files)} result files in "
+             f"Generated by `python -m calibration.quality_report` from the result files in "
              f"`{os.path.relpath(results, md_dir)}/`; do not edit by hand. Interpretation: QUALITY.md.", ""]
     for path in files:
         lines += section(path, load_result(path), md_dir)
+    for path in sorted(Path(results).glob("ablations_*.json")):
+        lines += ablations_section(path, load_ablations(path), md_dir)
+    for path in sorted(Path(results).glob("passkey_*.json")):
+        lines += passkey_section(path, load_passkey(path), md_dir)
     return "\n".join(lines)
 
 

@@ -64,3 +64,46 @@ def test_committed_report_is_up_to_date():
     committed = (qr.RESULTS.parent / "REPORT.md").read_text(encoding="utf-8")
     assert committed == qr.render(qr.RESULTS, qr.RESULTS.parent), \
         "calibration/REPORT.md is stale: run python -m calibration.quality_report"
+
+
+def _ablations():
+    row = {"perplexity": 10.5, "perplexity_vs_bf16": 1.05, "kl_vs_bf16": 0.06, "top1_agreement": 0.89,
+           "bits_per_element": 4.609}
+    return {"ablations": {"rotation": {"hadamard": row, "oscar": dict(row, perplexity=10.4, perplexity_vs_bf16=1.04)}},
+            "config": {"command": "python -m calibration.ablations --y", "num_windows": 4, "context": 2048},
+            "environment": {"git_sha": "fedcba9876543210"}}
+
+
+def _passkey():
+    return {"methods": {"bf16": {"accuracy": 0.9, "by_length": {"1024": 1.0, "2048": 0.8},
+                                 "by_depth": {"0.1": 0.8, "0.9": 1.0}}},
+            "config": {"command": "python -m calibration.passkey --z", "mode": "prefill", "samples": 2}}
+
+
+def test_ablation_and_passkey_sections_come_from_the_files(tmp_path):
+    (tmp_path / "eval_a.json").write_text(json.dumps(_result()))
+    (tmp_path / "ablations_x.json").write_text(json.dumps(_ablations()))
+    (tmp_path / "passkey_x.json").write_text(json.dumps(_passkey()))
+    text = qr.render(tmp_path, tmp_path)
+    assert text.index("## eval_a") < text.index("## ablations_x") < text.index("## passkey_x")
+    assert "**rotation**" in text and "| oscar | 10.400 | 1.0400 | 0.0600 | 0.8900 | 4.609 |" in text
+    assert "python -m calibration.ablations --y" in text and "`fedcba987654`" in text
+    assert "| method | accuracy | 1024 tok | 2048 tok | depth 0.1 | depth 0.9 |" in text
+    assert "| bf16 | 0.900 | 1.000 | 0.800 | 0.800 | 1.000 |" in text
+
+
+@pytest.mark.parametrize("kind,mutate,message", [
+    ("ablations", lambda d: d.pop("ablations"), "'ablations' must be a non-empty object"),
+    ("ablations", lambda d: d["ablations"]["rotation"]["oscar"].update(kl_vs_bf16=None),
+     r"ablations\['rotation'\]\['oscar'\].kl_vs_bf16 must be a finite number"),
+    ("passkey", lambda d: d["methods"]["bf16"].update(accuracy="high"), r"methods\['bf16'\].accuracy"),
+    ("passkey", lambda d: d["methods"]["bf16"]["by_depth"].update({"0.5": float("inf")}), r"by_depth\['0.5'\]"),
+])
+def test_bad_ablation_and_passkey_files_are_named(tmp_path, kind, mutate, message):
+    data = _ablations() if kind == "ablations" else _passkey()
+    mutate(data)
+    path = tmp_path / f"{kind}_bad.json"
+    path.write_text(json.dumps(data))
+    load = qr.load_ablations if kind == "ablations" else qr.load_passkey
+    with pytest.raises(qr.ResultFileError, match=message):
+        load(path)
