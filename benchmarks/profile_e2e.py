@@ -1,0 +1,144 @@
+"""Where the time of one end-to-end decode step goes (bench_e2e's step at Qwen3-8B shapes).
+
+Traces `steps` donated steps with jax.profiler and reads the device plane of the trace
+(`jax.profiler.ProfileData`): per kernel name its launches and total time, grouped into
+categories; per step the GPU busy time (the union of kernel intervals) and the span from the first
+kernel's start to the last kernel's end. span − busy is time the GPU sat idle between kernels
+(launch gaps, host work) — the part a CUDA graph or fewer launches would remove.
+
+    PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m benchmarks.profile_e2e --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+# Kernel-name patterns → category (first match wins; the rest is "other": XLA fusions etc.).
+CATEGORIES = (
+    ("attention", re.compile(r"tier|merge|decode_attention|attention", re.I)),
+    ("cache_write", re.compile(r"write", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|cublas|cutlass|nvjet|xmma|matmul|dot", re.I)),
+)
+
+
+def category(name: str) -> str:
+    return next((label for label, pattern in CATEGORIES if pattern.search(name)), "other")
+
+
+def summarize_kernels(events: list[tuple[str, int, int]], steps: int) -> dict:
+    """events: (name, start_ns, duration_ns) of every kernel in the traced window."""
+    if not events:
+        return {"kernels": 0}
+    by_name: dict[str, list[int]] = {}
+    for name, _, dur in events:
+        by_name.setdefault(name, []).append(dur)
+    intervals = sorted((start, start + dur) for _, start, dur in events)
+    busy, cur_start, cur_end = 0, *intervals[0]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = intervals[-1][1] - intervals[0][0]
+    categories: dict[str, dict] = {}
+    for name, durs in by_name.items():
+        c = categories.setdefault(category(name), {"launches_per_step": 0.0, "us_per_step": 0.0})
+        c["launches_per_step"] += len(durs) / steps
+        c["us_per_step"] += sum(durs) / steps / 1e3
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:40]
+    return {
+        "kernels_per_step": len(events) / steps,
+        "span_us_per_step": span / steps / 1e3,
+        "busy_us_per_step": busy / steps / 1e3,
+        "idle_us_per_step": (span - busy) / steps / 1e3,
+        "categories": categories,
+        "top_kernels": [{"name": n[:160], "category": category(n), "launches_per_step": len(d) / steps,
+                         "us_per_step": sum(d) / steps / 1e3, "mean_us": sum(d) / len(d) / 1e3} for n, d in top],
+    }
+
+
+def device_kernels(trace_dir: str) -> tuple[list[tuple[str, int, int]], dict]:
+    """Kernel events of the first GPU plane of the trace in `trace_dir`, and its line names."""
+    from jax.profiler import ProfileData
+
+    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"no .xplane.pb under {trace_dir}")
+    data = ProfileData.from_file(paths[0])
+    events, lines = [], {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            line_events = list(line.events)
+            lines[f"{plane.name} | {line.name}"] = len(line_events)
+            if line.name.startswith("Stream"):
+                events += [(e.name, int(e.start_ns), int(e.duration_ns)) for e in line_events]
+        break
+    return events, lines
+
+
+def profile(kind: str, context: int, table_context: int, steps: int, params, model) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import bench_e2e
+
+    oscar = bench_e2e.oscar_config(model.head_dim)
+    tables = bench_e2e.plan_tables(kind, context, 1, oscar, table_context=table_context)
+    cache = bench_e2e.random_cache(model, oscar, tables)
+    tokens = jnp.zeros((1,), jnp.int32)
+    positions = jnp.full((1,), context - 1, jnp.int32)
+    compiled, _ = bench_e2e.compile_step(params, model, tokens, cache, positions)
+    for _ in range(3):  # warm up
+        logits, cache = compiled(params, tokens, cache, positions)
+    jax.block_until_ready((logits, cache))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                logits, cache = compiled(params, tokens, cache, positions)
+            jax.block_until_ready((logits, cache))
+            wall = (time.perf_counter() - t0) / steps
+        events, lines = device_kernels(trace_dir)
+    return {"cache": kind, "context": context, "batch": 1, "steps": steps, "traced_wall_us_per_step": wall * 1e6,
+            "trace_lines": lines, **summarize_kernels(events, steps)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--context", type=int, default=30000)
+    parser.add_argument("--table-context", type=int, default=100000, help="tables sized as in bench_e2e")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--caches", default="int2,bf16")
+    args = parser.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import bench_e2e, harness
+    from oscar_jax.model import init_params
+
+    model = bench_e2e.qwen3_8b_config()
+    params = init_params(model, jax.random.key(0), dtype=jnp.bfloat16)
+    result = {"environment": harness.environment(), "runs": []}
+    for kind in args.caches.split(","):
+        run = profile(kind, args.context, args.table_context, args.steps, params, model)
+        result["runs"].append(run)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(json.dumps({k: v for k, v in run.items() if k != "top_kernels"}, indent=1), flush=True)
+        for k in run.get("top_kernels", [])[:15]:
+            print(f"  {k['us_per_step']:8.1f} us  x{k['launches_per_step']:5.1f}  {k['category']:11s} {k['name'][:100]}")
+
+
+if __name__ == "__main__":
+    main()
