@@ -103,6 +103,12 @@ def real_step(kind: str, batch: int, params, model, context: int) -> dict:
         info["output_bytes"] = int(mem.output_size_in_bytes)
         info["generated_code_bytes"] = int(mem.generated_code_size_in_bytes)
         entry["compile"] = info
+        text = compiled.as_text()
+        # copies XLA wraps in fusions do not show as `copy(` ops: count every pool-shaped copy-like op
+        pool_shapes = {f"{getattr(cache, n).dtype}[{','.join(map(str, getattr(cache, n).shape))}]".replace("uint8", "u8")
+                       .replace("bfloat16", "bf16").replace("float16", "f16") for n in ("k_bf16", "k_codes")}
+        entry["pool_shaped_copy_lines"] = [line.strip()[:300] for line in text.splitlines()
+                                           if "copy" in line and any(shape in line for shape in pool_shapes)][:20]
         entry["memory_before_step"] = _memory_stats()
         timing, checks, cache = bench_e2e.time_steps(compiled, params, tokens, cache, positions, steps=2, trials=1)
         entry.update(ok=True, **timing, **checks, memory_after=_memory_stats())
