@@ -15,6 +15,7 @@ K/V is copied or expanded. Every variant is first checked against float32 attent
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 
@@ -178,26 +179,30 @@ def run_config(context: int, batch: int, group_size: int, seed: int = 0, tuning:
         refs[b] = np.asarray(_reference(q[b], keys_b, values_b))
         del keys_b, values_b
 
-    def jax_int2(q_, c, **tiling):
-        return ops.decode_attention(q_, *pool_args, bf16_tables_j[c], lengths_j["sink_tokens"],
-                                    lengths_j["recent_tokens"], history_tables_j[c], lengths_j["history_tokens"],
-                                    **common, **tiling)
+    # Arrays reach jitted code as arguments, never by closure (harness.time_jax_loop: why).
+    int2_operands = (pool_args, bf16_tables_j, history_tables_j, lengths_j)
+
+    def jax_int2(q_, c, operands, **tiling):
+        pools_, bf16_t, history_t, lens = operands
+        return ops.decode_attention(q_, *pools_, bf16_t[c], lens["sink_tokens"], lens["recent_tokens"],
+                                    history_t[c], lens["history_tokens"], **common, **tiling)
 
     def check(out):
         return max(harness.relative_error(np.asarray(out)[b], refs[b]) for b in check_rows)
 
-    def time_jax_variant(fn):
-        def step(i, q_):
-            o = fn(q_, i % copies)
+    def time_jax_variant(fn, operands):
+        def step(i, q_, operands):
+            o = fn(q_, i % copies, operands)
             return (q_.astype(jnp.float32) + 0.0 * o).astype(q_.dtype)  # serial dependency, same values
 
-        return harness.time_jax_loop(step, q, reps=max(32, 2 * copies))
+        return harness.time_jax_loop(step, q, reps=max(32, 2 * copies), operands=(operands,))
 
     variants = [("oscar_int2_pallas", {})] + [(f"oscar_int2_pallas[{t}]", t) for t in (tuning or [])]
     for name, tiling in variants:
         try:
-            err = check(jax.jit(lambda q_: jax_int2(q_, 0, **tiling))(q))
-            timing = time_jax_variant(lambda q_, c: jax_int2(q_, c, **tiling)) if err <= REL_TOL else None
+            fn = functools.partial(jax_int2, **tiling)
+            err = check(jax.jit(lambda q_, operands, fn=fn: fn(q_, 0, operands))(q, int2_operands))
+            timing = time_jax_variant(fn, int2_operands) if err <= REL_TOL else None
         except Exception as e:  # noqa: BLE001 - a failing tiling is recorded, not fatal
             print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             result["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
@@ -270,20 +275,18 @@ def run_config(context: int, batch: int, group_size: int, seed: int = 0, tuning:
     empty_meta = jnp.zeros((1, kv, PAGE, d // group_size), jnp.float16)
     split = max(1, 2 ** math.ceil(math.log2(max(1, pages_per_seq // 32))))
 
-    def jax_bf16(q_, c):
+    bf16_operands = (k_pool, v_pool, tables)
+
+    def jax_bf16(q_, c, operands):
+        k_pool_, v_pool_, tables_ = operands
         return ops.decode_attention(
-            q_, k_pool, v_pool, empty_codes, empty_meta, empty_meta, empty_codes, empty_meta, empty_meta,
-            tables[c], jnp.full((batch,), SINK, jnp.int32), jnp.full((batch,), context - SINK, jnp.int32),
+            q_, k_pool_, v_pool_, empty_codes, empty_meta, empty_meta, empty_codes, empty_meta, empty_meta,
+            tables_[c], jnp.full((batch,), SINK, jnp.int32), jnp.full((batch,), context - SINK, jnp.int32),
             jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32),
             **common, pages_per_split=split)
 
-    err = check(jax.jit(lambda q_: jax_bf16(q_, 0))(q))
-    timing = None
-    if err <= REL_TOL:
-        def step(i, q_):
-            o = jax_bf16(q_, i % copies)
-            return (q_.astype(jnp.float32) + 0.0 * o).astype(q_.dtype)
-        timing = harness.time_jax_loop(step, q, reps=max(32, 2 * copies))
+    err = check(jax.jit(lambda q_, operands: jax_bf16(q_, 0, operands))(q, bf16_operands))
+    timing = time_jax_variant(jax_bf16, bf16_operands) if err <= REL_TOL else None
     record("bf16_paged_pallas", bf16_read, timing, err)
     del k_pool, v_pool
     gc.collect()

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import re
 import statistics
 import time
@@ -354,7 +355,7 @@ def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar:
 
     model = model or qwen3_8b_config()
     oscar = oscar or oscar_config(model.head_dim)
-    contexts = tuple(contexts or CONTEXTS)
+    contexts = CONTEXTS if contexts is None else tuple(contexts)  # () → capacity only
     t_start = time.perf_counter()
 
     def log(msg):
@@ -405,8 +406,8 @@ def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar:
               "timing_method": "AOT-compiled donated step; Python loop of `steps` steps, one block at the end; "
                                "median over `trials` loops after 2 warm-up steps",
               "runs": [], "compile": {}}
-    table_context = max(contexts)
-    for kind in CACHE_KINDS:
+    table_context = max(contexts, default=0)
+    for kind in CACHE_KINDS if contexts else ():
         compiled = None
         for context in contexts:
             entry, compiled, info = measure(kind, context, batch, table_context, compiled)
@@ -435,7 +436,12 @@ def capacity(measure, model, oscar, weight_bytes, context, memory_bytes, reserve
         memory_bytes, source = _device_memory_bytes()
     out = {} if out is None else out
     out |= {"context": context, "memory_bytes": memory_bytes, "memory_source": source,
-           "workspace_reserve_bytes": reserve_bytes, "weight_bytes": weight_bytes}
+           "workspace_reserve_bytes": reserve_bytes, "weight_bytes": weight_bytes,
+           # A growing allocator (preallocate false) fragments its regions: the run at git 51405f0
+           # failed to allocate a 47 GiB pool with 55 GB free (probe_capacity_int2_b55_h200.json).
+           "allocator": {n: os.environ.get(n) for n in ("XLA_PYTHON_CLIENT_PREALLOCATE",
+                                                         "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                                         "XLA_PYTHON_CLIENT_ALLOCATOR")}}
     if memory_bytes is None:
         log("capacity skipped: device memory unknown")
         return out

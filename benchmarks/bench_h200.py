@@ -48,6 +48,10 @@ def main(argv=None) -> None:
                              "run does not re-measure (a sweep split over several device calls)")
     parser.add_argument("--e2e-contexts", type=_ints, default=None, help="end-to-end contexts (default 30000,60000,100000)")
     parser.add_argument("--no-capacity", action="store_true", help="end-to-end: skip the capacity search at 100K")
+    parser.add_argument("--capacity-only", action="store_true",
+                        help="end-to-end: only the capacity search, merged into an existing <out>/e2e_h200.json "
+                             "(its steps keep their git sha; run with XLA_PYTHON_CLIENT_PREALLOCATE=true, as a "
+                             "server would, so that the allocator's regions do not fragment)")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -109,9 +113,25 @@ def main(argv=None) -> None:
     if "e2e" in sections:
         from benchmarks import bench_e2e
 
-        capacity = {"capacity_context": None} if args.no_capacity else {}
-        save("e2e", bench_e2e.run(contexts=args.e2e_contexts, copy_gb_per_s=copy["gb_per_s"], **capacity,
-                                  on_progress=lambda partial: save("e2e", partial)))
+        if args.capacity_only:
+            if args.no_capacity:
+                parser.error("--capacity-only and --no-capacity exclude each other")
+            path = args.out / "e2e_h200.json"
+            if not path.exists():
+                parser.error(f"--capacity-only merges into {path}, which does not exist")
+            previous = json.loads(path.read_text())
+
+            def save_capacity(partial):  # the steps keep their environment; capacity carries its own
+                previous["capacity"] = {**partial.get("capacity", {}), "git_sha": env["git_sha"],
+                                        "environment": env, "copy_bandwidth": copy}
+                path.write_text(json.dumps(previous, indent=1))
+
+            save_capacity(bench_e2e.run(contexts=(), copy_gb_per_s=copy["gb_per_s"], on_progress=save_capacity))
+            print(f"wrote {path} (capacity merged)", flush=True)
+        else:
+            capacity = {"capacity_context": None} if args.no_capacity else {}
+            save("e2e", bench_e2e.run(contexts=args.e2e_contexts, copy_gb_per_s=copy["gb_per_s"], **capacity,
+                                      on_progress=lambda partial: save("e2e", partial)))
 
 
 if __name__ == "__main__":

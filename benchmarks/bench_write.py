@@ -69,10 +69,10 @@ def write_pages_case(tokens: int, group_size: int, rows_dtype: str) -> dict:
             entry["shared_math_bit_identical"] = bool(all(
                 np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(first, want)))
 
-        def step(i, carry, rot=rot):
+        def step(i, carry, rows, page_ids, slots, rot):  # arrays as operands (harness.time_jax_loop)
             return ops.write_pages(*carry, rows, page_ids, slots, rotation=rot, **kw)
 
-        entry["pallas"] = harness.time_jax_loop(step, pools, reps=20)
+        entry["pallas"] = harness.time_jax_loop(step, pools, reps=20, operands=(rows, page_ids, slots, rot))
         k = torch_ops._codec_args(HEAD_DIM, group_size, CLIP, "minmax")
         rot_arg = trot if rotated else None
         entry["triton"] = harness.time_torch_graph([lambda: torch.ops.oscar.write_pages(
@@ -118,10 +118,10 @@ def demote_case(pages: int, group_size: int) -> dict:
     out = {"pages": pages, "layers": LAYERS, "group_size": group_size, "bytes_moved": bytes_moved,
            "jax_torch_bit_identical": bool(same)}
 
-    def step(i, carry):
+    def step(i, carry, bf16, src, dst):  # arrays as operands (harness.time_jax_loop)
         return ops.demote_pages(bf16, *carry, src, dst, **kw)
 
-    out["pallas"] = harness.time_jax_loop(step, pools, reps=20)
+    out["pallas"] = harness.time_jax_loop(step, pools, reps=20, operands=(bf16, src, dst))
     k = torch_ops._codec_args(HEAD_DIM, group_size, CLIP, "minmax")
     out["triton"] = harness.time_torch_graph([lambda: torch.ops.oscar.demote_pages(
         tbf16, *tpools, tsrc, tdst, group_size, k, "minmax")])

@@ -69,20 +69,23 @@ def relative_error(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def time_jax_loop(step, carry, reps: int, trials: int = 5) -> dict:
-    """Median seconds per call of `step(i, carry) -> carry`, run `reps` times in one jitted loop."""
+def time_jax_loop(step, carry, reps: int, trials: int = 5, operands=()) -> dict:
+    """Median seconds per call of `step(i, carry, *operands) -> carry`, run `reps` times in one
+    jitted loop. Pass every array the step reads as `operands` (a tuple of pytrees), not by
+    closure: JAX embeds the arrays a jitted function closes over in the program as constants, and
+    a multi-GB constant makes compilation take minutes (128K × batch 8: past the device limit)."""
     import jax
 
     @jax.jit
-    def loop(carry):
-        return jax.lax.fori_loop(0, reps, step, carry)
+    def loop(carry, operands):
+        return jax.lax.fori_loop(0, reps, lambda i, c: step(i, c, *operands), carry)
 
-    jax.block_until_ready(loop(carry))  # compile + warm up
-    jax.block_until_ready(loop(carry))
+    jax.block_until_ready(loop(carry, operands))  # compile + warm up
+    jax.block_until_ready(loop(carry, operands))
     times = []
     for _ in range(trials):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(carry))
+        jax.block_until_ready(loop(carry, operands))
         times.append((time.perf_counter() - t0) / reps)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "reps": reps,
             "trials": trials}

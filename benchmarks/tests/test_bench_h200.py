@@ -46,3 +46,54 @@ def test_a_cut_off_config_is_kept_apart_and_complete_ones_merge(fake_gpu, monkey
     partial = json.loads((tmp_path / "decode_partial_h200.json").read_text())["configs"]
     assert [(c["context"], c["batch"], c["git_sha"]) for c in partial] == [(131072, 8, "abc1234")]
     assert sorted(partial[0]["variants"]) == ["oscar_int2_pallas", "oscar_int2_triton"]
+
+
+def test_time_jax_loop_passes_operands_as_arguments_not_constants():
+    """A closed-over array is embedded in the program as a constant (128K × b8: minutes of compile);
+    operands must reach the step traced, and the loop must compute with them."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import harness
+
+    seen = []
+
+    def step(i, carry, table, scale):
+        seen.append(isinstance(table, jax.core.Tracer) and isinstance(scale, jax.core.Tracer))
+        return carry + table[i % 4] * scale
+
+    timing = harness.time_jax_loop(step, jnp.zeros(()), reps=8, trials=2, operands=(jnp.arange(4.0), jnp.float32(2)))
+    assert seen and all(seen)
+    assert timing["reps"] == 8 and timing["trials"] == 2 and 0 < timing["min_s"] <= timing["median_s"]
+
+
+def test_capacity_only_merges_into_the_existing_e2e_file(fake_gpu, monkeypatch, tmp_path):
+    """--capacity-only keeps the steps (and their environment) and replaces the capacity block, stamped
+    with this run's git sha; each partial capacity result is saved as it comes."""
+    from benchmarks import bench_e2e
+
+    steps = {"section": "e2e", "environment": {"git_sha": "0000000"}, "copy_bandwidth": {"gb_per_s": 9.0},
+             "runs": [{"cache": "int2", "context": 30000}], "capacity": {"int2": {"old": True}}}
+    (tmp_path / "e2e_h200.json").write_text(json.dumps(steps))
+    calls = []
+
+    def fake_run(contexts=None, copy_gb_per_s=None, on_progress=None, **kw):
+        calls.append(contexts)
+        partial = {"runs": [], "capacity": {"int2": {"max_concurrent_100k": 55, "built_batch": 55}}}
+        on_progress(partial)
+        assert json.loads((tmp_path / "e2e_h200.json").read_text())["capacity"]["int2"]["built_batch"] == 55
+        partial["capacity"]["bf16"] = {"max_concurrent_100k": 7, "built_batch": 7}
+        return partial
+
+    monkeypatch.setattr(bench_e2e, "run", fake_run)
+    bench_h200.main(["--sections", "e2e", "--capacity-only", "--out", str(tmp_path)])
+    assert calls == [()]  # no steps measured
+    out = json.loads((tmp_path / "e2e_h200.json").read_text())
+    assert out["runs"] == steps["runs"] and out["environment"] == {"git_sha": "0000000"}
+    assert out["capacity"]["git_sha"] == "abc1234" and out["capacity"]["environment"]["git_sha"] == "abc1234"
+    assert out["capacity"]["bf16"]["built_batch"] == 7 and "old" not in out["capacity"]["int2"]
+
+
+def test_capacity_only_needs_the_file_it_merges_into(fake_gpu, tmp_path):
+    with pytest.raises(SystemExit):
+        bench_h200.main(["--sections", "e2e", "--capacity-only", "--out", str(tmp_path)])
