@@ -43,6 +43,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=_ints, default=None, help="decode batches (default 1,8,32)")
     parser.add_argument("--group-size", type=int, default=128, help="INT2 group size G")
     parser.add_argument("--no-tuning", action="store_true", help="skip the tiling sweep at 128K")
+    parser.add_argument("--sweep-all", action="store_true",
+                        help="time the tiling sweep at every (context, batch), not only 128K × batch 1 and 8")
     parser.add_argument("--merge", action="store_true",
                         help="keep the (context, batch) configs of an existing <out>/decode_h200.json that this "
                              "run does not re-measure (a sweep split over several device calls)")
@@ -88,7 +90,7 @@ def main(argv=None) -> None:
             print(f"merging into {len(configs)} configs of {previous}", flush=True)
         for context in args.contexts or bench_decode.CONTEXTS:
             for batch in args.batches or bench_decode.BATCHES:
-                sweep = context >= 131072 and batch in (1, 8) and not args.no_tuning
+                sweep = (args.sweep_all or (context >= 131072 and batch in (1, 8))) and not args.no_tuning
                 t0 = time.perf_counter()
                 # A config cut off by a time limit leaves what it measured in decode_partial_h200.json;
                 # decode_h200.json (what the summary reads) only ever holds complete configs.
