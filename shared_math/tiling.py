@@ -33,3 +33,15 @@ def default_pages_per_split(history_slots: int, pages_per_block: int, page_size:
     ≥ pages_per_block."""
     floor = -(-MIN_TOKENS_PER_SPLIT // max(page_size, 1))
     return max(pages_per_block, next_power_of_two(max(floor, -(-history_slots // TARGET_SPLITS))))
+
+
+BATCHED_DECODE_NUM_WARPS_FROM = 8  # batch from which decode programs run 2 warps instead of 4
+
+
+def default_num_warps(batch: int) -> int:
+    """Warps per decode program. From batch 8 the grid holds ≥ 8× more programs than at batch 1
+    and 2-warp programs, more of them resident per SM, win: H200, Qwen3-8B shapes, Pallas
+    (results/decode_h200.json): 128K b8 648.6 vs 711.8 µs, b32 at 8K / 32K / 128K 199.8 / 645.0 /
+    2344.8 vs 224.0 / 736.4 / 2639.8 µs. At batch 1 (1024 programs at 128K) 4 warps win,
+    132.7 vs 138.7 µs."""
+    return 2 if batch >= BATCHED_DECODE_NUM_WARPS_FROM else 4

@@ -454,3 +454,20 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
     assert sorted(name.split("_tier")[0] for name in kernels) == ["oscar_bf16", "oscar_int2"]
     for name, usage in kernels.items():
         assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
+
+
+@pytest.mark.parametrize("batch_rows,expected", [(1, 4), (8, 2)])
+def test_default_num_warps_follows_the_batch(small_cache, monkeypatch, batch_rows, expected):
+    """num_warps=None launches shared_math.tiling.default_num_warps(B); an explicit value is kept."""
+    from oscar_jax import attention_ops
+
+    q, cache = small_cache
+    seen = []
+    monkeypatch.setattr(attention_ops, "_decode_attention", lambda q, cache, **kw: seen.append(kw["num_warps"]))
+    arrays = list(cache.arrays)
+    for i in (8, 9, 10, 11, 12):  # tables and lengths [B, …]: repeat row 0 to the batch
+        arrays[i] = jnp.repeat(jnp.asarray(arrays[i])[:1], batch_rows, axis=0)
+    qb = jnp.repeat(q[:1], batch_rows, axis=0)
+    _call(qb, arrays)
+    _call(qb, arrays, num_warps=8)
+    assert seen == [expected, 8]

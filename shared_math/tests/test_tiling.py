@@ -26,3 +26,10 @@ def test_pages_per_split(history_slots, pages_per_block, page_size, expected):
     got = default_pages_per_split(history_slots, pages_per_block, page_size)
     assert got == expected
     assert got & (got - 1) == 0 and got >= pages_per_block
+
+
+@pytest.mark.parametrize("batch,expected", [(1, 4), (2, 4), (7, 4), (8, 2), (32, 2)])
+def test_num_warps_drops_to_two_from_batch_eight(batch, expected):
+    from shared_math.tiling import default_num_warps
+
+    assert default_num_warps(batch) == expected
