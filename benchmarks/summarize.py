@@ -462,6 +462,17 @@ def _f(value, fmt="{:.1f}", none="—"):
     return none if value is None else fmt.format(value)
 
 
+def _capacity_provenance(cap: dict) -> str:
+    """' Measured at git X with <allocator settings>.' where the capacity block records them."""
+    parts = []
+    if cap.get("git_sha"):
+        parts.append(f"git `{str(cap['git_sha'])[:10]}`")
+    allocator = {k: v for k, v in (cap.get("allocator") or {}).items() if v is not None}
+    if allocator:
+        parts.append("allocator " + ", ".join(f"`{k}={v}`" for k, v in sorted(allocator.items())))
+    return f" Measured at {' with '.join(parts)}." if parts else ""
+
+
 def _table(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -583,7 +594,8 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
             lines += [f"Capacity at {cap.get('context')} tokens per sequence: ⌊(device memory "
                       f"{_f(cap.get('memory_bytes') and cap['memory_bytes'] / 2**30, '{:.1f}')} GiB ({cap.get('memory_source')}) − "
                       f"weights − {_f(cap.get('workspace_reserve_bytes', 0) / 2**30, '{:.1f}')} GiB reserve) / bytes per "
-                      "sequence⌋; that batch is built and timed (stepped down by 10 % on out-of-memory).", ""]
+                      "sequence⌋; that batch is built and timed (stepped down by 10 % on out-of-memory)."
+                      + _capacity_provenance(cap), ""]
             rows = []
             for kind in ("int2", "bf16"):
                 entry = cap.get(kind) or {}
