@@ -47,14 +47,20 @@ def _object(value, where: str) -> dict:
     return value
 
 
+def _entries(path: Path, key: str) -> tuple[dict, dict]:
+    """(the file's top-level object, its non-empty object `key`); ResultFileError names the file."""
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise ResultFileError(f"{path}: expected an object")
+    return data, _object(data.get(key), f"{path}: {key!r}")
+
+
 def load_result(path: Path) -> dict:
     """Read and validate one evaluation result (JSON only: no pickle, no code)."""
-    data = _read_json(path)
-    if not isinstance(data, dict) or not isinstance(data.get("methods"), dict) or not data["methods"]:
-        raise ResultFileError(f"{path}: expected an object with a non-empty 'methods' object")
-    if "bf16" not in data["methods"]:
+    data, methods = _entries(path, "methods")
+    if "bf16" not in methods:
         raise ResultFileError(f"{path}: the methods hold no 'bf16' reference to compare against")
-    for name, entry in data["methods"].items():
+    for name, entry in methods.items():
         if not isinstance(entry, dict):
             raise ResultFileError(f"{path}: methods[{name!r}] must be an object")
         for metric in METRICS:
@@ -72,10 +78,8 @@ def load_result(path: Path) -> dict:
 
 def load_ablations(path: Path) -> dict:
     """Read and validate one `calibration.ablations` result: {group: {variant: metrics}}."""
-    data = _read_json(path)
-    if not isinstance(data, dict):
-        raise ResultFileError(f"{path}: expected an object")
-    for group, rows in _object(data.get("ablations"), f"{path}: 'ablations'").items():
+    data, groups = _entries(path, "ablations")
+    for group, rows in groups.items():
         for label, row in _object(rows, f"{path}: ablations[{group!r}]").items():
             where = f"{path}: ablations[{group!r}][{label!r}]"
             _object(row, where)
@@ -86,10 +90,8 @@ def load_ablations(path: Path) -> dict:
 
 def load_passkey(path: Path) -> dict:
     """Read and validate one `calibration.passkey` result: accuracy per method, length and depth."""
-    data = _read_json(path)
-    if not isinstance(data, dict):
-        raise ResultFileError(f"{path}: expected an object")
-    for name, entry in _object(data.get("methods"), f"{path}: 'methods'").items():
+    data, methods = _entries(path, "methods")
+    for name, entry in methods.items():
         where = f"{path}: methods[{name!r}]"
         _object(entry, where)
         _number(entry.get("accuracy"), f"{where}.accuracy")

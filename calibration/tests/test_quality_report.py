@@ -36,7 +36,7 @@ def test_report_tables_come_from_the_files(tmp_path):
 
 
 @pytest.mark.parametrize("mutate,message", [
-    (lambda d: d.pop("methods"), "non-empty 'methods'"),
+    (lambda d: d.pop("methods"), "'methods' must be a non-empty object"),
     (lambda d: d["methods"].pop("bf16"), "no 'bf16' reference"),
     (lambda d: d["methods"]["oscar"].update(perplexity=float("nan")), r"methods\['oscar'\].perplexity must be a finite"),
     (lambda d: d["methods"]["oscar"].update(kl_vs_bf16="0.1"), r"kl_vs_bf16 must be a finite number, got '0.1'"),
