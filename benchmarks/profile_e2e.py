@@ -65,6 +65,25 @@ def summarize_kernels(events: list[tuple[str, int, int]], steps: int) -> dict:
     }
 
 
+_METADATA = re.compile(r'op_name="([^"]*)"(?:.*?source_file="([^"]*)")?(?:.*?source_line=(\d+))?')
+
+
+def hlo_origin(hlo_text: str, kernel: str) -> str | None:
+    """`op_name @ file:line` of the HLO instruction a kernel was emitted for. Trace names write
+    `input_reduce_fusion_215` for the instruction `%input_reduce_fusion.215`."""
+    match = re.fullmatch(r"(.*?)[._](\d+)", kernel)
+    name = rf"{re.escape(match.group(1))}[._]{match.group(2)}" if match else re.escape(kernel)
+    for line in hlo_text.splitlines():
+        if re.match(rf"\s*(ROOT )?%?{name} = ", line):
+            meta = _METADATA.search(line)
+            if not meta:
+                return None
+            op, file, lineno = meta.groups()
+            where = f" @ {file.rsplit('/', 1)[-1]}:{lineno}" if file and lineno else ""
+            return f"{op}{where}"
+    return None
+
+
 def device_kernels(trace_dir: str) -> tuple[list[tuple[str, int, int]], dict]:
     """Kernel events of the first GPU plane of the trace in `trace_dir`, and its line names."""
     from jax.profiler import ProfileData
@@ -109,8 +128,12 @@ def profile(kind: str, context: int, table_context: int, steps: int, params, mod
             jax.block_until_ready((logits, cache))
             wall = (time.perf_counter() - t0) / steps
         events, lines = device_kernels(trace_dir)
+    summary = summarize_kernels(events, steps)
+    hlo_text = compiled.as_text()
+    for kernel in summary.get("top_kernels", []):  # which model op each of the largest kernels computes
+        kernel["hlo_origin"] = hlo_origin(hlo_text, kernel["name"])
     return {"cache": kind, "context": context, "batch": 1, "steps": steps, "traced_wall_us_per_step": wall * 1e6,
-            "trace_lines": lines, **summarize_kernels(events, steps)}
+            "trace_lines": lines, **summary}
 
 
 def main(argv=None) -> None:
@@ -137,7 +160,8 @@ def main(argv=None) -> None:
         args.out.write_text(json.dumps(result, indent=1))
         print(json.dumps({k: v for k, v in run.items() if k != "top_kernels"}, indent=1), flush=True)
         for k in run.get("top_kernels", [])[:15]:
-            print(f"  {k['us_per_step']:8.1f} us  x{k['launches_per_step']:5.1f}  {k['category']:11s} {k['name'][:100]}")
+            print(f"  {k['us_per_step']:8.1f} us  x{k['launches_per_step']:5.1f}  {k['category']:11s} {k['name'][:40]}"
+                  f"  {str(k.get('hlo_origin'))[:160]}")
 
 
 if __name__ == "__main__":

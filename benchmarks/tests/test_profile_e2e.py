@@ -25,3 +25,16 @@ def test_busy_span_and_idle_of_overlapping_and_gapped_kernels():
 
 def test_no_events():
     assert profile_e2e.summarize_kernels([], steps=3) == {"kernels": 0}
+
+
+def test_hlo_origin_maps_trace_names_to_the_instruction_metadata():
+    hlo = "\n".join([
+        '  %input_reduce_fusion.215 = f32[1,8,4,128]{3,2,1,0} fusion(%p0, %p1), kind=kInput, calls=%fused_reduce, '
+        'metadata={op_name="jit(decode_step)/dot_general" source_file="/work/oscar_jax/cache.py" source_line=134}',
+        '  %input_reduce_fusion.21 = f32[4096]{0} fusion(%p2), kind=kInput, calls=%r2, metadata={op_name="jit(x)/rms"}',
+        '  ROOT %gemm_fusion_dot.327 = bf16[1,12288]{1,0} fusion(%a, %b), kind=kCustom, calls=%g',
+    ])
+    assert profile_e2e.hlo_origin(hlo, "input_reduce_fusion_215") == "jit(decode_step)/dot_general @ cache.py:134"
+    assert profile_e2e.hlo_origin(hlo, "input_reduce_fusion_21") == "jit(x)/rms"  # not confused with .215
+    assert profile_e2e.hlo_origin(hlo, "gemm_fusion_dot_327") is None  # found, but no metadata
+    assert profile_e2e.hlo_origin(hlo, "loop_add_fusion_70") is None  # not in the module
