@@ -38,3 +38,13 @@ def test_hlo_origin_maps_trace_names_to_the_instruction_metadata():
     assert profile_e2e.hlo_origin(hlo, "input_reduce_fusion_21") == "jit(x)/rms"  # not confused with .215
     assert profile_e2e.hlo_origin(hlo, "gemm_fusion_dot_327") is None  # found, but no metadata
     assert profile_e2e.hlo_origin(hlo, "loop_add_fusion_70") is None  # not in the module
+
+
+def test_probe_gemv_reads_the_kernel_kinds_of_an_hlo_module():
+    from benchmarks import probe_gemv
+
+    hlo = ('%f = bf16[1,1024] fusion(%a, %b), kind=kInput, calls=%r\n'
+           '%g = bf16[1,4096] fusion(%a, %c), kind=kCustom, calls=%t\n'
+           '%h = (bf16[1,4096], s8[0]) custom-call(%a, %c), custom_call_target="__cublas$gemm"\n'
+           '%i = bf16[1,1024] fusion(%a, %d), kind=kInput, calls=%r2\n')
+    assert probe_gemv.kernel_kinds(hlo) == ["__cublas$gemm", "kCustom", "kInput"]
