@@ -1,6 +1,7 @@
 """End-to-end JAX decode at Qwen3-8B shapes (random bf16 weights) over the INT2 and BF16 caches.
 
-One decode step = `oscar_jax.model.decode_step` (36 unrolled layers: projections, the cache's
+One decode step = `oscar_jax.model.decode_step` (36 unrolled layers: projections (Q, K, V fused
+into one weight as the runtime runs them, `model.fuse_qkv`), the cache's
 `attend` — the new token's BF16 write, then two-tier decode attention — MLP, LM head), jitted
 with `static_argnames="cfg", donate_argnames="cache"` as `oscar_jax.runtime` does.
 
@@ -114,6 +115,18 @@ def sequence_cache_bytes(kind: str, context: int, num_layers: int, num_kv_heads:
 
 def max_sequences(memory_bytes: int, weight_bytes: int, reserve_bytes: int, per_sequence_bytes: int) -> int:
     return max(0, (memory_bytes - weight_bytes - reserve_bytes) // per_sequence_bytes)
+
+
+def random_params(model, seed: int = 0):
+    """Random bf16 weights at `model`'s shapes, Q/K/V fused as `oscar_jax.runtime` runs them."""
+    import jax
+    import jax.numpy as jnp
+
+    from oscar_jax.model import fuse_qkv, init_params
+
+    params = fuse_qkv(init_params(model, jax.random.key(seed), dtype=jnp.bfloat16))
+    jax.block_until_ready(params)
+    return params
 
 
 def param_bytes(params) -> dict:
@@ -351,8 +364,6 @@ def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar:
     import jax
     import jax.numpy as jnp
 
-    from oscar_jax.model import init_params
-
     model = model or qwen3_8b_config()
     oscar = oscar or oscar_config(model.head_dim)
     contexts = CONTEXTS if contexts is None else tuple(contexts)  # () → capacity only
@@ -361,8 +372,7 @@ def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar:
     def log(msg):
         print(f"  [e2e {time.perf_counter() - t_start:6.0f} s] {msg}", flush=True)
 
-    params = init_params(model, jax.random.key(seed), dtype=jnp.bfloat16)
-    jax.block_until_ready(params)
+    params = random_params(model, seed)
     weights = param_bytes(params)
     log(f"random bf16 params: {weights['weight_bytes'] / 1e9:.2f} GB")
 

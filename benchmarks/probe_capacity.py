@@ -131,7 +131,6 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
 
     from benchmarks import bench_e2e, harness
-    from oscar_jax.model import init_params
 
     result = {"environment": harness.environment(), "headroom_gib": HEADROOM / GIB, "micro": [], "steps": []}
 
@@ -147,7 +146,7 @@ def main(argv=None) -> None:
             save()
     if args.steps:
         model = bench_e2e.qwen3_8b_config()
-        params = init_params(model, jax.random.key(0), dtype=jnp.bfloat16)
+        params = bench_e2e.random_params(model)
         for item in args.steps.split(","):
             kind, batch = item.split(":")
             entry = real_step(kind, int(batch), params, model, args.context)

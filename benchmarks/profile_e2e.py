@@ -149,10 +149,9 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
 
     from benchmarks import bench_e2e, harness
-    from oscar_jax.model import init_params
 
     model = bench_e2e.qwen3_8b_config()
-    params = init_params(model, jax.random.key(0), dtype=jnp.bfloat16)
+    params = bench_e2e.random_params(model)
     result = {"environment": harness.environment(), "runs": []}
     for kind in args.caches.split(","):
         run = profile(kind, args.context, args.table_context, args.steps, params, model)

@@ -17,7 +17,7 @@ import numpy as np
 
 from shared_math.allocator import PageAllocator
 from oscar_jax.cache import OscarKVCache, StepPlan
-from oscar_jax.model import ModelConfig, Params, decode_step, fold_value_rotation, prefill
+from oscar_jax.model import ModelConfig, Params, decode_step, fold_value_rotation, fuse_qkv, prefill
 from shared_math.artifact import ModelFingerprint, RotationArtifact
 from shared_math.spec import OscarConfig
 from shared_math.tiers import tier_split
@@ -78,7 +78,7 @@ class OscarRuntime:
             page_size=page_size or defaults.page_size,
         )
         self.cfg = cfg
-        self.params = fold_value_rotation(params, cfg, artifact.v_rotation)
+        self.params = fuse_qkv(fold_value_rotation(params, cfg, artifact.v_rotation))
         self.max_seq_len = max_seq_len
         page = self.config.page_size
         if prefill_chunk < page or prefill_chunk % page:

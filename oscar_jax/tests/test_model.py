@@ -286,6 +286,34 @@ def test_fold_value_rotation_rejects_wrong_shape(tiny):
         M.fold_value_rotation(params, cfg, jnp.zeros((2, 2, 16, 8)))
 
 
+def test_fuse_qkv_gives_the_same_logits_bit_for_bit(tiny):
+    """One [H, (Hq + 2K)·D] projection computes the same float32 dot products as three (CPU, f32)."""
+    _, _, cfg, params = tiny
+    fused = M.fuse_qkv(params)
+    q_w, kv_w = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for layer, old in zip(fused["layers"], params["layers"]):
+        assert "wq" not in layer and "wk" not in layer and "wv" not in layer
+        assert layer["wqkv"].shape == (cfg.hidden_size, q_w + 2 * kv_w)
+        np.testing.assert_array_equal(layer["wqkv"][:, q_w + kv_w:], old["wv"])
+    assert M.fuse_qkv(fused)["layers"][0]["wqkv"] is fused["layers"][0]["wqkv"]  # already fused: kept
+    tokens = _tokens(cfg, (2, 15), seed=11)
+    base, base_acts = _forward(params, cfg, tokens, collect=True)
+    got, got_acts = _forward(fused, cfg, tokens, collect=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(base))
+    for name in ("q", "k", "v"):
+        np.testing.assert_array_equal(getattr(got_acts[1], name), getattr(base_acts[1], name))
+
+
+def test_fuse_qkv_and_fold_value_rotation_order(tiny):
+    _, _, cfg, params = tiny
+    rot = jnp.broadcast_to(jnp.eye(cfg.head_dim), (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim))
+    with pytest.raises(ValueError, match="fold before fuse_qkv"):
+        M.fold_value_rotation(M.fuse_qkv(params), cfg, rot)
+    broken = dict(params, layers=[{k: v for k, v in params["layers"][0].items() if k != "wk"}] + params["layers"][1:])
+    with pytest.raises(ValueError, match=r"layer 0 has no \['wk'\] to fuse"):
+        M.fuse_qkv(broken)
+
+
 def test_init_params_runs_at_real_head_layout():
     """Random weights at a real model's head layout (shrunk depth/width) run the cached path."""
     real = M.MODEL_CONFIGS["qwen3-8b"]
