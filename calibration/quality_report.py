@@ -133,10 +133,36 @@ def section(path: Path, data: dict, md_dir: Path) -> list[str]:
         for name, m in methods.items():
             ratios = [w["perplexity"] / r for w, r in zip(m.get("per_window", []), reference)]
             lines.append(f"| {name} | " + " | ".join(f"{x:.4f}" for x in ratios) + " |")
+        oscar = methods.get("oscar", {}).get("per_window", [])
+        rows = [(name, paired(oscar, m.get("per_window", []))) for name, m in methods.items()
+                if name not in ("bf16", "oscar") and len(m.get("per_window", [])) == len(oscar) > 1]
+        if rows:
+            lines += ["", "OSCAR against each method, window by window (the same windows; a mean log-ratio within "
+                      "two standard errors of 0 is not resolved):", "",
+                      "| method | OSCAR ppl lower in | mean log(ppl OSCAR / ppl method) ± s.e. | OSCAR KL lower in |",
+                      "|---|---|---|---|"]
+            for name, p in rows:
+                lines.append(f"| {name} | {p['ppl_lower']}/{p['windows']} | {p['mean_log_ratio']:+.4f} ± "
+                             f"{p['standard_error']:.4f} | {_f(p['kl_lower'], 'd')}/{p['windows']} |")
     plot = path.with_suffix(".png")
     if plot.is_file():
         lines += ["", f"![{path.stem}]({os.path.relpath(plot, md_dir)})"]
     return lines + [""]
+
+
+def paired(ours: list[dict], theirs: list[dict]) -> dict:
+    """Per-window comparison of two methods on the same windows: in how many windows our perplexity
+    (and KL, where both record it) is lower, and the mean and standard error of log(ppl ours / ppl
+    theirs). Needs ≥ 2 windows."""
+    if len(ours) != len(theirs) or len(ours) < 2:
+        raise ValueError(f"paired needs the same ≥ 2 windows, got {len(ours)} and {len(theirs)}")
+    logs = [math.log(a["perplexity"] / b["perplexity"]) for a, b in zip(ours, theirs)]
+    mean = sum(logs) / len(logs)
+    var = sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)
+    with_kl = all("kl_vs_bf16" in w for w in ours + theirs)
+    return {"windows": len(logs), "ppl_lower": sum(x < 0 for x in logs), "mean_log_ratio": mean,
+            "standard_error": math.sqrt(var / len(logs)),
+            "kl_lower": sum(a["kl_vs_bf16"] < b["kl_vs_bf16"] for a, b in zip(ours, theirs)) if with_kl else None}
 
 
 def _provenance(path: Path, data: dict, md_dir: Path) -> list[str]:

@@ -86,6 +86,7 @@ def test_capacity_only_merges_into_the_existing_e2e_file(fake_gpu, monkeypatch, 
         return partial
 
     monkeypatch.setattr(bench_e2e, "run", fake_run)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
     bench_h200.main(["--sections", "e2e", "--capacity-only", "--out", str(tmp_path)])
     assert calls == [()]  # no steps measured
     out = json.loads((tmp_path / "e2e_h200.json").read_text())
@@ -94,6 +95,24 @@ def test_capacity_only_merges_into_the_existing_e2e_file(fake_gpu, monkeypatch, 
     assert out["capacity"]["bf16"]["built_batch"] == 7 and "old" not in out["capacity"]["int2"]
 
 
-def test_capacity_only_needs_the_file_it_merges_into(fake_gpu, tmp_path):
+def test_capacity_only_needs_the_file_it_merges_into(fake_gpu, monkeypatch, tmp_path):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
     with pytest.raises(SystemExit):
         bench_h200.main(["--sections", "e2e", "--capacity-only", "--out", str(tmp_path)])
+
+
+def test_capacity_needs_a_preallocated_allocator(fake_gpu, monkeypatch, tmp_path, capsys):
+    """A growing allocator fragments (NOTES v5): --capacity-only refuses it, and the e2e section
+    measures its steps but skips the capacity search, printing the command that runs it."""
+    from benchmarks import bench_e2e
+
+    (tmp_path / "e2e_h200.json").write_text(json.dumps({"runs": []}))
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    with pytest.raises(SystemExit):
+        bench_h200.main(["--sections", "e2e", "--capacity-only", "--out", str(tmp_path)])
+    assert "--capacity-only needs the memory preallocated" in capsys.readouterr().err
+    calls = []
+    monkeypatch.setattr(bench_e2e, "run", lambda **kw: calls.append(kw) or {"runs": []})
+    bench_h200.main(["--sections", "e2e", "--out", str(tmp_path)])
+    assert calls[0]["capacity_context"] is None
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m benchmarks.bench_h200" in capsys.readouterr().out

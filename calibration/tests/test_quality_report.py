@@ -1,6 +1,7 @@
 """calibration.quality_report: REPORT.md from result files, and clear errors for bad files."""
 
 import json
+import math
 
 import pytest
 
@@ -107,3 +108,19 @@ def test_bad_ablation_and_passkey_files_are_named(tmp_path, kind, mutate, messag
     load = qr.load_ablations if kind == "ablations" else qr.load_passkey
     with pytest.raises(qr.ResultFileError, match=message):
         load(path)
+
+
+def test_paired_comparison_counts_windows_and_gives_the_log_ratio_spread():
+    ours = [{"perplexity": 10.0, "kl_vs_bf16": 0.01}, {"perplexity": 12.0, "kl_vs_bf16": 0.03},
+            {"perplexity": 11.0, "kl_vs_bf16": 0.02}]
+    theirs = [{"perplexity": 11.0, "kl_vs_bf16": 0.02}, {"perplexity": 11.0, "kl_vs_bf16": 0.04},
+              {"perplexity": 11.0, "kl_vs_bf16": 0.01}]
+    p = qr.paired(ours, theirs)
+    logs = [math.log(10 / 11), math.log(12 / 11), 0.0]
+    mean = sum(logs) / 3
+    assert p["windows"] == 3 and p["ppl_lower"] == 1 and p["kl_lower"] == 2
+    assert p["mean_log_ratio"] == pytest.approx(mean)
+    assert p["standard_error"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in logs) / 2 / 3))
+    assert qr.paired(ours[:2], [{"perplexity": 1.0}] * 2)["kl_lower"] is None
+    with pytest.raises(ValueError, match="same ≥ 2 windows, got 3 and 2"):
+        qr.paired(ours, theirs[:2])
