@@ -98,6 +98,16 @@ def load_passkey(path: Path) -> dict:
         for key in ("by_length", "by_depth"):
             for k, v in _object(entry.get(key), f"{where}.{key}").items():
                 _number(v, f"{where}.{key}[{k!r}]")
+    samples = data.get("samples", [])
+    if not isinstance(samples, list):
+        raise ResultFileError(f"{path}: 'samples' must be a list")
+    for i, sample in enumerate(samples):
+        per_method = sample.get("methods") if isinstance(sample, dict) else None
+        if not isinstance(per_method, dict) or set(per_method) != set(methods):
+            raise ResultFileError(f"{path}: samples[{i}].methods must hold exactly the methods {sorted(methods)}")
+        for name, r in per_method.items():
+            if not isinstance(r, dict) or not isinstance(r.get("correct"), bool):
+                raise ResultFileError(f"{path}: samples[{i}].methods[{name!r}].correct must be a bool")
     return data
 
 
@@ -208,7 +218,29 @@ def passkey_section(path: Path, data: dict, md_dir: Path) -> list[str]:
     for name, m in methods.items():
         cells = [_f(m["by_length"].get(n), ".3f") for n in lengths] + [_f(m["by_depth"].get(d), ".3f") for d in depths]
         lines.append(f"| {name} | {m['accuracy']:.3f} | " + " | ".join(cells) + " |")
+    samples = data.get("samples") or []
+    if "oscar" in methods and samples:
+        lines += ["", "OSCAR against each method on the same samples (exact two-sided McNemar test on the samples "
+                  "exactly one of the two retrieves):", "",
+                  "| method | only OSCAR right | only the method right | p |", "|---|---|---|---|"]
+        for name in methods:
+            if name != "oscar":
+                t = mcnemar([s["methods"]["oscar"]["correct"] for s in samples],
+                            [s["methods"][name]["correct"] for s in samples])
+                lines.append(f"| {name} | {t['only_ours']} | {t['only_theirs']} | {t['p_value']:.3f} |")
     return lines + _plot_line(path, md_dir) + [""]
+
+
+def mcnemar(ours: list[bool], theirs: list[bool]) -> dict:
+    """Exact two-sided McNemar test of two methods on the same samples: under "equally good", the
+    samples only one of them gets right split 50/50."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"mcnemar needs the same samples, got {len(ours)} and {len(theirs)}")
+    only_ours = sum(a and not b for a, b in zip(ours, theirs))
+    only_theirs = sum(b and not a for a, b in zip(ours, theirs))
+    n, k = only_ours + only_theirs, min(only_ours, only_theirs)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+    return {"only_ours": only_ours, "only_theirs": only_theirs, "p_value": p}
 
 
 def render(results: Path, md_dir: Path) -> str:

@@ -124,3 +124,28 @@ def test_paired_comparison_counts_windows_and_gives_the_log_ratio_spread():
     assert qr.paired(ours[:2], [{"perplexity": 1.0}] * 2)["kl_lower"] is None
     with pytest.raises(ValueError, match="same ≥ 2 windows, got 3 and 2"):
         qr.paired(ours, theirs[:2])
+
+
+def test_mcnemar_counts_discordant_samples_and_gives_the_exact_p():
+    ours = [True, True, False, True, False, True]
+    theirs = [True, False, True, False, False, False]
+    t = qr.mcnemar(ours, theirs)
+    assert (t["only_ours"], t["only_theirs"]) == (3, 1)
+    assert t["p_value"] == pytest.approx(2 * (1 + 4) / 16)  # n = 4, k = 1: 2·P(X ≤ 1)
+    assert qr.mcnemar([True], [True])["p_value"] == 1.0
+    assert qr.mcnemar([True] * 7, [False] * 7)["p_value"] == pytest.approx(2 / 128)
+    with pytest.raises(ValueError, match="same samples, got 2 and 1"):
+        qr.mcnemar([True, False], [True])
+
+
+def test_passkey_samples_are_validated(tmp_path):
+    good = {"methods": {m: {"accuracy": 0.5, "by_length": {"1024": 0.5}, "by_depth": {"0.5": 0.5}}
+                        for m in ("oscar", "quarot-int2")},
+            "samples": [{"methods": {"oscar": {"correct": True}, "quarot-int2": {"correct": False}}}]}
+    path = tmp_path / "passkey_x.json"
+    path.write_text(json.dumps(good))
+    assert qr.load_passkey(path)["samples"][0]["methods"]["oscar"]["correct"] is True
+    good["samples"][0]["methods"].pop("quarot-int2")
+    path.write_text(json.dumps(good))
+    with pytest.raises(qr.ResultFileError, match=r"samples\[0\].methods must hold exactly"):
+        qr.load_passkey(path)
