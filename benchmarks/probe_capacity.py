@@ -13,6 +13,10 @@ fresh buffer while ballast holds the rest of the memory, so that a second copy c
 at sizes below and above 32 GiB. Then one real decode step (Qwen3-8B shapes, bench_e2e's cache) at
 a given batch, with the compiled memory analysis and the allocator's statistics before the step.
 
+Finding (NOTES.md v5): no probe needed a second buffer; the b = 55 failure is the growing
+allocator fragmenting while the cache is built (largest free block 18 GB of 55 GB free), which is
+why the capacity search runs with XLA_PYTHON_CLIENT_PREALLOCATE=true.
+
     PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m benchmarks.probe_capacity --out probe.json
 """
 
@@ -23,6 +27,8 @@ import gc
 import json
 import time
 from pathlib import Path
+
+import numpy as np
 
 GIB = 2**30
 HEADROOM = 6 * GIB  # left free beside the probed buffer: room for temporaries, not for a copy
@@ -44,17 +50,20 @@ def micro_probe(kind: str, size_bytes: int) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks import bench_e2e
     from oscar_jax import ops
 
+    model = bench_e2e.qwen3_8b_config()
+    oscar = bench_e2e.oscar_config(model.head_dim)
     entry = {"kind": kind, "size_gib": size_bytes / GIB}
     stats = _memory_stats()
     ballast_bytes = stats["bytes_limit"] - stats["bytes_in_use"] - size_bytes - HEADROOM
     ballast = jnp.zeros((max(ballast_bytes, 1),), jnp.uint8) if ballast_bytes > 0 else None
     try:
         if kind == "pallas_write":
-            page_bytes = 8 * 64 * 128 * 2  # [K=8, L=64, D=128] bf16
-            pool = jnp.zeros((1, size_bytes // page_bytes, 8, 64, 128), jnp.bfloat16)
-            rows = jnp.ones((1, 8, 128), jnp.float32)
+            page = (model.num_kv_heads, oscar.page_size, model.head_dim)  # one BF16 page, all KV heads
+            pool = jnp.zeros((1, size_bytes // (2 * np.prod(page)), *page), jnp.bfloat16)
+            rows = jnp.ones((1, model.num_kv_heads, model.head_dim), jnp.float32)
             ids = jnp.zeros((1,), jnp.int32)
             fn = jax.jit(lambda p, r: ops.write_bf16_pages(p, r, ids, ids, layer=0), donate_argnums=0)
             args = (pool, rows)
@@ -84,7 +93,6 @@ def micro_probe(kind: str, size_bytes: int) -> dict:
 
 def real_step(kind: str, batch: int, params, model, context: int) -> dict:
     """bench_e2e's cache at `batch` × `context`, compiled step, two donated steps."""
-    import jax
     import jax.numpy as jnp
 
     from benchmarks import bench_e2e
@@ -126,9 +134,6 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", default="int2:39,bf16:5", help="real decode steps kind:batch (empty: none)")
     parser.add_argument("--context", type=int, default=100_000)
     args = parser.parse_args(argv)
-
-    import jax
-    import jax.numpy as jnp
 
     from benchmarks import bench_e2e, harness
 

@@ -16,8 +16,12 @@ import json
 import re
 from pathlib import Path
 
-HIDDEN = 4096
-WIDTHS = {"k_or_v": 1024, "k_and_v": 2048, "q": 4096, "q_k_v": 6144, "gate_or_up": 12288}
+def widths(model) -> dict:
+    """Output widths of the model's batch-1 projections, alone and fused."""
+    q, kv = model.num_q_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return {"k_or_v": kv, "k_and_v": 2 * kv, "q": q, "q_k_v": q + 2 * kv, "gate_or_up": model.intermediate_size}
+
+
 COPIES = 8  # distinct weights per shape, cycled, so that no call finds its weights in the 50 MB L2
 
 
@@ -35,14 +39,16 @@ def main(argv=None) -> None:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks import harness
+    from benchmarks import bench_e2e, harness
 
+    model = bench_e2e.qwen3_8b_config()
+    hidden = model.hidden_size
     copy = harness.copy_bandwidth()
-    result = {"environment": harness.environment(), "copy_gb_per_s": copy["gb_per_s"], "hidden": HIDDEN,
+    result = {"environment": harness.environment(), "copy_gb_per_s": copy["gb_per_s"], "hidden": hidden,
               "copies": COPIES, "shapes": {}}
-    x = jax.random.normal(jax.random.key(0), (1, HIDDEN), jnp.float32).astype(jnp.bfloat16)
-    for name, width in WIDTHS.items():
-        weights = tuple(jax.random.normal(jax.random.key(c), (HIDDEN, width), jnp.float32).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(0), (1, hidden), jnp.float32).astype(jnp.bfloat16)
+    for name, width in widths(model).items():
+        weights = tuple(jax.random.normal(jax.random.key(c), (hidden, width), jnp.float32).astype(jnp.bfloat16)
                         for c in range(COPIES))
 
         def step(i, carry, *weights):  # one call per weight copy, each depending on the last
@@ -54,12 +60,12 @@ def main(argv=None) -> None:
         timing = {**timing, "median_s": timing["median_s"] / COPIES, "min_s": timing["min_s"] / COPIES,
                   "max_s": timing["max_s"] / COPIES, "calls_per_rep": COPIES}
         hlo = jax.jit(lambda a, w: a @ w).lower(x, weights[0]).compile().as_text()
-        bytes_read = HIDDEN * width * 2
+        bytes_read = hidden * width * 2
         entry = {"width": width, **timing, "weight_bytes": bytes_read,
                  "gb_per_s": bytes_read / timing["median_s"] / 1e9, "kernels": kernel_kinds(hlo)}
         entry["fraction_of_copy"] = entry["gb_per_s"] / copy["gb_per_s"]
         result["shapes"][name] = entry
-        print(f"{name:11s} [{HIDDEN}, {width:5d}]: {timing['median_s'] * 1e6:7.1f} us {entry['gb_per_s']:6.0f} GB/s "
+        print(f"{name:11s} [{hidden}, {width:5d}]: {timing['median_s'] * 1e6:7.1f} us {entry['gb_per_s']:6.0f} GB/s "
               f"({entry['fraction_of_copy']:.0%} of copy) {entry['kernels']}", flush=True)
         del weights
     args.out.write_text(json.dumps(result, indent=1))

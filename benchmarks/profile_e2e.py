@@ -145,9 +145,6 @@ def main(argv=None) -> None:
     parser.add_argument("--caches", default="int2,bf16")
     args = parser.parse_args(argv)
 
-    import jax
-    import jax.numpy as jnp
-
     from benchmarks import bench_e2e, harness
 
     model = bench_e2e.qwen3_8b_config()

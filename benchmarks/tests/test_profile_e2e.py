@@ -48,3 +48,10 @@ def test_probe_gemv_reads_the_kernel_kinds_of_an_hlo_module():
            '%h = (bf16[1,4096], s8[0]) custom-call(%a, %c), custom_call_target="__cublas$gemm"\n'
            '%i = bf16[1,1024] fusion(%a, %d), kind=kInput, calls=%r2\n')
     assert probe_gemv.kernel_kinds(hlo) == ["__cublas$gemm", "kCustom", "kInput"]
+
+
+def test_probe_gemv_widths_are_qwen3_8b_projections():
+    from benchmarks import bench_e2e, probe_gemv
+
+    assert probe_gemv.widths(bench_e2e.qwen3_8b_config()) == {
+        "k_or_v": 1024, "k_and_v": 2048, "q": 4096, "q_k_v": 6144, "gate_or_up": 12288}
