@@ -35,7 +35,7 @@ import torch
 
 from oscar_torch import library
 from oscar_torch.kernels.codec import interpreting
-from oscar_torch.kernels.decode_attention import MIN_DOT_DIM
+from oscar_torch.kernels.decode_attention import DEFAULT_NUM_WARPS, MIN_DOT_DIM
 from oscar_torch.validation import (
     check_devices,
     check_positive_float,
@@ -43,7 +43,7 @@ from oscar_torch.validation import (
     check_tensor,
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
-from shared_math.tiling import default_pages_per_block, default_pages_per_split
+from shared_math.tiling import default_num_warps, default_pages_per_block, default_pages_per_split
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
 DEFAULT_PREFILL_BLOCK_M = 64
@@ -173,19 +173,19 @@ _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v
 
 
 def _cache_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split,
-                    pages_per_block, block_m, unpack_asm=False):
+                    pages_per_block, block_m, unpack_asm=False, num_warps=DEFAULT_NUM_WARPS):
     """Partials of q_rows [B, Hkv, M, D] over both tiers, concatenated on the split axis."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
     outputs, lses = library.bf16_tier_partials(
         q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots,
-        softmax_scale, pages_per_split, pages_per_block, block_m,
+        softmax_scale, pages_per_split, pages_per_block, block_m, num_warps,
     )
     if history_page_table.shape[1] == 0:
         return outputs, lses
     int2_outputs, int2_lses = library.int2_tier_partials(
         q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-        group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm,
+        group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm, num_warps,
     )
     return torch.cat([outputs, int2_outputs], dim=2), torch.cat([lses, int2_lses], dim=2)
 
@@ -212,6 +212,7 @@ def decode_attention(
     pages_per_split: int | None = None,
     pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
     unpack_asm: bool | None = None,
+    num_warps: int | None = None,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
 
@@ -229,10 +230,15 @@ def decode_attention(
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, compiled Triton on a GPU):
         the same operand bits in fewer instructions (H200, 128K: 211 → 192 µs, benchmarks/NOTES.md
         v4); None → on where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
+      num_warps: warps per program of both tier kernels (a power of two); None →
+        `shared_math.tiling.default_num_warps(B)`, the policy the Pallas kernels share.
     Returns:
       float32 [B, Hq, D].
     """
     check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
+    if num_warps is None:
+        num_warps = default_num_warps(q.shape[0])
+    check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
     if unpack_asm is None:
         unpack_asm = not interpreting() and q.dtype == torch.bfloat16
     if unpack_asm not in (True, False):
@@ -256,6 +262,7 @@ def decode_attention(
     outputs, lses = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=float(softmax_scale),
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, unpack_asm=bool(unpack_asm),
+        num_warps=int(num_warps),
     )
     # Drop the padding rows before the merge: [B, Hkv, S, Gq, D] → o [B, Hkv, Gq, D].
     o, _ = merge_partials(outputs[..., :heads_per_kv, :], lses[..., :heads_per_kv])

@@ -139,12 +139,36 @@ def test_bad_cache_arrays_raise(small, name, transform, message):
         (dict(pages_per_block=0), "pages_per_block=0 must be an integer >= 1"),
         (dict(sink_slots=-1), "sink_slots=-1 must be an integer >= 0"),
         (dict(sink_slots=1.5), "sink_slots=1.5 must be an integer"),
+        (dict(num_warps=3), "num_warps=3 must be a power of two"),
+        (dict(num_warps=0), "num_warps=0 must be an integer >= 1"),
     ],
 )
 def test_bad_static_arguments_raise(small, overrides, message):
     q, arrays = small
     with pytest.raises(ValueError, match=message):
         ops.decode_attention(q, *arrays, **{**attention_kwargs(SMALL), **overrides})
+
+
+@pytest.mark.parametrize("batch,expected", [(1, 4), (8, 2)])
+def test_default_num_warps_follows_the_batch(small, monkeypatch, batch, expected):
+    """num_warps=None launches both tier kernels with shared_math.tiling.default_num_warps(B), the
+    Pallas policy; an explicit value is kept."""
+    from oscar_torch.kernels import decode_attention as kdecode
+
+    q, arrays = small
+    arrays = list(arrays)
+    for i in (8, 9, 10, 11, 12):  # tables and lengths [B, …]: repeat row 0 to the batch
+        arrays[i] = arrays[i][:1].repeat_interleave(batch, dim=0).contiguous()
+    qb = q[:1].repeat_interleave(batch, dim=0).contiguous()
+    seen = []
+    for tier in ("bf16_tier_partials", "int2_tier_partials"):
+        real = getattr(kdecode, tier)
+        monkeypatch.setattr(kdecode, tier, lambda *a, real=real, tier=tier, **kw: (seen.append((tier, kw["num_warps"])),
+                                                                                real(*a, **kw))[1])
+    ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL))
+    ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), num_warps=8)
+    assert seen == [("bf16_tier_partials", expected), ("int2_tier_partials", expected),
+                    ("bf16_tier_partials", 8), ("int2_tier_partials", 8)]
 
 
 def test_bad_query_raises(small):
@@ -191,4 +215,6 @@ def test_unpack_asm_on_the_gpu_matches_the_compiler_unpacking(case):
     default = ops.decode_attention(query(case), *arrays, **kwargs).cpu().numpy()
     np.testing.assert_allclose(unpacked, compiler, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(default, unpacked)  # None → the PTX unpacker on the GPU for bf16 q
+    two_warps = ops.decode_attention(query(case), *arrays, num_warps=2, **kwargs).cpu().numpy()
+    np.testing.assert_allclose(two_warps, unpacked, rtol=0, atol=1e-6)  # same sums, other warp split
     assert_close(unpacked, reference_decode(case, cache, case.query()), case.q_dtype)
