@@ -4,11 +4,36 @@
         python3 -m benchmarks.profile_decode --batch 8
 
 Each kernel runs twice (compile + warm, then the profiled launch); NOTES.md quotes the report.
+
+    python3 -m benchmarks.profile_decode --batch 1 --breakdown OUT.json
+
+`--breakdown` instead traces `--calls` calls of each backend (jax.profiler for Pallas,
+torch.profiler for Triton) and writes, per backend, every kernel of one call with its time
+(`profile_e2e.summarize_kernels`): where the time between the tier kernels and the whole op goes
+(padding, concatenation, merge).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
+from pathlib import Path
+
+
+def _compiled_triton_kernels() -> list[dict]:
+    """Registers, spills and shared memory of the torch backend's decode kernels as launched (with
+    the runtime's argument specialisation, which the static analysis must reproduce)."""
+    from oscar_torch.kernels import decode_attention as kdecode
+
+    found = []
+    for name in ("_bf16_tier_kernel", "_int2_tier_kernel"):
+        for caches in getattr(getattr(kdecode, name), "device_caches", {}).values():
+            for compiled in caches[0].values():
+                found.append({"kernel": name, "registers": compiled.n_regs, "spills": compiled.n_spills,
+                              "shared": compiled.metadata.shared,
+                              "async_copies": compiled.asm["ttgir"].count("async_copy_global_to_local")})
+    return found
 
 
 def main(argv=None) -> None:
@@ -16,6 +41,8 @@ def main(argv=None) -> None:
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--breakdown", type=Path, default=None, help="write a per-kernel breakdown JSON here")
+    parser.add_argument("--calls", type=int, default=20, help="calls traced per backend with --breakdown")
     args = parser.parse_args(argv)
 
     import jax
@@ -43,7 +70,39 @@ def main(argv=None) -> None:
     for _ in range(2):
         torch_attention.decode_attention(tq, *targs, **common)
     torch.cuda.synchronize()
-    print("profiled: Pallas and Triton INT2 decode attention", args, flush=True)
+    if args.breakdown is None:
+        print("profiled: Pallas and Triton INT2 decode attention", args, flush=True)
+        return
+
+    from benchmarks import harness, profile_e2e
+
+    pallas = jax.jit(lambda q_, pools_, tables_: ops.decode_attention(q_, *pools_, *tables_, **common))
+    jax.block_until_ready(pallas(q, pool_args, tables))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(args.calls):
+                out = pallas(q, pool_args, tables)
+            jax.block_until_ready(out)
+        jax_events, _ = profile_e2e.device_kernels(trace_dir)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.calls):
+            torch_attention.decode_attention(tq, *targs, **common)
+        torch.cuda.synchronize()
+    torch_events = [(e.name, int(e.time_range.start * 1e3), int(e.time_range.elapsed_us() * 1e3))
+                    for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    result = {"environment": harness.environment(), "context": args.context, "batch": args.batch,
+              "group_size": args.group_size, "calls": args.calls,
+              "pallas": profile_e2e.summarize_kernels(jax_events, args.calls),
+              "triton": profile_e2e.summarize_kernels(torch_events, args.calls),
+              "triton_compiled": _compiled_triton_kernels()}
+    args.breakdown.write_text(json.dumps(result, indent=1))
+    for backend in ("pallas", "triton"):
+        summary = result[backend]
+        print(f"{backend}: {summary.get('kernels_per_step', 0):.0f} kernels per call, busy "
+              f"{summary.get('busy_us_per_step', 0):.1f} us, span {summary.get('span_us_per_step', 0):.1f} us")
+        for k in summary.get("top_kernels", [])[:8]:
+            print(f"  {k['us_per_step']:8.1f} us  x{k['launches_per_step']:.0f}  {k['name'][:100]}")
+    print(f"wrote {args.breakdown}", flush=True)
 
 
 if __name__ == "__main__":

@@ -140,7 +140,13 @@ TRITON_QWEN3_8B = dict(NUM_HEADS=8, ROWS=16, D=128, PAGE_SIZE=64, PAGES_PER_SPLI
 
 def compile_triton_source(kernel, constants: dict, num_warps: int, num_stages: int):
     """Compile a `triton.jit` kernel with `constants` (its constexprs; the other arguments typed by
-    TRITON_POINTERS) for sm_90. Needs the real Triton (not TRITON_INTERPRET=1)."""
+    TRITON_POINTERS) for sm_90. Needs the real Triton (not TRITON_INTERPRET=1).
+
+    Every pointer and integer argument is marked 16-divisible, as Triton's launcher specialises
+    them at run time (torch allocations are 256-byte aligned; the table length is a multiple of
+    16 at the benchmarked contexts). Without it the loads look unaligned, the loop is not
+    software-pipelined and the kernel compiled here is not the one that runs (166 registers and
+    no async copies against 95 registers and 10: benchmarks/NOTES.md v5)."""
     import inspect
 
     import triton
@@ -154,7 +160,9 @@ def compile_triton_source(kernel, constants: dict, num_warps: int, num_stages: i
                and inspect.signature(kernel.fn).parameters[n].default is inspect.Parameter.empty]
     if missing:
         raise ValueError(f"no value for the constexpr arguments {missing}")
-    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", H200_ARCH, 32),
+    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items() if kind != "constexpr"}
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned),
+                          target=GPUTarget("cuda", H200_ARCH, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 

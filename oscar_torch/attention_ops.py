@@ -43,7 +43,7 @@ from oscar_torch.validation import (
     check_tensor,
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
-from shared_math.tiling import default_num_warps, default_pages_per_block, default_pages_per_split
+from shared_math.tiling import default_pages_per_block, default_pages_per_split
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
 DEFAULT_PREFILL_BLOCK_M = 64
@@ -230,14 +230,15 @@ def decode_attention(
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, compiled Triton on a GPU):
         the same operand bits in fewer instructions (H200, 128K: 211 → 192 µs, benchmarks/NOTES.md
         v4); None → on where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
-      num_warps: warps per program of both tier kernels (a power of two); None →
-        `shared_math.tiling.default_num_warps(B)`, the policy the Pallas kernels share.
+      num_warps: warps per program of both tier kernels (a power of two); None → 4 at every batch.
+        Unlike the Pallas kernels (`shared_math.tiling.default_num_warps`), 2 warps lose here:
+        H200, 128K, b1 232.1 vs 204.9 µs, b8 911.9 vs 847.9 µs (benchmarks/NOTES.md v5).
     Returns:
       float32 [B, Hq, D].
     """
     check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
     if num_warps is None:
-        num_warps = default_num_warps(q.shape[0])
+        num_warps = DEFAULT_NUM_WARPS
     check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
     if unpack_asm is None:
         unpack_asm = not interpreting() and q.dtype == torch.bfloat16

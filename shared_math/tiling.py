@@ -43,5 +43,6 @@ def default_num_warps(batch: int) -> int:
     and 2-warp programs, more of them resident per SM, win: H200, Qwen3-8B shapes, Pallas
     (results/decode_h200.json): 128K b8 648.6 vs 711.8 µs, b32 at 8K / 32K / 128K 199.8 / 645.0 /
     2344.8 vs 224.0 / 736.4 / 2639.8 µs. At batch 1 (1024 programs at 128K) 4 warps win,
-    132.7 vs 138.7 µs. Both backends' decode attention use it when num_warps is None."""
+    132.7 vs 138.7 µs. The Pallas kernels only: Triton's own kernels lose at 2 warps at both
+    batches (oscar_torch.attention_ops.decode_attention, measured at git e64fbae)."""
     return 2 if batch >= BATCHED_DECODE_NUM_WARPS_FROM else 4

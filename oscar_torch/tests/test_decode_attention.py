@@ -149,10 +149,10 @@ def test_bad_static_arguments_raise(small, overrides, message):
         ops.decode_attention(q, *arrays, **{**attention_kwargs(SMALL), **overrides})
 
 
-@pytest.mark.parametrize("batch,expected", [(1, 4), (8, 2)])
-def test_default_num_warps_follows_the_batch(small, monkeypatch, batch, expected):
-    """num_warps=None launches both tier kernels with shared_math.tiling.default_num_warps(B), the
-    Pallas policy; an explicit value is kept."""
+@pytest.mark.parametrize("batch,expected", [(1, 4), (8, 4)])
+def test_num_warps_reaches_both_tier_kernels(small, monkeypatch, batch, expected):
+    """num_warps=None launches both tier kernels with 4 warps at every batch (2 lose on the H200,
+    unlike Pallas); an explicit value reaches both."""
     from oscar_torch.kernels import decode_attention as kdecode
 
     q, arrays = small
@@ -216,5 +216,5 @@ def test_unpack_asm_on_the_gpu_matches_the_compiler_unpacking(case):
     np.testing.assert_allclose(unpacked, compiler, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(default, unpacked)  # None → the PTX unpacker on the GPU for bf16 q
     two_warps = ops.decode_attention(query(case), *arrays, num_warps=2, **kwargs).cpu().numpy()
-    np.testing.assert_allclose(two_warps, unpacked, rtol=0, atol=1e-6)  # same sums, other warp split
+    assert_close(two_warps, reference_decode(case, cache, case.query()), case.q_dtype)  # another dot split
     assert_close(unpacked, reference_decode(case, cache, case.query()), case.q_dtype)
