@@ -132,6 +132,7 @@ TRITON_POINTERS = {
     "q_ptr": "*i16", "k_ptr": "*i16", "v_ptr": "*i16", "k_codes_ptr": "*u8", "v_codes_ptr": "*u8",
     "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16", "v_scale_ptr": "*fp16", "v_min_ptr": "*fp16",
     "o_ptr": "*fp32", "lse_ptr": "*fp32", "table_slots": "i32",
+    "o_a_ptr": "*fp32", "lse_a_ptr": "*fp32", "o_b_ptr": "*fp32", "lse_b_ptr": "*fp32", "out_ptr": "*fp32",
 }
 TRITON_QWEN3_8B = dict(NUM_HEADS=8, ROWS=16, D=128, PAGE_SIZE=64, PAGES_PER_SPLIT=16, NUM_SPLITS=4,
                        SOFTMAX_SCALE=128**-0.5, BLOCK_M=16, TENSOR_CORES=True, GROUP_SIZE=128, PAGES_PER_BLOCK=1,

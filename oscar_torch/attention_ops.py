@@ -172,22 +172,29 @@ _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v
 # --------------------------------------------------------------------------------------------
 
 
-def _cache_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split,
-                    pages_per_block, block_m, unpack_asm=False, num_warps=DEFAULT_NUM_WARPS):
-    """Partials of q_rows [B, Hkv, M, D] over both tiers, concatenated on the split axis."""
+def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block,
+                   block_m, unpack_asm=False, num_warps=DEFAULT_NUM_WARPS):
+    """The (outputs, lses) of q_rows [B, Hkv, M, D] over each tier: BF16, then INT2 (if it has slots)."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
-    outputs, lses = library.bf16_tier_partials(
+    tiers = [library.bf16_tier_partials(
         q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots,
         softmax_scale, pages_per_split, pages_per_block, block_m, num_warps,
-    )
-    if history_page_table.shape[1] == 0:
-        return outputs, lses
-    int2_outputs, int2_lses = library.int2_tier_partials(
-        q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-        group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm, num_warps,
-    )
-    return torch.cat([outputs, int2_outputs], dim=2), torch.cat([lses, int2_lses], dim=2)
+    )]
+    if history_page_table.shape[1] > 0:
+        tiers.append(library.int2_tier_partials(
+            q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
+            group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm, num_warps,
+        ))
+    return tiers
+
+
+def _cache_partials(q_rows, cache, **kwargs):
+    """Partials of q_rows [B, Hkv, M, D] over both tiers, concatenated on the split axis."""
+    tiers = _tier_partials(q_rows, cache, **kwargs)
+    if len(tiers) == 1:
+        return tiers[0]
+    return torch.cat([o for o, _ in tiers], dim=2), torch.cat([lse for _, lse in tiers], dim=2)
 
 
 def decode_attention(
@@ -260,13 +267,17 @@ def decode_attention(
     rows = max(MIN_DOT_DIM, _next_power_of_two(heads_per_kv))  # GQA group padded for dot's M ≥ 16
     q_rows = q.reshape(batch, num_kv_heads, heads_per_kv, head_dim)
     q_rows = torch.nn.functional.pad(q_rows, (0, 0, 0, rows - heads_per_kv)).contiguous()
-    outputs, lses = _cache_partials(
+    tiers = _tier_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=float(softmax_scale),
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, unpack_asm=bool(unpack_asm),
         num_warps=int(num_warps),
     )
-    # Drop the padding rows before the merge: [B, Hkv, S, Gq, D] → o [B, Hkv, Gq, D].
-    o, _ = merge_partials(outputs[..., :heads_per_kv, :], lses[..., :heads_per_kv])
+    # One merge kernel over both tiers' splits, reading only the Gq kept rows of the padded ones
+    # (the eager concatenate + merge took ~60 µs at 128K b1: results/profile_decode_128k_b1_h200.json).
+    if len(tiers) == 1:  # no history slots: an INT2 tier of zero splits
+        tiers.append((tiers[0][0][:, :, :0], tiers[0][1][:, :, :0]))
+    (o_a, lse_a), (o_b, lse_b) = tiers
+    o = library.merge_tier_partials(o_a, lse_a, o_b, lse_b, heads_per_kv)  # [B, Hkv, Gq, D]
     return o.reshape(batch, q_heads, head_dim)
 
 

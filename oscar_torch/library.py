@@ -209,6 +209,17 @@ def _(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, page_table, history_t
     return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split))
 
 
+@torch.library.custom_op(f"{NAMESPACE}::merge_tier_partials", mutates_args=())
+def merge_tier_partials(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor, valid_rows: int) -> Tensor:
+    return kdecode.merge_tier_partials(o_a, lse_a, o_b, lse_b, valid_rows)
+
+
+@merge_tier_partials.register_fake
+def _(o_a, lse_a, o_b, lse_b, valid_rows):
+    batch, num_kv_heads, _, _, head_dim = o_a.shape
+    return o_a.new_empty((batch, num_kv_heads, valid_rows, head_dim))
+
+
 @torch.library.custom_op(f"{NAMESPACE}::causal_chunk_partials", mutates_args=())
 def causal_chunk_partials(
     q: Tensor,

@@ -161,6 +161,30 @@ def _output_rows(b, h, split, row_block, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl
 
 
 @triton.jit
+def _bf16_block(i, o, m, l, q, page_table_ptr, k_ptr, v_ptr, table_slots, b, h, first_slot, n_sink, n_recent,
+                slot_in_block, offset, column, NUM_HEADS: tl.constexpr, D: tl.constexpr, SINK_SLOTS: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr, SOFTMAX_SCALE: tl.constexpr,
+                Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr):
+    """One block of PAGES_PER_BLOCK BF16 pages (sink or recent): scores, online softmax, P·V."""
+    slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
+    is_sink = slot < SINK_SLOTS
+    position = tl.where(is_sink, slot, slot - SINK_SLOTS) * PAGE_SIZE + offset
+    valid = (position < tl.where(is_sink, n_sink, n_recent)) & (slot < table_slots)  # [N]
+    page = tl.load(page_table_ptr + b * table_slots + slot, mask=valid, other=0)  # never unused slots
+    row_start = ((page.to(tl.int64) * NUM_HEADS + h) * PAGE_SIZE + offset) * D  # [N]
+    k = widen_bf16_bits(tl.load(k_ptr + row_start[:, None] + column))  # [N, D]
+    v = widen_bf16_bits(tl.load(v_ptr + row_start[:, None] + column))
+    v = tl.where(valid[:, None], v, 0.0)
+    k = dot_operand(k, Q_BF16, TENSOR_CORES)
+    v = dot_operand(v, Q_BF16, TENSOR_CORES)
+    scores = dot_f32(q, tl.trans(k), Q_BF16, TENSOR_CORES) * SOFTMAX_SCALE  # [BLOCK_M, N]
+    p, correction, m, l = online_softmax_step(scores, valid[None, :], m, l)
+    p = dot_operand(p, Q_BF16, TENSOR_CORES)
+    o = o * correction[:, None] + dot_f32(p, v, Q_BF16, TENSOR_CORES)
+    return o, m, l
+
+
+@triton.jit
 def _bf16_tier_kernel(
     page_table_ptr,  # [B, NB] int32: sink slots, then recent slots
     sink_tokens_ptr,  # [B] int32
@@ -208,25 +232,21 @@ def _bf16_tier_kernel(
     o = tl.zeros((BLOCK_M, D), tl.float32)
     m = tl.full((BLOCK_M,), MASK_VALUE_C, tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
-    # A static trip count with a dynamic guard: the interpreter cannot take a loaded value as
-    # a loop bound (numpy 2.5 refuses int() of its 1-element arrays).
-    for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
-        if i < num_blocks:
-            slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
-            is_sink = slot < SINK_SLOTS
-            position = tl.where(is_sink, slot, slot - SINK_SLOTS) * PAGE_SIZE + offset
-            valid = (position < tl.where(is_sink, n_sink, n_recent)) & (slot < table_slots)  # [N]
-            page = tl.load(page_table_ptr + b * table_slots + slot, mask=valid, other=0)  # never unused slots
-            row_start = ((page.to(tl.int64) * NUM_HEADS + h) * PAGE_SIZE + offset) * D  # [N]
-            k = widen_bf16_bits(tl.load(k_ptr + row_start[:, None] + column))  # [N, D]
-            v = widen_bf16_bits(tl.load(v_ptr + row_start[:, None] + column))
-            v = tl.where(valid[:, None], v, 0.0)
-            k = dot_operand(k, Q_BF16, TENSOR_CORES)
-            v = dot_operand(v, Q_BF16, TENSOR_CORES)
-            scores = dot_f32(q, tl.trans(k), Q_BF16, TENSOR_CORES) * SOFTMAX_SCALE  # [BLOCK_M, N]
-            p, correction, m, l = online_softmax_step(scores, valid[None, :], m, l)
-            p = dot_operand(p, Q_BF16, TENSOR_CORES)
-            o = o * correction[:, None] + dot_f32(p, v, Q_BF16, TENSOR_CORES)
+    if TENSOR_CORES:  # compiled: a loop bounded by the loaded length, which Triton software-pipelines
+        for i in range(0, num_blocks):
+            o, m, l = _bf16_block(i, o, m, l, q, page_table_ptr, k_ptr, v_ptr, table_slots, b, h, first_slot,
+                                  n_sink, n_recent, slot_in_block, offset, column, NUM_HEADS, D, SINK_SLOTS,
+                                  PAGE_SIZE, PAGES_PER_BLOCK, SOFTMAX_SCALE, Q_BF16, TENSOR_CORES)
+    else:
+        # The interpreter cannot take a loaded value as a loop bound (numpy 2.5 refuses int() of
+        # its 1-element arrays): a static trip count with a dynamic guard. Compiled, the guard
+        # kept Triton from pipelining the loop (no async copies: 28 vs 11 µs for Pallas's BF16
+        # tier at 128K b1, results/profile_decode_128k_b1_h200.json).
+        for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
+            if i < num_blocks:
+                o, m, l = _bf16_block(i, o, m, l, q, page_table_ptr, k_ptr, v_ptr, table_slots, b, h, first_slot,
+                                      n_sink, n_recent, slot_in_block, offset, column, NUM_HEADS, D, SINK_SLOTS,
+                                      PAGE_SIZE, PAGES_PER_BLOCK, SOFTMAX_SCALE, Q_BF16, TENSOR_CORES)
 
     out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
     store_partial(o_ptr, lse_ptr, o, m, l, out_row, D)
@@ -676,3 +696,85 @@ def int2_tier_partials(
     )
     return o, lse
 
+
+
+# --------------------------------------------------------------------------------------------
+# Merge: the exact softmax over both tiers' splits, in one pass per query row.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tier_max_lse(lse_ptr, b, h, row, num_splits: tl.constexpr, m, NUM_HEADS: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    """max(m, max_s lse[b, h, s, row]) over one tier's splits."""
+    for start in range(0, num_splits, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_ptr + ((b * NUM_HEADS + h) * num_splits + s) * ROWS + row, mask=s < num_splits,
+                      other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, axis=0))
+    return m
+
+
+@triton.jit
+def _tier_weighted_sum(o_ptr, lse_ptr, b, h, row, num_splits: tl.constexpr, lse_max, acc, total, NUM_HEADS: tl.constexpr,
+                       ROWS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """acc + Σ_s exp(lse_s − lse_max)·o_s and total + Σ_s exp(lse_s − lse_max) over one tier."""
+    column = tl.arange(0, D)
+    for start in range(0, num_splits, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        inside = s < num_splits
+        split_row = (b * NUM_HEADS + h) * num_splits + s  # [BLOCK_S]
+        lse = tl.load(lse_ptr + split_row * ROWS + row, mask=inside, other=float("-inf"))
+        weight = tl.exp(lse - lse_max)  # 0 for empty splits (lse = −inf)
+        o = tl.load(o_ptr + (split_row.to(tl.int64) * ROWS + row)[:, None] * D + column[None, :],
+                    mask=inside[:, None], other=0.0)  # [BLOCK_S, D]
+        acc += tl.sum(tl.where(weight[:, None] > 0.0, weight[:, None] * o, 0.0), axis=0)
+        total += tl.sum(weight, axis=0)
+    return acc, total
+
+
+@triton.jit
+def _merge_tiers_kernel(
+    o_a_ptr, lse_a_ptr,  # [B, K, Sa, M, D], [B, K, Sa, M] float32: one tier's partials
+    o_b_ptr, lse_b_ptr,  # [B, K, Sb, M, D], [B, K, Sb, M] float32: the other's
+    out_ptr,  # [B, K, R, D] float32
+    SPLITS_A: tl.constexpr,  # static like the tier kernels' NUM_SPLITS (and a loop bound the
+    SPLITS_B: tl.constexpr,  # interpreter accepts)
+    NUM_HEADS: tl.constexpr,
+    ROWS: tl.constexpr,  # M, the padded rows of the partials
+    VALID_ROWS: tl.constexpr,  # R ≤ M, the rows kept
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One program per (b, KV head, kept row): `attention_ops.merge_partials` over the splits of
+    both tiers, without concatenating them; rows every split left empty get 0."""
+    b, h, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    lse_max = tl.max(tl.full((BLOCK_S,), float("-inf"), tl.float32), axis=0)  # a scalar tensor: loop-carried
+    lse_max = _tier_max_lse(lse_a_ptr, b, h, row, SPLITS_A, lse_max, NUM_HEADS, ROWS, BLOCK_S)
+    lse_max = _tier_max_lse(lse_b_ptr, b, h, row, SPLITS_B, lse_max, NUM_HEADS, ROWS, BLOCK_S)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    acc = tl.zeros((D,), tl.float32)
+    total = tl.sum(tl.zeros((BLOCK_S,), tl.float32), axis=0)
+    acc, total = _tier_weighted_sum(o_a_ptr, lse_a_ptr, b, h, row, SPLITS_A, lse_max, acc, total, NUM_HEADS,
+                                    ROWS, D, BLOCK_S)
+    acc, total = _tier_weighted_sum(o_b_ptr, lse_b_ptr, b, h, row, SPLITS_B, lse_max, acc, total, NUM_HEADS,
+                                    ROWS, D, BLOCK_S)
+    out = acc / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + ((b * NUM_HEADS + h) * VALID_ROWS + row).to(tl.int64) * D + tl.arange(0, D), out)
+
+
+MERGE_BLOCK_SPLITS = 32  # splits per load of the merge: [32, D] float32 = 16 KB at d = 128
+
+
+def merge_tier_partials(o_a, lse_a, o_b, lse_b, valid_rows: int, block_splits: int = MERGE_BLOCK_SPLITS):
+    """Merge the partials of two tiers (same B, K, M, D; any split counts) into o float32[B, K,
+    valid_rows, D], keeping rows [0, valid_rows) of M. Inputs are validated by the public op."""
+    batch, num_kv_heads, splits_a, rows, head_dim = o_a.shape
+    assert o_b.shape[:2] == (batch, num_kv_heads) and o_b.shape[3:] == (rows, head_dim) and valid_rows <= rows
+    out = torch.empty((batch, num_kv_heads, valid_rows, head_dim), dtype=torch.float32, device=o_a.device)
+    _merge_tiers_kernel[(batch, num_kv_heads, valid_rows)](
+        o_a, lse_a, o_b, lse_b, out, SPLITS_A=splits_a, SPLITS_B=o_b.shape[2],
+        NUM_HEADS=num_kv_heads, ROWS=rows, VALID_ROWS=valid_rows, D=head_dim, BLOCK_S=block_splits,
+        num_warps=DEFAULT_NUM_WARPS,
+    )
+    return out

@@ -11,6 +11,7 @@ suite), so quantization error is never mistaken for kernel error.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -65,6 +66,36 @@ def test_decode_default_split_is_deterministic():
     first = ops.decode_attention(query(case), *arrays, **kwargs)
     assert torch.equal(first, ops.decode_attention(query(case), *arrays, **kwargs))
     assert_close(first.cpu().numpy(), reference_decode(case, cache, case.query()), case.q_dtype)
+
+
+@pytest.mark.parametrize("splits_a,splits_b,block_splits", [(1, 37, 8), (3, 0, 32), (2, 5, 32)])
+def test_merge_kernel_equals_merge_partials_over_both_tiers(splits_a, splits_b, block_splits):
+    """The merge kernel (decode's) is merge_partials over the concatenated splits, kept rows only:
+    empty splits (lse = −inf, o = NaN here) weigh zero, a row every split left empty gets 0, split
+    counts need not divide the block. float32, tolerance 1e-6 (summation order)."""
+    from oscar_torch.kernels.decode_attention import merge_tier_partials
+
+    gen = torch.Generator().manual_seed(splits_a * 100 + splits_b)
+    batch, heads, rows, d, kept = 2, 3, 16, 32, 5
+
+    def tier(splits):
+        o = torch.randn(batch, heads, splits, rows, d, generator=gen)
+        lse = torch.randn(batch, heads, splits, rows, generator=gen) * 4
+        empty = torch.rand(batch, heads, splits, rows, generator=gen) < 0.3
+        lse[empty] = -math.inf
+        o[empty.unsqueeze(-1).expand_as(o)] = math.nan  # never read through a zero weight
+        return o.to(DEVICE), lse.to(DEVICE)
+
+    (o_a, lse_a), (o_b, lse_b) = tier(splits_a), tier(splits_b)
+    lse_a[0, 1, :, 2] = -math.inf  # row 2 of (0, 1): every split of both tiers empty
+    lse_b[0, 1, :, 2] = -math.inf
+    got = merge_tier_partials(o_a, lse_a, o_b, lse_b, kept, block_splits=block_splits).cpu().numpy()
+    o_cat, lse_cat = torch.cat([o_a, o_b], dim=2), torch.cat([lse_a, lse_b], dim=2)
+    o_cat = torch.where(torch.isinf(lse_cat).unsqueeze(-1), 0.0, o_cat)  # the reference multiplies 0·NaN
+    want, _ = merge_partials(o_cat[..., :kept, :], lse_cat[..., :kept])
+    assert got.shape == (batch, heads, kept, d)
+    np.testing.assert_allclose(got, want.cpu().numpy(), rtol=1e-6, atol=1e-6)
+    assert np.all(got[0, 1, 2] == 0.0)
 
 
 def test_merge_partials_weighs_empty_splits_zero():
