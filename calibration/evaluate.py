@@ -310,10 +310,16 @@ def run(args: argparse.Namespace, command: str, *, model=None, tokenizer=None) -
     fingerprint = ModelFingerprint(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim)
     artifact_path = args.artifact or shipped_artifact(args.model)
     artifact = read_artifact(artifact_path, expected_model=fingerprint) if artifact_path else None
-    methods = [parse_method(s, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                            artifact=artifact) for s in args.method_specs]
     source = args.text_file or args.data
     overlap_note = check_no_calibration_overlap(source, artifact)
+
+    def load_other_artifact(path):  # `oscar:artifact=DIR`: validated, and checked for overlap too
+        other = read_artifact(path, expected_model=fingerprint)
+        check_no_calibration_overlap(source, other)
+        return other
+
+    methods = [parse_method(s, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                            artifact=artifact, load_artifact=load_other_artifact) for s in args.method_specs]
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args.model)
     need = args.context * args.num_windows
     try:

@@ -410,7 +410,7 @@ _OPTIONS = {
     "naive-int2": {"windows", "page", "group"},
     "int4": {"windows", "page", "group"},
     "quarot-int2": {"windows", "page", "group", "clip", "levels"},
-    "oscar": {"windows", "page", "group", "clip", "levels"},
+    "oscar": {"windows", "page", "group", "clip", "levels", "artifact"},
     "kivi2": {"group", "residual"},
 }
 
@@ -489,9 +489,16 @@ def _codec_from(options, artifact, num_layers: int, head_dim: int) -> FormatV1Co
     return FormatV1Codec(group, k_clip, v_clip, levels)
 
 
-def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int, artifact=None) -> KVMethod:
-    """Build a method from its spec; `artifact` (a RotationArtifact) is required by 'oscar'."""
+def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int, artifact=None,
+                 load_artifact=None) -> KVMethod:
+    """Build a method from its spec; `artifact` (a RotationArtifact) is required by 'oscar'.
+    `oscar:artifact=DIR` uses the artifact in DIR instead (loaded by `load_artifact(DIR)`, which
+    validates it against the model), so artifacts can be compared on the same windows or samples."""
     name, options = parse_spec(spec)
+    if "artifact" in options:
+        if load_artifact is None:
+            raise ValueError(f"method {spec!r}: this command cannot load another artifact")
+        artifact = load_artifact(options["artifact"])
     if name == "bf16":
         return TieredMethod(spec, name, None, source="no quantization: the BF16 cache")
     if name == "kivi2":

@@ -330,7 +330,8 @@ def main(argv=None) -> int:
         artifact_path = args.artifact or shipped_artifact(args.model)
         artifact = read_artifact(artifact_path, expected_model=fp) if artifact_path else None
         methods = [parse_method(s, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                artifact=artifact) for s in specs]
+                                artifact=artifact, load_artifact=lambda path: read_artifact(path, expected_model=fp))
+                   for s in specs]
         result = run_passkey(params, cfg, load_tokenizer(args.model), methods, lengths=lengths, depths=depths,
                              samples=args.samples, mode=args.mode, prefill_chunk=args.prefill_chunk, seed=args.seed,
                              progress=not args.no_progress)

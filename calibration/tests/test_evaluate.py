@@ -338,6 +338,10 @@ def test_cli_errors(params, artifact, tmp_path, capsys):
     calibrated_here.provenance["data"] = args.text_file
     with pytest.raises(ValueError, match="overlap calibration"):
         evaluate.check_no_calibration_overlap(args.text_file, calibrated_here)
+    # … nor the calibration file of a second artifact named by `oscar:artifact=DIR`
+    write_artifact(tmp_path / "here", calibrated_here)
+    with pytest.raises(ValueError, match="overlap calibration"):
+        evaluate.run(_args(tmp_path, "--methods", f"bf16,oscar:artifact={tmp_path / 'here'}"), "cmd", **model)
     assert "calibration reads only the calibration split" in evaluate.check_no_calibration_overlap("wiki", None)
     with pytest.raises(ValueError, match="windows must be int"):
         evaluate.evaluate_methods(None, CFG, np.zeros((2, 1), np.int32), [build("bf16")], progress=False)

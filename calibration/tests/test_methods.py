@@ -251,6 +251,30 @@ def test_spec_errors():
     assert parse_method_list("bf16, kivi2:group=64") == ["bf16", "kivi2:group=64"]
 
 
+def test_oscar_artifact_option_loads_another_artifact():
+    """`oscar:artifact=DIR` takes its rotations and codec from the artifact `load_artifact(DIR)`
+    returns, while plain `oscar` keeps the command's artifact; without a loader it is refused."""
+    default, other = make_artifact(seed=0), make_artifact(seed=1, levels="moments")
+    loaded = []
+
+    def load(path):
+        loaded.append(path)
+        return other
+
+    plain = parse_method("oscar", num_layers=L, num_kv_heads=HKV, head_dim=D, artifact=default, load_artifact=load)
+    swapped = parse_method("oscar:artifact=/tmp/x8k", num_layers=L, num_kv_heads=HKV, head_dim=D, artifact=default,
+                           load_artifact=load)
+    assert loaded == ["/tmp/x8k"]
+    np.testing.assert_array_equal(plain.k_rotation, default.k_rotation)
+    np.testing.assert_array_equal(swapped.k_rotation, other.k_rotation)
+    np.testing.assert_array_equal(swapped.v_rotation, other.v_rotation)
+    assert swapped.quantizer.levels == "moments" and plain.quantizer.levels == "minmax"
+    with pytest.raises(ValueError, match="cannot load another artifact"):
+        build("oscar:artifact=/tmp/x8k", default)
+    with pytest.raises(ValueError, match="has no option 'artifact'"):
+        build("quarot-int2:artifact=/tmp/x8k")
+
+
 def test_at_rest_history():
     """The history stored after the last token: tier_split(L) for tiered methods; for both
     families what query L will read (demotions and KIVI's key flush happen after attention)."""
