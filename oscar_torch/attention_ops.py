@@ -239,7 +239,7 @@ def decode_attention(
         v4); None → on where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
       num_warps: warps per program of both tier kernels (a power of two); None → 4 at every batch.
         Unlike the Pallas kernels (`shared_math.tiling.default_num_warps`), 2 warps lose here:
-        H200, 128K, b1 232.1 vs 204.9 µs, b8 911.9 vs 847.9 µs (benchmarks/NOTES.md v5).
+        H200, 128K, b1 232.1 vs 204.9 µs, b8 911.9 vs 847.9 µs (benchmarks/NOTES.md v6).
     Returns:
       float32 [B, Hq, D].
     """
@@ -273,7 +273,8 @@ def decode_attention(
         num_warps=int(num_warps),
     )
     # One merge kernel over both tiers' splits, reading only the Gq kept rows of the padded ones
-    # (the eager concatenate + merge took ~60 µs at 128K b1: results/profile_decode_128k_b1_h200.json).
+    # (the eager concatenate + merge took ~60 µs at 128K b1:
+    # benchmarks/results/profile_decode_128k_b1_f737e6d_h200.json).
     if len(tiers) == 1:  # no history slots: an INT2 tier of zero splits
         tiers.append((tiers[0][0][:, :, :0], tiers[0][1][:, :, :0]))
     (o_a, lse_a), (o_b, lse_b) = tiers

@@ -1,9 +1,10 @@
 """Split-K first-stage kernels of attention over OSCAR's paged mixed-precision KV cache (Triton).
 
 Two kernels, one per storage tier, each writing a *normalised* partial output and its
-log-sum-exp per (sequence, KV head, query-row block, split); a merge in plain torch
-(`oscar_torch.attention_ops.merge_partials`) turns all partials into the exact softmax over the
-union. The same kernels, names and tiling as oscar_jax/kernels/decode_attention.py:
+log-sum-exp per (sequence, KV head, query-row block, split); a merge turns all partials into the
+exact softmax over the union (decode: `merge_tier_partials`, one kernel reading both tiers'
+partials in place; prefill: `oscar_torch.attention_ops.merge_partials` in plain torch). The
+same tier kernels, names and tiling as oscar_jax/kernels/decode_attention.py:
 
 * `bf16_tier_partials`: the sink and recent pages (BF16). One page table per sequence: slots
   [0, sink_slots) are the sink pages (`sink_tokens` valid tokens, filling pages in order), the
@@ -241,7 +242,7 @@ def _bf16_tier_kernel(
         # The interpreter cannot take a loaded value as a loop bound (numpy 2.5 refuses int() of
         # its 1-element arrays): a static trip count with a dynamic guard. Compiled, the guard
         # kept Triton from pipelining the loop (no async copies: 28 vs 11 µs for Pallas's BF16
-        # tier at 128K b1, results/profile_decode_128k_b1_h200.json).
+        # tier at 128K b1, benchmarks/results/profile_decode_128k_b1_f737e6d_h200.json).
         for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
             if i < num_blocks:
                 o, m, l = _bf16_block(i, o, m, l, q, page_table_ptr, k_ptr, v_ptr, table_slots, b, h, first_slot,
