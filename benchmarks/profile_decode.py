@@ -24,6 +24,7 @@ from pathlib import Path
 def _compiled_triton_kernels() -> list[dict]:
     """Registers, spills and shared memory of the torch backend's decode kernels as launched (with
     the runtime's argument specialisation, which the static analysis must reproduce)."""
+    from benchmarks.static_analysis import async_copies
     from oscar_torch.kernels import decode_attention as kdecode
 
     found = []
@@ -32,7 +33,7 @@ def _compiled_triton_kernels() -> list[dict]:
             for compiled in caches[0].values():
                 found.append({"kernel": name, "registers": compiled.n_regs, "spills": compiled.n_spills,
                               "shared": compiled.metadata.shared,
-                              "async_copies": compiled.asm["ttgir"].count("async_copy_global_to_local")})
+                              "async_copies": async_copies(compiled.asm["ttgir"])})
     return found
 
 

@@ -47,6 +47,11 @@ def resource_usage(cubin: bytes) -> dict:
     return {"registers": value("REG:"), "spills": value("STACK:") + value("LOCAL:")}
 
 
+def async_copies(ttgir: str) -> int:
+    """Loads a Triton kernel's software pipeliner issued ahead (cp.async), from its TTGIR."""
+    return ttgir.count("async_copy_global_to_local")
+
+
 def sass(cubin: bytes) -> str:
     return _run_cuobjdump(cubin, "-sass")
 
@@ -161,16 +166,19 @@ def compile_triton_source(kernel, constants: dict, num_warps: int, num_stages: i
                and inspect.signature(kernel.fn).parameters[n].default is inspect.Parameter.empty]
     if missing:
         raise ValueError(f"no value for the constexpr arguments {missing}")
-    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items() if kind != "constexpr"}
+    aligned = {(names.index(name),): [["tt.divisibility", 16]]
+               for name, kind in signature.items() if kind != "constexpr"}
     return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned),
                           target=GPUTarget("cuda", H200_ARCH, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def triton_kernel_usage(kernel, constants: dict, num_warps: int, num_stages: int, *, loop: bool = False) -> dict:
-    """{"registers", "spills", "shared"} of a compiled Triton kernel, plus its loop profile if asked."""
+    """{"registers", "spills", "shared", "async_copies"} of a compiled Triton kernel (async copies:
+    the loads its software pipeliner issued ahead), plus its loop profile if asked."""
     compiled = compile_triton_source(kernel, constants, num_warps, num_stages)
-    usage = {**resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
+    usage = {**resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
+             "async_copies": async_copies(compiled.asm["ttgir"])}
     if loop:
         usage["loop"] = loop_profile(sass(compiled.asm["cubin"]))
     return usage

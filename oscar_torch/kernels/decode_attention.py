@@ -698,7 +698,6 @@ def int2_tier_partials(
     return o, lse
 
 
-
 # --------------------------------------------------------------------------------------------
 # Merge: the exact softmax over both tiers' splits, in one pass per query row.
 # --------------------------------------------------------------------------------------------
@@ -717,8 +716,8 @@ def _tier_max_lse(lse_ptr, b, h, row, num_splits: tl.constexpr, m, NUM_HEADS: tl
 
 
 @triton.jit
-def _tier_weighted_sum(o_ptr, lse_ptr, b, h, row, num_splits: tl.constexpr, lse_max, acc, total, NUM_HEADS: tl.constexpr,
-                       ROWS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _tier_weighted_sum(o_ptr, lse_ptr, b, h, row, num_splits: tl.constexpr, lse_max, acc, total,
+                       NUM_HEADS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
     """acc + Σ_s exp(lse_s − lse_max)·o_s and total + Σ_s exp(lse_s − lse_max) over one tier."""
     column = tl.arange(0, D)
     for start in range(0, num_splits, BLOCK_S):
