@@ -36,7 +36,7 @@ TUNING_128K = [
     for ps, nw, ns, asm in [(16, 4, 2, False), (16, 4, 2, True), (16, 2, 2, True), (32, 4, 2, True)]
 ]
 TRITON_TUNING_128K = ([dict(pages_per_split=32, pages_per_block=1, unpack_asm=asm) for asm in (False, True)]
-                      + [dict(num_warps=2)])  # Pallas's batched default; Triton keeps 4 (NOTES v5)
+                      + [dict(num_warps=2)])  # Pallas's batched default; Triton keeps 4 (NOTES v6)
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -51,7 +51,8 @@ The methods and their source configurations (`parse_method` builds them from a s
   oscar       OSCAR_SPEC: the artifact's rotations R_K = U_Q·H·P, R_V = U_S·H·P per (layer, KV head),
               its per-layer clip ratios and its codec (group size, levels); sink 64 and recent 256
               tokens in BF16, page 16 (DESIGN.md §2 defaults). Options override windows, clip,
-              levels, group.
+              levels, group; `artifact=DIR` reads another artifact (no ':' in DIR), to
+              compare artifacts on the same windows or samples.
   int4        Reference point: per-token asymmetric INT4 (16 uniform levels between the group's
               min and max, round to nearest, fp16 scale and minimum per group; G = head_dim by
               default, i.e. 4 + 32/64 = 4.5 bits at D = 64), no rotation, OSCAR's windows.
