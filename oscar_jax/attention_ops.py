@@ -14,7 +14,8 @@ Table entries that hold no valid token may hold any value and are never derefere
 that do must be in range (they are not clamped). Token order does not matter (RoPE is applied).
 
 decode_attention: one rotated query per sequence → two split-K first-stage Pallas kernels (BF16
-tier, INT2 tier; `oscar_jax.kernels.decode_attention`) → `merge_partials` (plain jnp).
+tier, INT2 tier; `oscar_jax.kernels.decode_attention`) → one merge kernel reading both tiers'
+partials in place (`merge_tier_partials`; equal to `merge_partials`, the plain-jnp merge).
 prefill_attention: a chunk of T rotated queries → the same two kernels over the cached prefix
 (T·Gq query rows) + a causal full-precision kernel over the chunk itself
 (`oscar_jax.kernels.prefill_attention`) → one merge.
@@ -35,7 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax.kernels.codec import resolve_interpret
-from oscar_jax.kernels.decode_attention import MIN_DOT_DIM, bf16_tier_partials, int2_tier_partials
+from oscar_jax.kernels.decode_attention import (
+    MIN_DOT_DIM,
+    bf16_tier_partials,
+    int2_tier_partials,
+    merge_tier_partials,
+)
 from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
@@ -216,7 +222,8 @@ def _cache_partials(
     q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, block_m, interpret,
     num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, layer=None, unpack_asm=False,
 ):
-    """Partials of q_rows [B, Hkv, M, D] over both tiers, concatenated on the split axis."""
+    """Partials of q_rows [B, Hkv, M, D], one (o, lse) per tier: the BF16 tier, then the INT2
+    tier when the history table has slots."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
     tiling = dict(
@@ -229,16 +236,15 @@ def _cache_partials(
         num_stages=num_stages,
         layer=layer,
     )
-    outputs, lses = bf16_tier_partials(
+    tiers = [bf16_tier_partials(
         q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots=sink_slots, **tiling
-    )
-    if history_page_table.shape[1] == 0:
-        return outputs, lses
-    int2_outputs, int2_lses = int2_tier_partials(
-        q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-        group_size=group_size, unpack_asm=unpack_asm, **tiling,
-    )
-    return jnp.concatenate([outputs, int2_outputs], axis=2), jnp.concatenate([lses, int2_lses], axis=2)
+    )]
+    if history_page_table.shape[1] > 0:
+        tiers.append(int2_tier_partials(
+            q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
+            group_size=group_size, unpack_asm=unpack_asm, **tiling,
+        ))
+    return tiers
 
 
 _STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "pages_per_block", "interpret", "layer")
@@ -255,13 +261,15 @@ def _decode_attention(
     rows = max(MIN_DOT_DIM, _next_power_of_two(heads_per_kv))  # GQA group padded for dot's M ≥ 16
     q_rows = q.reshape(batch, num_kv_heads, heads_per_kv, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - heads_per_kv), (0, 0)))
-    outputs, lses = _cache_partials(
+    tiers = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, interpret=interpret,
         num_warps=num_warps, num_stages=num_stages, layer=layer, unpack_asm=unpack_asm,
     )
-    # Drop the padding rows before the merge: [B, Hkv, S, Gq, D] → o [B, Hkv, Gq, D].
-    o, _ = merge_partials(outputs[..., :heads_per_kv, :], lses[..., :heads_per_kv])
+    # One merge program per kept row reads both tiers in place (the padding rows are never read):
+    # [B, Hkv, S_t, rows, D] per tier → o [B, Hkv, Gq, D]. It replaced a concatenation and ~8 XLA
+    # fusions (benchmarks/NOTES.md v7).
+    o = merge_tier_partials(tiers, heads_per_kv, interpret=interpret)
     return o.reshape(batch, q_heads, head_dim)
 
 
@@ -365,7 +373,7 @@ def _prefill_attention(
     q_rows = q.reshape(batch, chunk, num_kv_heads, heads_per_kv, head_dim).transpose(0, 2, 1, 3, 4)
     q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
-    prefix_outputs, prefix_lses = _cache_partials(
+    prefix_tiers = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=block_m,
         interpret=interpret, layer=layer,
@@ -381,8 +389,8 @@ def _prefill_attention(
         softmax_scale=softmax_scale, block_m=block_m, block_n=block_n, interpret=interpret,
     )
     o, _ = merge_partials(
-        jnp.concatenate([prefix_outputs, self_outputs], axis=2)[..., :rows, :],
-        jnp.concatenate([prefix_lses, self_lses], axis=2)[..., :rows],
+        jnp.concatenate([o for o, _ in prefix_tiers] + [self_outputs], axis=2)[..., :rows, :],
+        jnp.concatenate([lse for _, lse in prefix_tiers] + [self_lses], axis=2)[..., :rows],
     )
     o = o.reshape(batch, num_kv_heads, chunk, heads_per_kv, head_dim).transpose(0, 2, 1, 3, 4)
     o = o.reshape(batch, chunk, q_heads, head_dim)

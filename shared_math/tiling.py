@@ -16,6 +16,9 @@ import math
 TARGET_SPLITS = 128  # splits of the history table, about
 MIN_TOKENS_PER_SPLIT = 256  # … but no split shorter than this
 MIN_DOT_DIM = 16  # M, N, K of a tensor-core dot tile: a block holds at least this many tokens
+MERGE_BLOCK_SPLITS = 32  # splits per load of the decode merge kernels …
+MERGE_BLOCK_D = 32  # … and columns per merge program: [32, 32] float32 = 4 KB per load; D / 32
+#                     programs per kept row, so a batch-1 merge fills more than 32 SMs
 
 
 def next_power_of_two(n: int) -> int:

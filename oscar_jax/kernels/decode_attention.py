@@ -1,8 +1,9 @@
 """Split-K first-stage kernels of attention over OSCAR's paged mixed-precision KV cache.
 
 Two kernels, one per storage tier (OSCAR_SPEC §5 "Read"), each writing a *normalised* partial
-output and its log-sum-exp per (sequence, KV head, query-row block, split); a merge in plain jnp
-(`oscar_jax.attention_ops.merge_partials`) turns all partials into the exact softmax over the union.
+output and its log-sum-exp per (sequence, KV head, query-row block, split); a third kernel
+(`merge_tier_partials`, decode) or the plain-jnp `oscar_jax.attention_ops.merge_partials`
+(prefill) turns all partials into the exact softmax over the union.
 
 * `bf16_tier_partials`: the sink and recent pages (BF16). One page table per sequence: slots
   [0, sink_slots) are the sink pages (`sink_tokens` valid tokens, filling pages in order), the
@@ -50,6 +51,7 @@ from jax.experimental.pallas import triton as pl_triton
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.ptx import UNPACK_CONSTRAINTS, UNPACK_PACK, unpack_plane_ptx
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
+from shared_math.tiling import MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, next_power_of_two
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
 # running maximum finite and exp(m_old − m_new) never becomes exp(−inf + inf) = NaN.
@@ -553,3 +555,84 @@ def int2_tier_partials(
             + ("_asm" if unpack_asm else "")
         ),
     )(page_table, history_tokens, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
+
+
+# --------------------------------------------------------------------------------------------
+# Merge: the exact softmax over every tier's splits, in one program per kept query row.
+# --------------------------------------------------------------------------------------------
+
+def _merge_tiers_kernel(*refs, SPLITS, BLOCK_SPLITS):
+    """refs = (o_1, lse_1, …, o_T, lse_T, out): o_t [S_t, BLOCK_D], lse_t [S_t] of one (b, KV head,
+    kept row, column block); out [BLOCK_D]. `merge_partials` over all tiers' splits without concatenating them:
+    two passes (max lse, then the weighted sum), loads of power-of-two chunks masked at S_t."""
+    *tier_refs, out_ref = refs
+    # Splits per load: a power of two (a Triton tensor size), no larger than the tier needs.
+    tiers = [(tier_refs[2 * t], tier_refs[2 * t + 1], splits, min(BLOCK_SPLITS, next_power_of_two(splits)))
+             for t, splits in enumerate(SPLITS)]
+
+    def chunk(o_ref, lse_ref, splits, block, i, with_o):
+        s = i * block + lax.iota(jnp.int32, block)
+        inside = s < splits
+        lse = pl_triton.load(lse_ref.at[pl.ds(i * block, block)], mask=inside, other=-jnp.inf)
+        if not with_o:
+            return lse
+        o = pl_triton.load(o_ref.at[pl.ds(i * block, block), :], mask=inside[:, None], other=0.0)
+        return lse, o
+
+    lse_max = jnp.float32(-jnp.inf)
+    for o_ref, lse_ref, splits, block in tiers:
+        lse_max = lax.fori_loop(
+            0, cdiv(splits, block),
+            lambda i, m, o_ref=o_ref, lse_ref=lse_ref, splits=splits, block=block: jnp.maximum(
+                m, jnp.max(chunk(o_ref, lse_ref, splits, block, i, with_o=False))),
+            lse_max)
+    lse_max = jnp.where(lse_max == -jnp.inf, 0.0, lse_max)  # every split empty: all weights 0
+
+    acc = jnp.zeros(out_ref.shape, jnp.float32)
+    total = jnp.float32(0.0)
+    for o_ref, lse_ref, splits, block in tiers:
+        def body(i, carry, o_ref=o_ref, lse_ref=lse_ref, splits=splits, block=block):
+            acc, total = carry
+            lse, o = chunk(o_ref, lse_ref, splits, block, i, with_o=True)
+            weight = jnp.exp(lse - lse_max)  # 0 for empty splits (lse = −inf)
+            # where, not a product: an empty split's o may hold anything (0 · NaN = NaN).
+            acc = acc + jnp.sum(jnp.where(weight[:, None] > 0.0, weight[:, None] * o, 0.0), axis=0)
+            return acc, total + jnp.sum(weight)
+        acc, total = lax.fori_loop(0, cdiv(splits, block), body, (acc, total))
+    out_ref[...] = acc / jnp.where(total > 0.0, total, 1.0)
+
+
+def merge_tier_partials(
+    tiers, valid_rows: int, *, interpret: bool, block_splits: int = MERGE_BLOCK_SPLITS,
+    block_d: int = MERGE_BLOCK_D, num_warps: int = 4,
+):
+    """Merge the partials of several tiers into o float32[B, K, valid_rows, D].
+
+    tiers: (o float32[B, K, S_t, M, D], lse float32[B, K, S_t, M]) per tier, same B, K, M, D,
+    any S_t ≥ 1; rows [0, valid_rows) of M are kept (GQA padding rows are never read). Equals
+    `attention_ops.merge_partials` of the concatenation; rows every split left empty get 0.
+    """
+    batch, num_kv_heads, _, rows, head_dim = tiers[0][0].shape
+    block_d = min(block_d, head_dim)
+    assert 0 < valid_rows <= rows and block_splits & (block_splits - 1) == 0 and head_dim % block_d == 0 and all(
+        o.shape[:2] == (batch, num_kv_heads) and o.shape[3:] == (rows, head_dim) and o.shape[2] >= 1
+        for o, _ in tiers)
+    in_specs, operands = [], []
+    for o, lse in tiers:
+        splits = o.shape[2]
+        in_specs += [
+            pl.BlockSpec((None, None, splits, None, block_d), lambda b, h, r, c: (b, h, 0, r, c)),
+            pl.BlockSpec((None, None, splits, None), lambda b, h, r, c: (b, h, 0, r)),
+        ]
+        operands += [o, lse]
+    splits = tuple(o.shape[2] for o, _ in tiers)
+    return pl.pallas_call(
+        functools.partial(_merge_tiers_kernel, SPLITS=splits, BLOCK_SPLITS=block_splits),
+        grid=(batch, num_kv_heads, valid_rows, head_dim // block_d),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, None, block_d), lambda b, h, r, c: (b, h, r, c)),
+        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, valid_rows, head_dim), jnp.float32),
+        compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="oscar_merge_tiers_" + "_".join(map(str, splits)),
+    )(*operands)

@@ -327,6 +327,36 @@ def test_merge_partials_weighs_empty_splits_zero():
     assert np.all(np.asarray(o) == 0) and np.all(np.isneginf(np.asarray(lse)))
 
 
+@pytest.mark.parametrize("tier_splits,block_splits,block_d", [
+    ((1, 37), 8, 16), ((3,), 32, 32), ((2, 5), 32, 64), ((1, 64, 3), 16, 32)])
+def test_merge_kernel_equals_merge_partials_over_the_tiers(tier_splits, block_splits, block_d):
+    """The merge kernel (decode's) is merge_partials over the concatenated splits, kept rows only:
+    empty splits (lse = −inf, o = NaN here) weigh zero, a row every split left empty gets 0,
+    split counts need not divide the block, programs split the columns. float32, tolerance 1e-6
+    (summation order)."""
+    from oscar_jax.kernels.decode_attention import merge_tier_partials
+
+    rng = np.random.default_rng(sum(tier_splits) * 100 + block_splits)
+    batch, heads, rows, d, kept = 2, 3, 16, 64, 5
+    tiers = []
+    for splits in tier_splits:
+        o = rng.standard_normal((batch, heads, splits, rows, d)).astype(np.float32)
+        lse = (rng.standard_normal((batch, heads, splits, rows)) * 4).astype(np.float32)
+        lse[rng.random(lse.shape) < 0.3] = -np.inf
+        lse[0, 1, :, 2] = -np.inf  # row 2 of (0, 1): every split of every tier empty
+        tiers.append((o, lse))
+    with_nan = [(np.where(np.isinf(lse)[..., None], np.nan, o), lse) for o, lse in tiers]  # never read
+    got = np.asarray(merge_tier_partials([(jnp.asarray(o), jnp.asarray(lse)) for o, lse in with_nan], kept,
+                                         interpret=True, block_splits=block_splits, block_d=block_d))
+    o_cat = np.concatenate([o for o, _ in tiers], axis=2)
+    lse_cat = np.concatenate([lse for _, lse in tiers], axis=2)
+    o_cat = np.where(np.isinf(lse_cat)[..., None], 0.0, o_cat)  # the reference multiplies 0·o
+    want, _ = merge_partials(jnp.asarray(o_cat[..., :kept, :]), jnp.asarray(lse_cat[..., :kept]))
+    assert got.shape == (batch, heads, kept, d)
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert np.all(got[0, 1, 2] == 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad inputs → ValueError naming the value.
 # ---------------------------------------------------------------------------------------------
@@ -451,7 +481,7 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
         unpack_asm=unpack_asm,
     )
     kernels = compile_triton_kernels_for_h200(fn, q, *cache.arrays)
-    assert sorted(name.split("_tier")[0] for name in kernels) == ["oscar_bf16", "oscar_int2"]
+    assert sorted(name.split("_tier")[0] for name in kernels) == ["oscar_bf16", "oscar_int2", "oscar_merge"]
     for name, usage in kernels.items():
         assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
 

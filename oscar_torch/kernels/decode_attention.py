@@ -64,6 +64,7 @@ from oscar_torch.kernels.codec import (
 )
 from shared_math.ptx import UNPACK_CONSTRAINTS, UNPACK_PACK, unpack_plane_ptx
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODES_PER_BYTE
+from shared_math.tiling import MERGE_BLOCK_D, MERGE_BLOCK_SPLITS
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
 # running maximum finite and exp(m_old − m_new) never becomes exp(−inf + inf) = NaN.
@@ -716,10 +717,9 @@ def _tier_max_lse(lse_ptr, b, h, row, num_splits: tl.constexpr, m, NUM_HEADS: tl
 
 
 @triton.jit
-def _tier_weighted_sum(o_ptr, lse_ptr, b, h, row, num_splits: tl.constexpr, lse_max, acc, total,
+def _tier_weighted_sum(o_ptr, lse_ptr, b, h, row, column, num_splits: tl.constexpr, lse_max, acc, total,
                        NUM_HEADS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """acc + Σ_s exp(lse_s − lse_max)·o_s and total + Σ_s exp(lse_s − lse_max) over one tier."""
-    column = tl.arange(0, D)
+    """acc + Σ_s exp(lse_s − lse_max)·o_s[column] and total + Σ_s exp(lse_s − lse_max) over one tier."""
     for start in range(0, num_splits, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
         inside = s < num_splits
@@ -727,7 +727,7 @@ def _tier_weighted_sum(o_ptr, lse_ptr, b, h, row, num_splits: tl.constexpr, lse_
         lse = tl.load(lse_ptr + split_row * ROWS + row, mask=inside, other=float("-inf"))
         weight = tl.exp(lse - lse_max)  # 0 for empty splits (lse = −inf)
         o = tl.load(o_ptr + (split_row.to(tl.int64) * ROWS + row)[:, None] * D + column[None, :],
-                    mask=inside[:, None], other=0.0)  # [BLOCK_S, D]
+                    mask=inside[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
         acc += tl.sum(tl.where(weight[:, None] > 0.0, weight[:, None] * o, 0.0), axis=0)
         total += tl.sum(weight, axis=0)
     return acc, total
@@ -745,36 +745,39 @@ def _merge_tiers_kernel(
     VALID_ROWS: tl.constexpr,  # R ≤ M, the rows kept
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # columns of one program
 ):
-    """One program per (b, KV head, kept row): `attention_ops.merge_partials` over the splits of
-    both tiers, without concatenating them; rows every split left empty get 0."""
-    b, h, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program per (b, KV head, kept row, column block): `attention_ops.merge_partials` over
+    the splits of both tiers, without concatenating them; rows every split left empty get 0."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    row, column_block = tl.program_id(2) // (D // BLOCK_D), tl.program_id(2) % (D // BLOCK_D)
+    column = column_block * BLOCK_D + tl.arange(0, BLOCK_D)
     lse_max = tl.max(tl.full((BLOCK_S,), float("-inf"), tl.float32), axis=0)  # a scalar tensor: loop-carried
     lse_max = _tier_max_lse(lse_a_ptr, b, h, row, SPLITS_A, lse_max, NUM_HEADS, ROWS, BLOCK_S)
     lse_max = _tier_max_lse(lse_b_ptr, b, h, row, SPLITS_B, lse_max, NUM_HEADS, ROWS, BLOCK_S)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    acc = tl.zeros((D,), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
     total = tl.sum(tl.zeros((BLOCK_S,), tl.float32), axis=0)
-    acc, total = _tier_weighted_sum(o_a_ptr, lse_a_ptr, b, h, row, SPLITS_A, lse_max, acc, total, NUM_HEADS,
-                                    ROWS, D, BLOCK_S)
-    acc, total = _tier_weighted_sum(o_b_ptr, lse_b_ptr, b, h, row, SPLITS_B, lse_max, acc, total, NUM_HEADS,
-                                    ROWS, D, BLOCK_S)
+    acc, total = _tier_weighted_sum(o_a_ptr, lse_a_ptr, b, h, row, column, SPLITS_A, lse_max, acc, total,
+                                    NUM_HEADS, ROWS, D, BLOCK_S)
+    acc, total = _tier_weighted_sum(o_b_ptr, lse_b_ptr, b, h, row, column, SPLITS_B, lse_max, acc, total,
+                                    NUM_HEADS, ROWS, D, BLOCK_S)
     out = acc / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + ((b * NUM_HEADS + h) * VALID_ROWS + row).to(tl.int64) * D + tl.arange(0, D), out)
+    tl.store(out_ptr + ((b * NUM_HEADS + h) * VALID_ROWS + row).to(tl.int64) * D + column, out)
 
 
-MERGE_BLOCK_SPLITS = 32  # splits per load of the merge: [32, D] float32 = 16 KB at d = 128
-
-
-def merge_tier_partials(o_a, lse_a, o_b, lse_b, valid_rows: int, block_splits: int = MERGE_BLOCK_SPLITS):
+def merge_tier_partials(o_a, lse_a, o_b, lse_b, valid_rows: int, block_splits: int = MERGE_BLOCK_SPLITS,
+                        block_d: int = MERGE_BLOCK_D):
     """Merge the partials of two tiers (same B, K, M, D; any split counts) into o float32[B, K,
     valid_rows, D], keeping rows [0, valid_rows) of M. Inputs are validated by the public op."""
     batch, num_kv_heads, splits_a, rows, head_dim = o_a.shape
+    block_d = min(block_d, head_dim)
     assert o_b.shape[:2] == (batch, num_kv_heads) and o_b.shape[3:] == (rows, head_dim) and valid_rows <= rows
+    assert head_dim % block_d == 0
     out = torch.empty((batch, num_kv_heads, valid_rows, head_dim), dtype=torch.float32, device=o_a.device)
-    _merge_tiers_kernel[(batch, num_kv_heads, valid_rows)](
+    _merge_tiers_kernel[(batch, num_kv_heads, valid_rows * (head_dim // block_d))](
         o_a, lse_a, o_b, lse_b, out, SPLITS_A=splits_a, SPLITS_B=o_b.shape[2],
         NUM_HEADS=num_kv_heads, ROWS=rows, VALID_ROWS=valid_rows, D=head_dim, BLOCK_S=block_splits,
-        num_warps=DEFAULT_NUM_WARPS,
+        BLOCK_D=block_d, num_warps=DEFAULT_NUM_WARPS,
     )
     return out

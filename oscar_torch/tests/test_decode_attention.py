@@ -68,15 +68,16 @@ def test_decode_default_split_is_deterministic():
     assert_close(first.cpu().numpy(), reference_decode(case, cache, case.query()), case.q_dtype)
 
 
-@pytest.mark.parametrize("splits_a,splits_b,block_splits", [(1, 37, 8), (3, 0, 32), (2, 5, 32)])
-def test_merge_kernel_equals_merge_partials_over_both_tiers(splits_a, splits_b, block_splits):
+@pytest.mark.parametrize("splits_a,splits_b,block_splits,block_d", [(1, 37, 8, 16), (3, 0, 32, 32), (2, 5, 32, 64)])
+def test_merge_kernel_equals_merge_partials_over_both_tiers(splits_a, splits_b, block_splits, block_d):
     """The merge kernel (decode's) is merge_partials over the concatenated splits, kept rows only:
     empty splits (lse = −inf, o = NaN here) weigh zero, a row every split left empty gets 0, split
-    counts need not divide the block. float32, tolerance 1e-6 (summation order)."""
+    counts need not divide the block, programs split the columns. float32, tolerance 1e-6
+    (summation order)."""
     from oscar_torch.kernels.decode_attention import merge_tier_partials
 
     gen = torch.Generator().manual_seed(splits_a * 100 + splits_b)
-    batch, heads, rows, d, kept = 2, 3, 16, 32, 5
+    batch, heads, rows, d, kept = 2, 3, 16, 64, 5
 
     def tier(splits):
         o = torch.randn(batch, heads, splits, rows, d, generator=gen)
@@ -89,7 +90,8 @@ def test_merge_kernel_equals_merge_partials_over_both_tiers(splits_a, splits_b, 
     (o_a, lse_a), (o_b, lse_b) = tier(splits_a), tier(splits_b)
     lse_a[0, 1, :, 2] = -math.inf  # row 2 of (0, 1): every split of both tiers empty
     lse_b[0, 1, :, 2] = -math.inf
-    got = merge_tier_partials(o_a, lse_a, o_b, lse_b, kept, block_splits=block_splits).cpu().numpy()
+    got = merge_tier_partials(o_a, lse_a, o_b, lse_b, kept, block_splits=block_splits,
+                              block_d=block_d).cpu().numpy()
     o_cat, lse_cat = torch.cat([o_a, o_b], dim=2), torch.cat([lse_a, lse_b], dim=2)
     o_cat = torch.where(torch.isinf(lse_cat).unsqueeze(-1), 0.0, o_cat)  # the reference multiplies 0·NaN
     want, _ = merge_partials(o_cat[..., :kept, :], lse_cat[..., :kept])

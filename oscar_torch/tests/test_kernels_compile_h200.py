@@ -71,7 +71,7 @@ def test_decode_kernel_compiles_for_h200_without_spills(kernel, group_size, page
 def test_merge_kernel_compiles_for_h200_without_spills():
     """The decode merge at 128K (1 BF16 split, 128 INT2 splits, GQA 4 of 16 padded rows)."""
     constants = dict(SPLITS_A=1, SPLITS_B=128, NUM_HEADS=8, ROWS=16, VALID_ROWS=4, D=128,
-                     BLOCK_S=kernels.MERGE_BLOCK_SPLITS)
+                     BLOCK_S=kernels.MERGE_BLOCK_SPLITS, BLOCK_D=kernels.MERGE_BLOCK_D)
     usage = _compile_in_fresh_process("_merge_tiers_kernel", constants, kernels.DEFAULT_NUM_WARPS, 1)
     assert usage["spills"] == 0 and 0 < usage["registers"] <= 255, usage
 
