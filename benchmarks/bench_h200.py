@@ -25,6 +25,8 @@ import os
 import time
 from pathlib import Path
 
+from benchmarks.harness import JAX_TIMING_MODES
+
 SECTIONS = ("copy", "decode", "write", "e2e")
 # Tilings timed as extra variants at 128K, batch 1 and 8 (NOTES.md: why these). `unpack_asm`:
 # the inline-PTX unpacker, 14 % (4 warps) and 33 % (2 warps) fewer SASS instructions per page
@@ -63,6 +65,8 @@ def main(argv=None) -> None:
                         help="end-to-end: only the capacity search, merged into an existing <out>/e2e_h200.json "
                              "(its steps keep their git sha; run with XLA_PYTHON_CLIENT_PREALLOCATE=true, as a "
                              "server would, so that the allocator's regions do not fragment)")
+    parser.add_argument("--jax-timing", default="unrolled", choices=JAX_TIMING_MODES,
+                        help="how JAX steps are repeated in the timed program (benchmarks.harness)")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -72,6 +76,7 @@ def main(argv=None) -> None:
 
     from benchmarks import harness
 
+    harness.JAX_TIMING = args.jax_timing
     args.out.mkdir(parents=True, exist_ok=True)
     env = harness.environment()
     print(f"{env['gpu']} jax {env['jax']} torch {env['torch']} triton {env['triton']} git {env['git_sha'][:10]}",

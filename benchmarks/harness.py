@@ -3,8 +3,14 @@
 Timing rules (../shared METHOD): warm up first, median of repeated measurements, inputs rotated
 among copies so that a call never finds its data in the 50 MB L2, and many launches per timed
 region so that host dispatch stays out of the kernel time:
-  * JAX: `time_jax_loop` runs the step `reps` times inside one jitted `fori_loop` (the step
-    chooses its input copy from the loop index) and divides the loop's wall time by `reps`.
+  * JAX: `time_jax_loop` runs the step `reps` times inside one jitted program (the step chooses
+    its input copy from the call index) and divides its wall time by `reps`. JAX_TIMING picks how:
+    "unrolled" (the default) writes the reps out as straight-line code, so the host enqueues every
+    launch ahead of the GPU, as a model step does and as a replayed CUDA graph does for torch;
+    "loop" runs them in a `fori_loop`, whose while loop reads its predicate back to the host each
+    iteration and lets the GPU idle between calls (measured: benchmarks/NOTES.md v7). Unrolling
+    is only sound when a step cannot fuse with the next (a kernel call between them); steps of
+    plain jnp ops keep mode="loop".
   * torch: `time_torch_graph` captures one CUDA graph of the calls on every input copy and
     times its replays with CUDA events.
 """
@@ -69,16 +75,29 @@ def relative_error(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def time_jax_loop(step, carry, reps: int, trials: int = 5, operands=()) -> dict:
+JAX_TIMING_MODES = ("unrolled", "loop")
+JAX_TIMING = "unrolled"  # bench_h200 --jax-timing sets it
+
+
+def time_jax_loop(step, carry, reps: int, trials: int = 5, operands=(), mode: str | None = None) -> dict:
     """Median seconds per call of `step(i, carry, *operands) -> carry`, run `reps` times in one
-    jitted loop. Pass every array the step reads as `operands` (a tuple of pytrees), not by
-    closure: JAX embeds the arrays a jitted function closes over in the program as constants, and
-    a multi-GB constant makes compilation take minutes (128K × batch 8: past the device limit)."""
+    jitted program (`mode`: JAX_TIMING_MODES, None → JAX_TIMING; the module docstring says why).
+    Pass every array the step reads as `operands` (a tuple of pytrees), not by closure: JAX embeds
+    the arrays a jitted function closes over in the program as constants, and a multi-GB constant
+    makes compilation take minutes (128K × batch 8: past the device limit)."""
     import jax
+
+    mode = JAX_TIMING if mode is None else mode
+    if mode not in JAX_TIMING_MODES:
+        raise ValueError(f"mode={mode!r} must be one of {JAX_TIMING_MODES}")
 
     @jax.jit
     def loop(carry, operands):
-        return jax.lax.fori_loop(0, reps, lambda i, c: step(i, c, *operands), carry)
+        if mode == "loop":
+            return jax.lax.fori_loop(0, reps, lambda i, c: step(i, c, *operands), carry)
+        for i in range(reps):  # i is a Python int: the step's input copy is a static index
+            carry = step(i, carry, *operands)
+        return carry
 
     jax.block_until_ready(loop(carry, operands))  # compile + warm up
     jax.block_until_ready(loop(carry, operands))
@@ -88,7 +107,7 @@ def time_jax_loop(step, carry, reps: int, trials: int = 5, operands=()) -> dict:
         jax.block_until_ready(loop(carry, operands))
         times.append((time.perf_counter() - t0) / reps)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "reps": reps,
-            "trials": trials}
+            "trials": trials, "mode": mode}
 
 
 def time_torch_graph(calls, trials: int = 10) -> dict:
@@ -152,7 +171,8 @@ def copy_bandwidth(num_bytes: int = 4 * 2**30) -> dict:
     def step(i, carry):
         return carry + jnp.uint32(1)  # reads and writes every byte once
 
-    jax_time = time_jax_loop(step, x, reps=20)
+    # A loop, never unrolled: XLA fuses 20 straight-line adds into one pass (it measured 75 TB/s).
+    jax_time = time_jax_loop(step, x, reps=20, mode="loop")
     del x
     out = {}
     for name, t in (("torch", torch_time), ("jax", jax_time)):

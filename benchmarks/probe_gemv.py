@@ -56,7 +56,7 @@ def main(argv=None) -> None:
                 carry = carry + 0 * (carry @ w)[:, :1].astype(carry.dtype)
             return carry
 
-        timing = harness.time_jax_loop(step, x, reps=16, operands=weights)
+        timing = harness.time_jax_loop(step, x, reps=16, operands=weights, mode="loop")  # plain jnp steps
         timing = {**timing, "median_s": timing["median_s"] / COPIES, "min_s": timing["min_s"] / COPIES,
                   "max_s": timing["max_s"] / COPIES, "calls_per_rep": COPIES}
         hlo = jax.jit(lambda a, w: a @ w).lower(x, weights[0]).compile().as_text()

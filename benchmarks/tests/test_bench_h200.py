@@ -62,9 +62,23 @@ def test_time_jax_loop_passes_operands_as_arguments_not_constants():
         seen.append(isinstance(table, jax.core.Tracer) and isinstance(scale, jax.core.Tracer))
         return carry + table[i % 4] * scale
 
-    timing = harness.time_jax_loop(step, jnp.zeros(()), reps=8, trials=2, operands=(jnp.arange(4.0), jnp.float32(2)))
-    assert seen and all(seen)
-    assert timing["reps"] == 8 and timing["trials"] == 2 and 0 < timing["min_s"] <= timing["median_s"]
+    for mode in harness.JAX_TIMING_MODES:
+        seen.clear()
+        timing = harness.time_jax_loop(step, jnp.zeros(()), reps=8, trials=2,
+                                       operands=(jnp.arange(4.0), jnp.float32(2)), mode=mode)
+        assert seen and all(seen)
+        assert timing["reps"] == 8 and timing["trials"] == 2 and 0 < timing["min_s"] <= timing["median_s"]
+        assert timing["mode"] == mode
+        assert len(seen) == (8 if mode == "unrolled" else 1)  # unrolled: traced once per call
+
+
+def test_time_jax_loop_names_a_bad_mode():
+    import jax.numpy as jnp
+
+    from benchmarks import harness
+
+    with pytest.raises(ValueError, match="mode='graph'"):
+        harness.time_jax_loop(lambda i, c: c, jnp.zeros(()), reps=2, mode="graph")
 
 
 def test_capacity_only_merges_into_the_existing_e2e_file(fake_gpu, monkeypatch, tmp_path):
