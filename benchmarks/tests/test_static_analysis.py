@@ -42,3 +42,14 @@ def test_int2_decode_kernel_instruction_budget(unpack_asm, budget):
     assert usage["spills"] == 0
     assert per_token_head <= budget, f"{per_token_head:.1f} warp instructions per (token, head)"
     assert loop["opcodes"].get("I2F", 0) == 0  # codes become bf16 operands by bit pattern, not conversion
+
+
+def test_main_tables_the_page_loops_of_both_backends(capsys, monkeypatch):
+    """The CLI compiles the whole decode call (two tiers and the merge, which has no page loop)
+    and tables the page loop of each INT2 kernel."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    sa.main(["--num-warps", "4", "--unpack", "asm"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "int2" in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["oscar_int2", "torch int2 (Triton)"]
+    assert all(int(row.split("|")[6]) > 0 for row in rows)  # SASS instructions of the loop
