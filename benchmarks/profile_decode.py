@@ -44,6 +44,8 @@ def main(argv=None) -> None:
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--breakdown", type=Path, default=None, help="write a per-kernel breakdown JSON here")
     parser.add_argument("--calls", type=int, default=20, help="calls traced per backend with --breakdown")
+    parser.add_argument("--num-warps", type=int, default=None,
+                        help="warps of both backends' tier kernels (default: each backend's own default)")
     args = parser.parse_args(argv)
 
     import jax
@@ -60,7 +62,7 @@ def main(argv=None) -> None:
     names = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
     q = jax.random.normal(jax.random.key(1), (args.batch, shapes["q_heads"], shapes["head_dim"])).astype(jnp.bfloat16)
     common = dict(sink_slots=bench_decode.SINK // bench_decode.PAGE, group_size=args.group_size,
-                  softmax_scale=shapes["head_dim"] ** -0.5)
+                  softmax_scale=shapes["head_dim"] ** -0.5, num_warps=args.num_warps)
     tables = (jnp.asarray(bf16_tables[0]), jnp.asarray(lengths["sink_tokens"]), jnp.asarray(lengths["recent_tokens"]),
               jnp.asarray(history_tables[0]), jnp.asarray(lengths["history_tokens"]))
     pool_args = tuple(pools[n] for n in names)
