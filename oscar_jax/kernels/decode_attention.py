@@ -561,10 +561,12 @@ def int2_tier_partials(
 # Merge: the exact softmax over every tier's splits, in one program per kept query row.
 # --------------------------------------------------------------------------------------------
 
+
 def _merge_tiers_kernel(*refs, SPLITS, BLOCK_SPLITS):
     """refs = (o_1, lse_1, …, o_T, lse_T, out): o_t [S_t, BLOCK_D], lse_t [S_t] of one (b, KV head,
-    kept row, column block); out [BLOCK_D]. `merge_partials` over all tiers' splits without concatenating them:
-    two passes (max lse, then the weighted sum), loads of power-of-two chunks masked at S_t."""
+    kept row, column block); out [BLOCK_D]. `merge_partials` over all tiers' splits without
+    concatenating them: two passes (max lse, then the weighted sum), loads of power-of-two chunks
+    masked at S_t."""
     *tier_refs, out_ref = refs
     # Splits per load: a power of two (a Triton tensor size), no larger than the tier needs.
     tiers = [(tier_refs[2 * t], tier_refs[2 * t + 1], splits, min(BLOCK_SPLITS, next_power_of_two(splits)))
