@@ -218,6 +218,7 @@ def main(argv=None) -> int:
         from oscar_jax.tokenizer import load_tokenizer
 
         t0 = time.time()
+        env = environment()  # at the start: the code that runs, not the checkout at the end
         cfg, params = load_model(args.model)
         source = args.text_file or args.data
         if source != "wiki" and Path(source).resolve() == Path(args.calib_data).resolve():
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
                    "split": check_no_calibration_overlap(source, None), "calibration_data": args.calib_data,
                    "base_calibration": dataclasses.asdict(base), "context": args.context,
                    "num_windows": args.num_windows, "seconds": round(time.time() - t0, 1)},
-        "environment": environment(),
+        "environment": env,
     }
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -304,6 +304,7 @@ def run(args: argparse.Namespace, command: str, *, model=None, tokenizer=None) -
     from shared_math.artifact import ModelFingerprint, read_artifact
 
     t0 = time.time()
+    env = environment()  # at the start: the code that runs, not the checkout at the end
     cfg, params = model if model is not None else load_model(args.model)
     if args.context > cfg.max_seq_len:
         raise ValueError(f"--context {args.context} exceeds the model's trained context {cfg.max_seq_len}")
@@ -349,7 +350,7 @@ def run(args: argparse.Namespace, command: str, *, model=None, tokenizer=None) -
                 "codec": artifact.codec, "provenance": artifact.provenance},
             "seconds": round(time.time() - t0, 1),
         },
-        "environment": environment(),
+        "environment": env,
     }
 
 

@@ -322,6 +322,7 @@ def main(argv=None) -> int:
         from shared_math.artifact import ModelFingerprint, read_artifact
 
         t0 = time.time()
+        env = environment()  # at the start: the code that runs, not the checkout at the end
         cfg, params = load_model(args.model)
         too_long = [n for n in lengths if n > cfg.max_seq_len]
         if too_long:
@@ -343,7 +344,7 @@ def main(argv=None) -> int:
                         "depths": depths, "samples": args.samples, "seed": args.seed,
                         "haystack": "wiki evaluation split (never used for calibration)",
                         "artifact": None if artifact_path is None else str(artifact_path), "seconds": round(time.time() - t0, 1)}
-    result["environment"] = environment()
+    result["environment"] = env
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

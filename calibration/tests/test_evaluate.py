@@ -318,6 +318,22 @@ def test_cli_json_shape(params, artifact, tmp_path):
     assert out.stat().st_size > 0
 
 
+def test_environment_is_recorded_when_the_run_starts(params, monkeypatch, tmp_path):
+    """A long run must record the code it ran with, not whatever the checkout holds when it ends."""
+    checkout = {"sha": "at-start"}
+    evaluate_methods = evaluate.evaluate_methods
+
+    def work_then_commit(*args, **kwargs):
+        out = evaluate_methods(*args, **kwargs)
+        checkout["sha"] = "at-end"  # someone commits while the run goes on
+        return out
+
+    monkeypatch.setattr(evaluate, "_git_sha", lambda: checkout["sha"])
+    monkeypatch.setattr(evaluate, "evaluate_methods", work_then_commit)
+    report = evaluate.run(_args(tmp_path, "--methods", "bf16"), "cmd", model=(CFG, params), tokenizer=ByteTokenizer())
+    assert report["environment"]["git_sha"] == "at-start"
+
+
 def test_cli_errors(params, artifact, tmp_path, capsys):
     model = dict(model=(CFG, params), tokenizer=ByteTokenizer())
     with pytest.raises(SystemExit):
