@@ -606,7 +606,7 @@ def _merge_tiers_kernel(*refs, SPLITS, BLOCK_SPLITS):
 
 def merge_tier_partials(
     tiers, valid_rows: int, *, interpret: bool, block_splits: int = MERGE_BLOCK_SPLITS,
-    block_d: int = MERGE_BLOCK_D, num_warps: int = 4,
+    block_d: int | None = None, num_warps: int = 4,
 ):
     """Merge the partials of several tiers into o float32[B, K, valid_rows, D].
 
@@ -615,7 +615,9 @@ def merge_tier_partials(
     `attention_ops.merge_partials` of the concatenation; rows every split left empty get 0.
     """
     batch, num_kv_heads, _, rows, head_dim = tiers[0][0].shape
-    block_d = min(block_d, head_dim)
+    # None: MERGE_BLOCK_D columns per program on the GPU (parallelism); whole rows in interpret
+    # mode, which runs programs one after another.
+    block_d = min(block_d or (head_dim if interpret else MERGE_BLOCK_D), head_dim)
     assert 0 < valid_rows <= rows and block_splits & (block_splits - 1) == 0 and head_dim % block_d == 0 and all(
         o.shape[:2] == (batch, num_kv_heads) and o.shape[3:] == (rows, head_dim) and o.shape[2] >= 1
         for o, _ in tiers)

@@ -767,11 +767,13 @@ def _merge_tiers_kernel(
 
 
 def merge_tier_partials(o_a, lse_a, o_b, lse_b, valid_rows: int, block_splits: int = MERGE_BLOCK_SPLITS,
-                        block_d: int = MERGE_BLOCK_D):
+                        block_d: int | None = None):
     """Merge the partials of two tiers (same B, K, M, D; any split counts) into o float32[B, K,
     valid_rows, D], keeping rows [0, valid_rows) of M. Inputs are validated by the public op."""
     batch, num_kv_heads, splits_a, rows, head_dim = o_a.shape
-    block_d = min(block_d, head_dim)
+    # None: MERGE_BLOCK_D columns per program on the GPU (parallelism); whole rows under the
+    # interpreter, which runs programs one after another.
+    block_d = min(block_d or (head_dim if interpreting() else MERGE_BLOCK_D), head_dim)
     assert o_b.shape[:2] == (batch, num_kv_heads) and o_b.shape[3:] == (rows, head_dim) and valid_rows <= rows
     assert head_dim % block_d == 0
     out = torch.empty((batch, num_kv_heads, valid_rows, head_dim), dtype=torch.float32, device=o_a.device)
