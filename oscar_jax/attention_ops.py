@@ -45,7 +45,7 @@ from oscar_jax.kernels.decode_attention import (
 from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
-from shared_math.tiling import default_num_warps, default_pages_per_block, default_pages_per_split
+from shared_math.tiling import default_num_warps, default_pages_per_block, default_pages_per_split, next_power_of_two
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
 DEFAULT_NUM_WARPS = 4  # Triton launch parameters of the decode kernels
@@ -53,10 +53,6 @@ DEFAULT_NUM_STAGES = 2
 DEFAULT_PREFILL_BLOCK_M = 64
 DEFAULT_PREFILL_BLOCK_N = 64
 QUERY_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 def merge_partials(outputs, lses):
@@ -258,7 +254,7 @@ def _decode_attention(
     batch, q_heads, head_dim = q.shape
     num_kv_heads = cache[0].shape[-3]  # k_bf16 [(Y,) P, K, L, D]
     heads_per_kv = q_heads // num_kv_heads
-    rows = max(MIN_DOT_DIM, _next_power_of_two(heads_per_kv))  # GQA group padded for dot's M ≥ 16
+    rows = max(MIN_DOT_DIM, next_power_of_two(heads_per_kv))  # GQA group padded for dot's M ≥ 16
     q_rows = q.reshape(batch, num_kv_heads, heads_per_kv, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - heads_per_kv), (0, 0)))
     tiers = _cache_partials(
@@ -364,9 +360,9 @@ def _prefill_attention(
     num_kv_heads = k_new.shape[2]
     heads_per_kv = q_heads // num_kv_heads
     rows = chunk * heads_per_kv
-    block_m = min(block_m, max(MIN_DOT_DIM, _next_power_of_two(rows)))
+    block_m = min(block_m, max(MIN_DOT_DIM, next_power_of_two(rows)))
     padded_rows = -(-rows // block_m) * block_m
-    block_n = min(block_n, max(MIN_DOT_DIM, _next_power_of_two(chunk)))
+    block_n = min(block_n, max(MIN_DOT_DIM, next_power_of_two(chunk)))
     padded_chunk = -(-chunk // block_n) * block_n
 
     # Rows of KV head h, token-major: r = t·Gq + g.

@@ -43,17 +43,13 @@ from oscar_torch.validation import (
     check_tensor,
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
-from shared_math.tiling import default_pages_per_block, default_pages_per_split
+from shared_math.tiling import default_pages_per_block, default_pages_per_split, next_power_of_two
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
 DEFAULT_PREFILL_BLOCK_M = 64
 DEFAULT_PREFILL_BLOCK_N = 64
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
 _INT32 = (torch.int32,)
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 def merge_partials(outputs: torch.Tensor, lses: torch.Tensor):
@@ -264,7 +260,7 @@ def decode_attention(
     )
     check_devices(q=q, **dict(zip(_CACHE_NAMES, cache)))
     heads_per_kv = q_heads // num_kv_heads
-    rows = max(MIN_DOT_DIM, _next_power_of_two(heads_per_kv))  # GQA group padded for dot's M ≥ 16
+    rows = max(MIN_DOT_DIM, next_power_of_two(heads_per_kv))  # GQA group padded for dot's M ≥ 16
     q_rows = q.reshape(batch, num_kv_heads, heads_per_kv, head_dim)
     q_rows = torch.nn.functional.pad(q_rows, (0, 0, 0, rows - heads_per_kv)).contiguous()
     tiers = _tier_partials(
@@ -349,9 +345,9 @@ def prefill_attention(
 
     heads_per_kv = q_heads // num_kv_heads
     rows = chunk * heads_per_kv
-    block_m = min(block_m, max(MIN_DOT_DIM, _next_power_of_two(rows)))
+    block_m = min(block_m, max(MIN_DOT_DIM, next_power_of_two(rows)))
     padded_rows = -(-rows // block_m) * block_m
-    block_n = min(block_n, max(MIN_DOT_DIM, _next_power_of_two(chunk)))
+    block_n = min(block_n, max(MIN_DOT_DIM, next_power_of_two(chunk)))
     padded_chunk = -(-chunk // block_n) * block_n
 
     # Rows of KV head h, token-major: r = t·Gq + g.

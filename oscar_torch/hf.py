@@ -61,6 +61,7 @@ from oscar_torch.cache import OscarTorchCache, StepPlan
 from shared_math.artifact import ArtifactError, ModelFingerprint, RotationArtifact, read_artifact, validate_artifact
 from shared_math.spec import OscarConfig
 from shared_math.tiers import tier_split
+from shared_math.tiling import next_power_of_two
 
 ATTENTION_NAME = "oscar"
 DEFAULT_MAX_CACHE_LEN = 4096
@@ -90,10 +91,6 @@ def _check_full_attention(model_config) -> None:
         raise NotImplementedError(
             f"OscarHFCache supports full-attention decoders only; this config has layer types {other or ['sliding']}"
         )
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 @dataclasses.dataclass
@@ -423,8 +420,8 @@ class OscarHFCache(Cache):
         page, sink_slots = self.config.page_size, self.allocator.sink_slots
         recent_pages = int(-(-tables["recent_tokens"].max() // page))
         history_pages = int(tables["history_tokens"].max() // page)
-        bf16_width = min(sink_slots + _next_power_of_two(recent_pages), tables["bf16_page_table"].shape[1])
-        history_width = 0 if history_pages == 0 else min(_next_power_of_two(history_pages), self.history_slots)
+        bf16_width = min(sink_slots + next_power_of_two(recent_pages), tables["bf16_page_table"].shape[1])
+        history_width = 0 if history_pages == 0 else min(next_power_of_two(history_pages), self.history_slots)
         tables["bf16_page_table"] = tables["bf16_page_table"][:, : max(bf16_width, sink_slots, 1)]
         tables["history_page_table"] = tables["history_page_table"][:, :history_width]
         return tables
@@ -462,8 +459,8 @@ class OscarHFCache(Cache):
             history = min(max(start - split.history_start, 0), split.history_tokens)
             recent = max(start - split.recent_start, 0)
             sink_slots, recent_pages, history_pages = cfg.sink // page, -(-recent // page), history // page
-            bf16_width = sink_slots + (_next_power_of_two(recent_pages) if recent_pages else 0)
-            history_width = 0 if history_pages == 0 else min(_next_power_of_two(history_pages), self.history_slots)
+            bf16_width = sink_slots + (next_power_of_two(recent_pages) if recent_pages else 0)
+            history_width = 0 if history_pages == 0 else min(next_power_of_two(history_pages), self.history_slots)
             bf16_table = full["bf16_page_table"][:, : max(bf16_width, sink_slots, 1)].copy()
             bf16_table[:, sink_slots + recent_pages :] = 0
             history_table = full["history_page_table"][:, :history_width].copy()
