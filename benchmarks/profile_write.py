@@ -11,8 +11,10 @@ each variant writes against shared_math.encode of the rows rotated in float64:
   operands, float32 accumulation), tf32 (one TF32 product: a lower bound, not accurate enough);
 - `block_tokens` (rows per program; the rotation is read once per program) and `num_warps`.
 
-The variants are swapped in by replacing `kernels.write._rotate` while tracing (an experiment:
-the product's kernels are unchanged). NOTES.md quotes the result.
+The variants are swapped in by replacing `kernels.write._rotate` while tracing, with JAX's caches
+cleared for each (an experiment: the product's kernels are unchanged). NOTES.md quotes the result.
+The first run (git 4780e57) did not clear the caches, so its tf32x3 / bf16x3 / tf32 rows are the
+ieee kernel again (identical times and bytes); its none / ieee rows by block and warps stand.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def main(argv=None) -> None:
     for name, block, warps in itertools.product(args.rotations.split(","), map(int, args.block_tokens.split(",")),
                                                 map(int, args.num_warps.split(","))):
         kwrite._rotate = original if name == "none" else _rotate_variant(name)
+        jax.clear_caches()  # the jitted launcher caches its trace by static arguments, not by _rotate
         rot = None if name == "none" else rotation
         kw = dict(group_size=group, clip_index=clip_index, levels="minmax", block_tokens=block, num_warps=warps)
         entry = {"rotation": name, "block_tokens": block, "num_warps": warps}
