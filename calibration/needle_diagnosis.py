@@ -12,7 +12,9 @@ layer and head, with the keys stored as the method stores them (rotated, bfloat1
 tier through its quantizer):
 
 - relative key error ‖k̂ − k‖ / ‖k‖ of the needle's tokens and of all history tokens;
-- the score error q·(k̂ − k)/√d of the answer queries on the needle's tokens and on the history;
+- the score error q·(k̂ − k)/√d of the answer queries on the needle's tokens and on the history:
+  its RMS and its mean (a bias: a quantizer that shrinks the needle's key along the query lowers
+  the needle's score even when its RMS error is small);
 - the attention mass the answer queries put on the needle, with BF16 keys and with the method's.
 
 The queries are the BF16 model's (first order: a quantized run's residual stream differs too),
@@ -104,7 +106,8 @@ def diagnose_layer(method: KVMethod, layer: int, q: np.ndarray, keys: np.ndarray
     if intervals is None:
         intervals = method.history_intervals(keys.shape[0])
     group = q.shape[1] // keys.shape[1]
-    out: dict[str, list] = {"mass_bf16": [], "mass_method": [], "score_error_needle": [], "score_error_history": []}
+    out: dict[str, list] = {"mass_bf16": [], "mass_method": [], "score_error_needle": [], "score_error_history": [],
+                            "score_bias_needle": [], "score_bias_history": []}
     history_any = np.zeros(keys.shape[0], bool)
     for a in range(q.shape[0]):
         t = prompt_length + a
@@ -121,10 +124,10 @@ def diagnose_layer(method: KVMethod, layer: int, q: np.ndarray, keys: np.ndarray
         out["mass_method"].append(_softmax_mass(scores, span))
         delta = scores - ref_scores
         h_needle, h_all = span & history[visible], history[visible]
-        out["score_error_needle"].append(np.sqrt(np.mean(delta[:, h_needle] ** 2, axis=-1)) if h_needle.any()
-                                         else np.full(delta.shape[0], np.nan))
-        out["score_error_history"].append(np.sqrt(np.mean(delta[:, h_all] ** 2, axis=-1)) if h_all.any()
-                                          else np.full(delta.shape[0], np.nan))
+        for where, mask in (("needle", h_needle), ("history", h_all)):
+            missing = np.full(delta.shape[0], np.nan)
+            out[f"score_error_{where}"].append(np.sqrt(np.mean(delta[:, mask] ** 2, axis=-1)) if mask.any() else missing)
+            out[f"score_bias_{where}"].append(np.mean(delta[:, mask], axis=-1) if mask.any() else missing)
     result = {name: np.mean(values, axis=0) for name, values in out.items()}
     relative = np.linalg.norm(error, axis=-1) / np.maximum(np.linalg.norm(k_rot, axis=-1), 1e-30)  # [S, Hkv]
     needle_history = needle & history_any
@@ -170,6 +173,14 @@ def summarize(samples: list[dict], method_names: list[str], retrieval_heads: int
             values = [np.nanmean(np.asarray(s["per_method"][name][key])) for s in subset]
             return float(np.nanmean(values)) if values else None
 
+        def on_retrieval_heads(key):
+            values = []
+            for s in rows:
+                m = s["per_method"][name]
+                top = np.argsort(np.asarray(m["mass_bf16"]).ravel())[::-1][:retrieval_heads]
+                values.append(np.nanmean(np.asarray(m[key]).ravel()[top]))
+            return float(np.nanmean(values)) if values else None
+
         def kept(subset):
             ratios = []
             for s in subset:
@@ -184,6 +195,9 @@ def summarize(samples: list[dict], method_names: list[str], retrieval_heads: int
         out[name] = {
             "key_error_needle": mean_of("key_error_needle"), "key_error_history": mean_of("key_error_history"),
             "score_error_needle": mean_of("score_error_needle"), "score_error_history": mean_of("score_error_history"),
+            "retrieval_head_score_bias_needle": on_retrieval_heads("score_bias_needle"),
+            "retrieval_head_score_bias_history": on_retrieval_heads("score_bias_history"),
+            "retrieval_head_score_error_needle": on_retrieval_heads("score_error_needle"),
             "retrieval_head_mass_kept": kept(rows)[0],
             "retrieval_head_mass_kept_when_correct": kept(correct)[0], "samples_correct": len(correct),
             "retrieval_head_mass_kept_when_wrong": kept(wrong)[0], "samples_wrong": len(wrong),

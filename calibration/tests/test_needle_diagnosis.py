@@ -36,6 +36,7 @@ def test_a_quantized_history_is_measured_on_its_tokens_only():
     # the relative error of 2-bit rows of 16 Gaussian values: well above 0, well below 1
     assert 0.1 < got["key_error_needle"][0] < 0.6 and 0.1 < got["key_error_history"][0] < 0.6
     assert np.all(got["score_error_needle"] > 0) and np.all(got["score_error_history"] > 0)
+    assert np.all(np.abs(got["score_bias_needle"]) <= got["score_error_needle"])  # |mean| ≤ RMS
     far = needle.copy()
     far[:] = False
     far[PROMPT - 2:PROMPT] = True  # in the recent window: BF16 for every method
@@ -64,12 +65,15 @@ def test_summary_keeps_the_mass_of_the_bf16_retrieval_heads():
     sample = {"correct": {"m": False}, "per_method": {"m": {
         "mass_bf16": np.array([[0.6, 0.1], [0.2, 0.05]]), "mass_method": np.array([[0.3, 0.1], [0.2, 0.5]]),
         "key_error_needle": np.array([[0.3]]), "key_error_history": np.array([[0.2]]),
-        "score_error_needle": np.array([[1.0, 2.0]]), "score_error_history": np.array([[1.0, 1.0]])}}}
+        "score_error_needle": np.array([[1.0, 2.0], [3.0, 4.0]]), "score_error_history": np.array([[1.0, 1.0], [1.0, 1.0]]),
+        "score_bias_needle": np.array([[-0.5, 0.0], [-1.5, 9.0]]), "score_bias_history": np.array([[0.0, 0.0], [0.1, 0.0]])}}}
     got = nd.summarize([sample], ["m"], retrieval_heads=2)["m"]
     assert got["retrieval_head_mass_kept"] == pytest.approx((0.3 + 0.2) / (0.6 + 0.2))  # heads by BF16 mass only
     assert got["retrieval_head_mass_kept_when_wrong"] == got["retrieval_head_mass_kept"]
     assert got["retrieval_head_mass_kept_when_correct"] is None and got["samples_wrong"] == 1
-    assert got["score_error_needle"] == pytest.approx(1.5)
+    assert got["score_error_needle"] == pytest.approx(2.5)
+    assert got["retrieval_head_score_bias_needle"] == pytest.approx(-1.0)  # heads (0, 0) and (1, 0)
+    assert got["retrieval_head_score_error_needle"] == pytest.approx(2.0)
 
 
 def test_replay_rebuilds_the_samples_of_a_run_and_refuses_others():
