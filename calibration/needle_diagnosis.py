@@ -75,7 +75,9 @@ def replay_samples(tokenizer, config: dict, records: list[dict], docs) -> list[t
 
 
 def _rotate(x: np.ndarray, rotation: np.ndarray | None) -> np.ndarray:
-    """x [T, H, D] with H a multiple of rotation's Hkv → x·R of each head's KV head."""
+    """x [T, H, D] with H a multiple of rotation's Hkv → x·R of each head's KV head. In NumPy
+    float64 (not passkey.AnswerCache._rotate's float32 einsum): the errors measured here are
+    differences of rotated values, and a float32 product would add its own rounding to them."""
     if rotation is None:
         return x
     t, h, d = x.shape
