@@ -6,15 +6,18 @@ Times the Pallas `write_pages_rows` kernel (65,536 tokens × 8 KV heads × d 128
 bench_write case) over a grid of variants, each against the bytes it must move, and checks what
 each variant writes against shared_math.encode of the rows rotated in float64:
 
-- `rotation`: none (the encode alone), ieee (the product: float32 FMAs), tf32x3 (three TF32
-  tensor-core products), bf16x3 (the bf16 rows times R split into three bf16 parts: exact
-  operands, float32 accumulation), tf32 (one TF32 product: a lower bound, not accurate enough);
+- `rotation`: none (the encode alone); product (what the kernel ships: for bf16 rows, R split
+  into three bf16 parts on the host, three tensor-core products); and, R passed as float32 and
+  rotated in the kernel by: ieee (float32 FMAs, the product before v9), tf32x3 (three TF32
+  tensor-core products), bf16x3 (R split into three bf16 parts inside every program), tf32 (one
+  TF32 product: a lower bound, not accurate enough);
 - `block_tokens` (rows per program; the rotation is read once per program) and `num_warps`.
 
-The variants are swapped in by replacing `kernels.write._rotate` while tracing, with JAX's caches
-cleared for each (an experiment: the product's kernels are unchanged). NOTES.md quotes the result.
-The first run (git 4780e57) did not clear the caches, so its tf32x3 / bf16x3 / tf32 rows are the
-ieee kernel again (identical times and bytes); its none / ieee rows by block and warps stand.
+The float32 variants are swapped in by replacing `kernels.write._rotate` and `_rotation_operand`
+while tracing, with JAX's caches cleared for each (an experiment: the product's kernels are
+unchanged). NOTES.md quotes the results. The first run (git 4780e57) did not clear the caches,
+so its tf32x3 / bf16x3 / tf32 rows are the ieee kernel again (identical times and bytes); its
+none / ieee rows by block and warps stand.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import numpy as np
 
 from benchmarks import bench_write, harness
 
-ROTATIONS = ("none", "ieee", "tf32x3", "bf16x3", "tf32")
+ROTATIONS = ("none", "product", "ieee", "tf32x3", "bf16x3", "tf32")
+SHIPPED = ("none", "product")  # run the kernel as it ships
 
 
 def _rotate_variant(name: str):
@@ -58,11 +62,18 @@ def _rotate_variant(name: str):
     return rotate
 
 
+def _float32_operand(original):
+    """_rotation_operand as for float32 rows: R [K, D, D] float32, whatever the rows' dtype."""
+    import jax.numpy as jnp
+
+    return lambda rotation, x_dtype: original(rotation, jnp.float32)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--rotations", default=",".join(ROTATIONS))
-    parser.add_argument("--block-tokens", default="16,64,128")
+    parser.add_argument("--block-tokens", default="16,32,64,128")
     parser.add_argument("--num-warps", default="4,8")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -97,10 +108,12 @@ def main(argv=None) -> None:
                "group_size": group, "rows_dtype": "bfloat16", "bytes_moved": bytes_moved,
                "copy_bandwidth": harness.copy_bandwidth() if jax.default_backend() == "gpu" else None,
                "variants": []}
-    original = kwrite._rotate
+    original, original_operand = kwrite._rotate, kwrite._rotation_operand
     for name, block, warps in itertools.product(args.rotations.split(","), map(int, args.block_tokens.split(",")),
                                                 map(int, args.num_warps.split(","))):
-        kwrite._rotate = original if name == "none" else _rotate_variant(name)
+        shipped = name in SHIPPED
+        kwrite._rotate = original if shipped else _rotate_variant(name)
+        kwrite._rotation_operand = original_operand if shipped else _float32_operand(original_operand)
         jax.clear_caches()  # the jitted launcher caches its trace by static arguments, not by _rotate
         rot = None if name == "none" else rotation
         kw = dict(group_size=group, clip_index=clip_index, levels="minmax", block_tokens=block, num_warps=warps)
@@ -117,15 +130,15 @@ def main(argv=None) -> None:
 
             entry["timing"] = harness.time_jax_loop(step, pools, reps=20, operands=(rows, page_ids, slots, rot))
             entry["gb_per_s"] = bytes_moved / entry["timing"]["median_s"] / 1e9
-            print(f"{name:7s} block {block:4d} warps {warps}: {entry['timing']['median_s'] * 1e6:8.1f} us "
+            print(f"{name:8s} block {block:4d} warps {warps}: {entry['timing']['median_s'] * 1e6:8.1f} us "
                   f"{entry['gb_per_s']:7.0f} GB/s, codes differing {entry['codes_bytes_differing_from_f64_rotation']:.2e}",
                   flush=True)
         except Exception as error:  # a variant that does not lower is a result, not a crash
             entry["error"] = f"{type(error).__name__}: {str(error)[:400]}"
-            print(f"{name:7s} block {block:4d} warps {warps}: {entry['error']}", flush=True)
+            print(f"{name:8s} block {block:4d} warps {warps}: {entry['error']}", flush=True)
         results["variants"].append(entry)
         args.out.write_text(json.dumps(results, indent=1))
-    kwrite._rotate = original
+    kwrite._rotate, kwrite._rotation_operand = original, original_operand
 
 
 if __name__ == "__main__":

@@ -81,14 +81,20 @@ def encode(backend: str, x: np.ndarray, **kwargs):
     return tuple(from_torch(a) for a in torch_ops.encode(to_torch(x), **kwargs))
 
 
-def write_pages(backend: str, pools, rows, page_ids, slots, **kwargs):
+def write_pages(backend: str, pools, rows, page_ids, slots, rotation=None, **kwargs):
+    """Rows float32 or bfloat16 bits (uint16); `rotation` (float32 [K, D, D]) is fused into the
+    backends' write (shared_math takes rows already rotated)."""
     if backend == "shared_math":
+        assert rotation is None, "shared_math.encode takes rotated rows"
         return cases.reference_scatter(pools, rows, page_ids, slots, **kwargs)
     if backend == "jax":
-        out = jax_ops.write_pages(*(to_jax(p) for p in pools), to_jax(rows), to_jax(page_ids), to_jax(slots), **kwargs)
+        rotation = None if rotation is None else to_jax(rotation)
+        out = jax_ops.write_pages(*(to_jax(p) for p in pools), to_jax(rows), to_jax(page_ids), to_jax(slots),
+                                  rotation=rotation, **kwargs)
         return tuple(from_jax(a) for a in out)
+    rotation = None if rotation is None else to_torch(rotation)
     tensors = tuple(to_torch(p) for p in pools)
-    torch_ops.write_pages(*tensors, to_torch(rows), to_torch(page_ids), to_torch(slots), **kwargs)
+    torch_ops.write_pages(*tensors, to_torch(rows), to_torch(page_ids), to_torch(slots), rotation=rotation, **kwargs)
     return tuple(from_torch(t) for t in tensors)
 
 

@@ -165,6 +165,12 @@ class WriteCase:
         rng = np.random.default_rng(seed_of(self.name, data, "rows"))
         return DATA[data](rng, (self.num_tokens, self.num_kv_heads, self.head_dim))
 
+    def rotation(self) -> np.ndarray:
+        """A random orthogonal R_K per kv head, float32 [K, D, D] (for the fused key rotation)."""
+        rng = np.random.default_rng(seed_of(self.name, "rotation"))
+        q, _ = np.linalg.qr(rng.standard_normal((self.num_kv_heads, self.head_dim, self.head_dim)))
+        return q.astype(F32)
+
     def int2_pools(self, layers: bool = False):
         """Pools filled with random bytes (a sentinel pattern: any stray write shows)."""
         rng = np.random.default_rng(seed_of(self.name, "pools"))

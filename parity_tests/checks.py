@@ -12,6 +12,7 @@ import numpy as np
 from parity_tests import backends, cases
 from parity_tests.cases import assert_close, assert_same_bits
 from shared_math.codec import decode as reference_decode_rows
+from shared_math.codec import unpack_codes as reference_unpack
 
 CODEC_BACKENDS = ("shared_math", "jax", "torch")
 ARRAYS = ("packed", "scale", "minimum")
@@ -54,6 +55,45 @@ def write(case: cases.WriteCase, levels: str) -> dict:
     for backend, got in bf16.items():
         assert_same_bits(got, bf16["shared_math"], f"{case.name} write_bf16_pages: {backend}")
     return dict(tokens=case.num_tokens, demoted_pages=int(src.size) * case.num_layers, bit_identical=True)
+
+
+def fused_rotation(case: cases.WriteCase, rows_dtype: str, levels: str) -> dict:
+    """write_pages with the key rotation fused into the write (bfloat16 rows: R split into three
+    bfloat16 products; float32 rows: IEEE float32). The rotation's float32 rounding is not part
+    of the format, so against shared_math's encoding of the float64-rotated rows each backend may
+    flip a code by one level (metadata by one float16 step) where a rotated value sits on a
+    threshold, rarely; compiled on the GPU the two backends run the same products in the same
+    order and write bit-identical pages. (The interpreters sum in their own orders.)"""
+    codec_args = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
+    pools, rows, rotation = case.int2_pools(), case.rows("random"), case.rotation()
+    page_ids, slots = case.destinations()
+    if rows_dtype == "bfloat16":
+        rows = cases.bf16_bits(rows)  # uint16: the backends take bfloat16 rows
+        exact = cases.bf16_values(rows)
+    else:
+        exact = rows
+    rotated = np.einsum("tkd,kde->tke", exact.astype(np.float64), rotation.astype(np.float64)).astype(np.float32)
+    want = cases.reference_scatter(pools, rotated, page_ids, slots, **codec_args)
+    got = {b: backends.write_pages(b, pools, rows, page_ids, slots, rotation=rotation, **codec_args)
+           for b in ("jax", "torch")}
+    flips = {}
+    for backend, arrays in got.items():
+        codes = reference_unpack(arrays[0][page_ids, :, slots]).astype(int)
+        want_codes = reference_unpack(want[0][page_ids, :, slots]).astype(int)
+        assert np.abs(codes - want_codes).max() <= 1, f"{case.name} {rows_dtype}: {backend} code off by > 1 level"
+        flips[backend] = float(np.mean(codes != want_codes))
+        assert flips[backend] < 1e-2, f"{case.name} {rows_dtype}: {backend} flips {flips[backend]:.2%} of codes"
+        for name, a, e in zip(ARRAYS[1:], arrays[1:], want[1:]):
+            steps = np.abs(a.view(np.int16).astype(int) - e.view(np.int16).astype(int))
+            assert steps.max() <= 1, f"{case.name} {rows_dtype}: {backend} {name} off by {steps.max()} f16 steps"
+        untouched = np.ones(arrays[0].shape[:1] + arrays[0].shape[2:3], bool)
+        untouched[page_ids, slots] = False  # [P, L]: slots no token was written to keep their bytes
+        assert np.array_equal(arrays[0].transpose(0, 2, 1, 3)[untouched], pools[0].transpose(0, 2, 1, 3)[untouched])
+    if backends.ON_GPU:
+        for name, a, e in zip(ARRAYS, got["jax"], got["torch"]):
+            assert_same_bits(a, e, f"{case.name} {rows_dtype} fused rotation: jax vs torch {name}")
+    return dict(tokens=case.num_tokens, rows_dtype=rows_dtype, code_flips_vs_float64_rotation=flips,
+                jax_torch_bit_identical=bool(backends.ON_GPU))
 
 
 def _within_tolerance(outputs: dict, want: np.ndarray, q_dtype: str) -> dict:

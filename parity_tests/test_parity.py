@@ -7,6 +7,8 @@ test_parity_gpu.py records a result file). What is claimed, per test:
     (random, heavy-tailed, ties, NaN/Inf/huge/subnormal, tiny), both encoders;
   * INT2 pages written by write_pages and by demote_pages, and BF16 pages written by
     write_bf16_pages, from identical rotated inputs: bit-identical across the three;
+  * write_pages with the key rotation fused (float32 and bfloat16 rows): within rare one-level
+    flips of shared_math's encoding of the float64-rotated rows; on the GPU, jax ≡ torch;
   * decode attention of both backends vs the float64 reference over the dequantized cache,
     within THE tolerance table (cases.ATTENTION_TOLERANCES);
   * a pool written by one backend is the format's bytes and the other backend decodes and attends
@@ -31,6 +33,13 @@ def test_encode_bytes_identical(case, levels):
 @pytest.mark.parametrize("case,levels", WRITE_PARAMS, ids=lambda p: p if isinstance(p, str) else p.name)
 def test_written_and_demoted_pages_identical(case, levels):
     checks.write(case, levels)
+
+
+@pytest.mark.parametrize("rows_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", (cases.WRITE_CASES[2], cases.WRITE_CASES[4]), ids=lambda c: c.name)
+def test_fused_rotation_writes_the_rotated_encoding(case, rows_dtype):
+    result = checks.fused_rotation(case, rows_dtype, cases.LEVELS[0])
+    print(f"{case.name} {rows_dtype}: {result['code_flips_vs_float64_rotation']}")
 
 
 @pytest.mark.parametrize("case", cases.ATTENTION_CASES, ids=lambda c: c.name)

@@ -49,6 +49,9 @@ def _named_checks():
     for case in cases.WRITE_CASES:
         for levels in cases.LEVELS:
             yield f"write/{case.name}/{levels}", lambda c=case, lv=levels: checks.write(c, lv)
+        for rows_dtype in ("float32", "bfloat16"):
+            yield (f"fused_rotation/{case.name}/{rows_dtype}",
+                   lambda c=case, d=rows_dtype: checks.fused_rotation(c, d, cases.LEVELS[0]))
     for case in cases.ATTENTION_CASES:
         yield f"decode_attention/{case.name}", lambda c=case: checks.decode_attention(c)
         for writer in ("jax", "torch"):

@@ -16,6 +16,34 @@ from shared_math.spec import is_power_of_two
 
 ROTATION_KINDS = ("identity", "hadamard", "eigen", "eigen_hadamard", "oscar")
 
+# The fused key rotation of bfloat16 rows runs as three bfloat16 tensor-core products, k·hi +
+# k·mid + k·lo with R = hi + mid + lo (each part the round-to-nearest-even bfloat16 of what the
+# previous parts leave): a bfloat16 row times a bfloat16 part is exact in float32, so the sum
+# keeps ~24 bits of R, as the float32 product does (benchmarks/NOTES.md v9). Not part of the
+# format: the rotation's rounding is not pinned, only the encoding of the rotated row.
+BF16_SPLIT_PARTS = 3
+_BF16_DROPPED_BITS = 16  # a bfloat16 is the top half of a float32
+_BF16_ROUNDING_BIAS = (1 << (_BF16_DROPPED_BITS - 1)) - 1  # round-to-nearest-even: + 0x7FFF + lsb
+_BF16_KEPT_MASK = -(1 << _BF16_DROPPED_BITS)  # int32 0xFFFF0000
+
+
+def split_bf16(rotation, *, to_bits=lambda a: a.view(np.int32), from_bits=lambda b: b.view(np.float32)):
+    """float32 R [..., D, D] → [hi, mid, lo], float32 arrays holding bfloat16 values, R ≈ hi + mid + lo.
+
+    Integer rounding on the float32 bits, so that every array library gives the same parts (a
+    compiler may elide a float32 → bfloat16 → float32 cast pair; it cannot elide integer ops).
+    `to_bits` / `from_bits` bitcast float32 ↔ int32 for the caller's array type (NumPy by
+    default; the JAX and torch launchers pass their own). R must be finite (a rotation is).
+    """
+    parts, rest = [], rotation
+    for _ in range(BF16_SPLIT_PARTS):
+        bits = to_bits(rest)
+        lsb = (bits >> _BF16_DROPPED_BITS) & 1
+        part = from_bits((bits + _BF16_ROUNDING_BIAS + lsb) & _BF16_KEPT_MASK)
+        parts.append(part)
+        rest = rest - part  # exact: the part holds rest's leading 8 significant bits
+    return parts
+
 
 def bit_reverse_indices(d: int) -> np.ndarray:
     """br(i) for i in 0..d−1: i with its log2(d) bits reversed (int64)."""

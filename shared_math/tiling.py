@@ -1,4 +1,5 @@
-"""Split-K tiling policy of the decode / prefill attention kernels, shared by both runtimes.
+"""Tiling policy of the decode / prefill attention kernels (split-K) and the fused write, shared by
+both runtimes.
 
 Not part of format v1 (it changes no byte); one module so that the Pallas and Triton kernels run
 the same tiling by default and the parity backend is timed like for like.
@@ -37,6 +38,11 @@ def default_pages_per_split(history_slots: int, pages_per_block: int, page_size:
     floor = -(-MIN_TOKENS_PER_SPLIT // max(page_size, 1))
     return max(pages_per_block, next_power_of_two(max(floor, -(-history_slots // TARGET_SPLITS))))
 
+
+# Tokens per program of the fused write when it rotates bfloat16 rows (three bf16 products per
+# block, the parts read once per program): H200, 65,536 tokens × 8 heads × d 128, in-kernel
+# split (results/profile_write_v9_h200.json): 398 µs at 64 vs 1,280 µs at 16.
+SPLIT_ROTATION_BLOCK_TOKENS = 64
 
 BATCHED_DECODE_NUM_WARPS_FROM = 8  # batch from which decode programs run 2 warps instead of 4
 

@@ -36,7 +36,9 @@ def test_bf16x3_rotation_is_float32_accurate_for_bf16_rows():
 @pytest.mark.parametrize("name,expected_dots", [("ieee", 1), ("bf16x3", 3)])
 def test_each_variant_reaches_the_traced_kernel(name, expected_dots, monkeypatch):
     """The launcher is jitted with static arguments only: without clearing JAX's caches a second
-    variant reuses the first one's trace (the first H200 run measured ieee five times)."""
+    variant reuses the first one's trace (the first H200 run measured ieee five times). The
+    product's kernel rotates bf16 rows by three dots of host-split parts; a float32 variant
+    reads R whole (one [D, D] float32 operand) and does its own dots."""
     rows = jnp.zeros((16, 1, 64), jnp.bfloat16)
     pools = (jnp.zeros((1, 1, 16, 16), jnp.uint8), jnp.zeros((1, 1, 16, 1), jnp.float16),
              jnp.zeros((1, 1, 16, 1), jnp.float16))
@@ -45,15 +47,17 @@ def test_each_variant_reaches_the_traced_kernel(name, expected_dots, monkeypatch
     launch = functools.partial(kwrite.write_pages_rows, group_size=64, clip_index=61, levels="minmax",
                                interpret=True)
 
-    def dots():
-        return str(jax.make_jaxpr(launch)(*pools, rows, ids, slots, rotation)).count("dot_general")
+    def trace():
+        return str(jax.make_jaxpr(launch)(*pools, rows, ids, slots, rotation))
 
-    assert dots() == 1  # the product's kernel, now cached
+    assert trace().count("dot_general") == 3 and "bf16[1,3,64,64]" in trace()  # the product, now cached
     monkeypatch.setattr(kwrite, "_rotate", profile_write._rotate_variant(name))
+    monkeypatch.setattr(kwrite, "_rotation_operand", profile_write._float32_operand(kwrite._rotation_operand))
     try:
-        assert dots() == 1  # the stale trace
+        assert "bf16[1,3,64,64]" in trace()  # the stale trace
         jax.clear_caches()  # what profile_write does before each variant
-        assert dots() == expected_dots
+        assert trace().count("dot_general") == expected_dots
+        assert "bf16[1,3,64,64]" not in trace() and "f32[1,64,64]" in trace()
     finally:  # no later test may meet a cached trace of the variant
         monkeypatch.undo()
         jax.clear_caches()

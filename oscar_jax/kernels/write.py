@@ -12,8 +12,11 @@ them (never an out-of-bounds store) when they are traced.
 
 Encoding is `encode_block` from codec.py, so every written row has exactly the bytes of
 shared_math.encode of the same float32 row. Keys are rotated in the kernel, k' = k·R_K with
-R_K [K, D, D] per kv head, as a float32 `jnp.dot` at Precision.HIGHEST (IEEE float32 on the GPU,
-never TF32); values arrive already rotated (R_V folded into W_v) and take no rotation.
+R_K [K, D, D] per kv head: float32 rows as a float32 `jnp.dot` at Precision.HIGHEST (IEEE
+float32 on the GPU, never TF32); bfloat16 rows as three bfloat16 tensor-core products with R_K
+split into bfloat16 parts (shared_math.rotation.split_bf16: float32-accurate, ~2.5× faster on
+the H200, benchmarks/NOTES.md v9). Values arrive already rotated (R_V folded into W_v) and take
+no rotation.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from oscar_jax.kernels.codec import (
     store_block,
 )
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
+from shared_math.rotation import split_bf16
 from shared_math.spec import CODES_PER_BYTE
+from shared_math.tiling import SPLIT_ROTATION_BLOCK_TOKENS
 
 # tl.dot needs M, N, K ≥ 16: the fused rotation runs on blocks of at least this many tokens.
 MIN_DOT_ROWS = 16
@@ -50,8 +55,30 @@ def _alias_int2_pools(num_operands: int) -> dict[int, int]:
     return {first + i: i for i in range(len(INT2_ARRAYS))}
 
 
+def _rotation_operand(rotation, x_dtype):
+    """The rotation as the kernel reads it, and its BlockSpec (one kv head per program):
+    bfloat16 rows take R_K split into bfloat16 parts [K, 3, D, D] (split_bf16: integer rounding,
+    which XLA cannot elide); other rows take R_K itself, [K, D, D] float32."""
+    if x_dtype == jnp.bfloat16:
+        parts = split_bf16(
+            rotation.astype(jnp.float32),
+            to_bits=lambda a: lax.bitcast_convert_type(a, jnp.int32),
+            from_bits=lambda b: lax.bitcast_convert_type(b, jnp.float32),
+        )
+        rotation = jnp.stack(parts, axis=-3).astype(jnp.bfloat16)  # exact: bfloat16 values
+    block = (None,) + tuple(rotation.shape[1:])
+    return rotation, pl.BlockSpec(block, lambda h, i: (h,) + (0,) * (len(block) - 1))
+
+
 def _rotate(x, rotation_ref):
-    """x [R, D] float32 · R [D, D] float32 → [R, D] float32 (IEEE float32, no TF32)."""
+    """x [R, D] float32 · R_K → [R, D] float32. Parts [3, D, D] bfloat16 (x holds bfloat16
+    values): three tensor-core products, each exact per term, summed smallest part first. Else
+    R_K [D, D] float32: IEEE float32, no TF32."""
+    if rotation_ref.dtype == jnp.bfloat16:
+        xb = x.astype(jnp.bfloat16)  # exact
+        acc = jnp.dot(xb, rotation_ref[2], preferred_element_type=jnp.float32)
+        acc = acc + jnp.dot(xb, rotation_ref[1], preferred_element_type=jnp.float32)
+        return acc + jnp.dot(xb, rotation_ref[0], preferred_element_type=jnp.float32)
     return jnp.dot(
         x,
         rotation_ref[...].astype(jnp.float32),
@@ -81,7 +108,12 @@ def _pool_spec(shape, layer: int | None):
     return layer_block_spec(block, lambda *_: (0,) * len(block), layer)
 
 
-def _token_block_rows(num_tokens: int, block_tokens: int, rotate: bool) -> int:
+def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x_dtype=None) -> int:
+    """Tokens per program. By default DEFAULT_BLOCK_ROWS, or SPLIT_ROTATION_BLOCK_TOKENS for
+    the split rotation of bfloat16 rows (its parts are read once per program)."""
+    if block_tokens is None:
+        split = rotate and x_dtype == jnp.bfloat16
+        block_tokens = SPLIT_ROTATION_BLOCK_TOKENS if split else DEFAULT_BLOCK_ROWS
     rows = block_rows_for(num_tokens, block_tokens)
     return max(rows, MIN_DOT_ROWS) if rotate else rows
 
@@ -91,7 +123,7 @@ def _token_block_rows(num_tokens: int, block_tokens: int, rotate: bool) -> int:
 
 def _write_int2_kernel(
     x_ref,  # [R, D] float (tokens of one kv head)
-    *refs,  # [rotation_ref [D, D] f32], packed_ref [R, D/4], scale_ref [R, D/G], minimum_ref [R, D/G]
+    *refs,  # [rotation_ref (_rotation_operand)], packed_ref [R, D/4], scale_ref [R, D/G], minimum_ref [R, D/G]
     num_tokens: int,
     rotate: bool,
     encode_args: dict,
@@ -123,7 +155,7 @@ def write_int2_rows(
     clip_index: int,
     levels: str,
     order_statistic: str | None = None,
-    block_tokens: int = DEFAULT_BLOCK_ROWS,
+    block_tokens: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool | None = None,
 ):
@@ -133,14 +165,15 @@ def write_int2_rows(
     rotate = rotation is not None
     if order_statistic is None:
         order_statistic = select_order_statistic(d, clip_index)
-    rows = _token_block_rows(num_tokens, block_tokens, rotate)
+    rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
     encode_args = dict(
         group_size=group_size, clip_index=clip_index, levels=levels, order_statistic=order_statistic
     )
     in_specs = [pl.BlockSpec((rows, None, d), lambda h, i: (i, h, 0))]  # x: R tokens of head h
     operands = [x]
     if rotate:
-        in_specs.append(pl.BlockSpec((None, d, d), lambda h, i: (h, 0, 0)))  # R_K of head h
+        rotation, rotation_spec = _rotation_operand(rotation, x.dtype)  # R_K of head h
+        in_specs.append(rotation_spec)
         operands.append(rotation)
     return pl.pallas_call(
         functools.partial(
@@ -194,7 +227,7 @@ def _scatter_rows(pool_ref, head, page, slot, valid, value):
 
 def _write_pages_kernel(
     x_ref,  # [R, D] float (tokens of one kv head)
-    *refs,  # [rotation_ref [D, D]], page_ref [R], slot_ref [R], 3 aliased pool inputs (unused),
+    *refs,  # [rotation_ref (_rotation_operand)], page_ref [R], slot_ref [R], 3 aliased pool inputs (unused),
     #         codes_ref [P, K, L, D/4], scale_ref [P, K, L, D/G], minimum_ref [P, K, L, D/G]
     num_tokens: int,
     rotate: bool,
@@ -235,7 +268,7 @@ def write_pages_rows(
     clip_index: int,
     levels: str,
     order_statistic: str | None = None,
-    block_tokens: int = DEFAULT_BLOCK_ROWS,
+    block_tokens: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool | None = None,
     layer: int | None = None,
@@ -247,14 +280,15 @@ def write_pages_rows(
     rotate = rotation is not None
     if order_statistic is None:
         order_statistic = select_order_statistic(d, clip_index)
-    rows = _token_block_rows(num_tokens, block_tokens, rotate)
+    rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
     encode_args = dict(
         group_size=group_size, clip_index=clip_index, levels=levels, order_statistic=order_statistic
     )
     in_specs = [pl.BlockSpec((rows, None, d), lambda h, i: (i, h, 0))]  # x: R tokens of head h
     operands = [x]
     if rotate:
-        in_specs.append(pl.BlockSpec((None, d, d), lambda h, i: (h, 0, 0)))  # R_K of head h
+        rotation, rotation_spec = _rotation_operand(rotation, x.dtype)  # R_K of head h
+        in_specs.append(rotation_spec)
         operands.append(rotation)
     in_specs += [
         pl.BlockSpec((rows,), lambda h, i: (i,)),  # page ids of the R tokens

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from oscar_jax import ops
+from oscar_jax.kernels import write as kwrite
 from oscar_jax.kernels.codec import resolve_interpret
 from shared_math import codec as ref
+from shared_math.rotation import split_bf16
 
 F32 = np.float32
 INTERPRET = resolve_interpret(None)
@@ -117,6 +119,18 @@ def test_write_int2_bf16_keys_rotate_their_float32_values():
     rotation = random_rotations(rng, 3, 64)
     got = ops.write_int2(x, rotation, group_size=32, clip_ratio=0.96)
     assert_rotated_encoding(got, x, rotation, group_size=32, clip_ratio=0.96, levels="minmax")
+
+
+def test_bf16_rows_take_the_rotation_split_like_shared_math():
+    """Under jit on the device, the launcher's bf16 parts of R are bit for bit shared_math's
+    split (integer rounding: no excess-precision pass can skip it); float32 rows take R itself."""
+    rotation = random_rotations(np.random.default_rng(3), 2, 64)
+    operand = jax.jit(lambda r: kwrite._rotation_operand(r, jnp.bfloat16)[0])(jnp.asarray(rotation))
+    assert operand.dtype == jnp.bfloat16 and operand.shape == (2, 3, 64, 64)
+    want = np.stack(split_bf16(rotation), axis=-3).view(np.uint32) >> 16
+    np.testing.assert_array_equal(np.asarray(operand).view(np.uint16), want.astype(np.uint16))
+    same, _ = kwrite._rotation_operand(jnp.asarray(rotation), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(same), rotation)
 
 
 def test_rotation_is_float32_accurate():

@@ -13,8 +13,10 @@ out-of-bounds store) when the ids are not checked (torch.compile, CUDA graphs).
 
 Encoding is `encode_block` from codec.py, so every written row has exactly the bytes of
 shared_math.encode of the same float32 row. Keys are rotated in the kernel, k' = k·R_K with
-R_K [K, D, D] per kv head, as a float32 `tl.dot` with input_precision="ieee" (never TF32);
-values arrive already rotated and take no rotation. BF16 rows are rounded to bfloat16 with
+R_K [K, D, D] per kv head: float32 rows as a float32 `tl.dot` with input_precision="ieee"
+(never TF32); bfloat16 rows as three bfloat16 tensor-core products with R_K split into bfloat16
+parts (shared_math.rotation.split_bf16; the interpreter, whose bf16 dots are wrong, multiplies
+the same bfloat16 values as float32). Values arrive already rotated and take no rotation. BF16 rows are rounded to bfloat16 with
 integer round-to-nearest-even (`bf16_bits_rne`), never a cast (the interpreter truncates).
 Same kernels, same names and same order as oscar_jax/kernels/write.py.
 """
@@ -34,23 +36,57 @@ from oscar_torch.kernels.codec import (
     kernel_view,
     load_rows_f32,
     select_order_statistic,
+    interpreting,
     widen_bf16_bits,
 )
+from oscar_torch.kernels.decode_attention import dot_f32, dot_operand
+from shared_math.rotation import BF16_SPLIT_PARTS, split_bf16
 from shared_math.spec import CODES_PER_BYTE
+from shared_math.tiling import SPLIT_ROTATION_BLOCK_TOKENS
 
 # tl.dot needs M, N, K ≥ 16: the fused rotation runs on blocks of at least this many tokens.
 MIN_DOT_ROWS = 16
 
 
-def _token_block_rows(num_tokens: int, block_tokens: int, rotate: bool) -> int:
+BF16_SPLIT_PARTS_C = tl.constexpr(BF16_SPLIT_PARTS)
+
+
+def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x_dtype=None) -> int:
+    """Tokens per program. By default DEFAULT_BLOCK_ROWS, or SPLIT_ROTATION_BLOCK_TOKENS for
+    the split rotation of bfloat16 rows (its parts are read once per program)."""
+    if block_tokens is None:
+        split = rotate and x_dtype == torch.bfloat16
+        block_tokens = SPLIT_ROTATION_BLOCK_TOKENS if split else DEFAULT_BLOCK_ROWS
     rows = block_rows_for(num_tokens, block_tokens)
     return max(rows, MIN_DOT_ROWS) if rotate else rows
+
+
+def _rotation_operand(rotation: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The rotation as the kernel reads it: bfloat16 rows take R_K split into bfloat16 parts
+    [K, 3, D, D] (as int16 bits); other rows take R_K [K, D, D] float32. Without a rotation,
+    any pointer (never read)."""
+    if rotation is None:
+        return x
+    if x.dtype == torch.bfloat16:
+        parts = split_bf16(
+            rotation.float(), to_bits=lambda a: a.view(torch.int32), from_bits=lambda b: b.view(torch.float32)
+        )
+        return torch.stack(parts, dim=-3).to(torch.bfloat16).view(torch.int16)  # exact: bf16 values
+    return rotation
+
+
+@triton.jit
+def _bf16_part(ptrs, TENSOR_CORES: tl.constexpr):
+    """A [D, D] part of the split rotation (int16 bits) as a dot operand."""
+    if TENSOR_CORES:
+        return tl.load(ptrs).to(tl.bfloat16, bitcast=True)
+    return widen_bf16_bits(tl.load(ptrs))  # the interpreter: the same values, float32 dots
 
 
 @triton.jit
 def _load_token_rows(
     x_ptr,  # [T, K, D] float32 / float16, or bfloat16 as int16
-    rotation_ptr,  # [K, D, D] float32 (read when ROTATE)
+    rotation_ptr,  # _rotation_operand: [K, 3, D, D] bf16 parts as int16 for bf16 rows, else [K, D, D] f32
     head,
     num_tokens,
     NUM_HEADS: tl.constexpr,
@@ -58,6 +94,7 @@ def _load_token_rows(
     ROTATE: tl.constexpr,
     INPUT_BF16: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
 ):
     """This program's tokens of kv head `head` as float32 [R, D] (rotated when ROTATE), their
     indices [R, 1] and which of them exist [R, 1]."""
@@ -67,8 +104,15 @@ def _load_token_rows(
     x = load_rows_f32(x_ptr + (token * NUM_HEADS + head) * D + column, token_ok, INPUT_BF16)
     if ROTATE:
         row = tl.arange(0, D)[:, None]
-        rotation = tl.load(rotation_ptr + head * D * D + row * D + column)  # [D, D] R_K of head
-        x = tl.dot(x, rotation, input_precision="ieee")  # IEEE float32, no TF32
+        if INPUT_BF16:  # hi, mid, lo of R_K: three exact-product dots, smallest part first
+            part = rotation_ptr + head * BF16_SPLIT_PARTS_C * D * D + row * D + column
+            xb = dot_operand(x, True, TENSOR_CORES)  # exact: x holds bfloat16 values
+            acc = dot_f32(xb, _bf16_part(part + 2 * D * D, TENSOR_CORES), True, TENSOR_CORES)
+            acc = acc + dot_f32(xb, _bf16_part(part + D * D, TENSOR_CORES), True, TENSOR_CORES)
+            x = acc + dot_f32(xb, _bf16_part(part, TENSOR_CORES), True, TENSOR_CORES)
+        else:
+            rotation = tl.load(rotation_ptr + head * D * D + row * D + column)  # [D, D] R_K of head
+            x = tl.dot(x, rotation, input_precision="ieee")  # IEEE float32, no TF32
     return x, token, token_ok
 
 
@@ -86,7 +130,7 @@ def _store_rows(ptr, page, head, slot, valid, value, NUM_HEADS: tl.constexpr, PA
 @triton.jit
 def _write_int2_kernel(
     x_ptr,  # [T, K, D] float
-    rotation_ptr,  # [K, D, D] float32 (unused unless ROTATE)
+    rotation_ptr,  # _rotation_operand (unused unless ROTATE)
     packed_ptr,  # [T, K, D/4] uint8
     scale_ptr,  # [T, K, D/G] float16
     minimum_ptr,  # [T, K, D/G] float16
@@ -100,10 +144,11 @@ def _write_int2_kernel(
     ROTATE: tl.constexpr,
     INPUT_BF16: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
 ):
     head = tl.program_id(0)
     x, token, token_ok = _load_token_rows(
-        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16, BLOCK_TOKENS
+        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16, BLOCK_TOKENS, TENSOR_CORES
     )
     packed, scale, minimum = encode_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
     # Dense outputs [T, K, W] are pools with T pages of one slot.
@@ -128,19 +173,20 @@ def write_int2_rows(
     clip_index: int,
     levels: str,
     order_statistic: str | None = None,
-    block_tokens: int = DEFAULT_BLOCK_ROWS,
+    block_tokens: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
 ):
     """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G]."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
-    rows = _token_block_rows(num_tokens, block_tokens, rotate)
+    rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
     packed = torch.empty((num_tokens, num_heads, d // CODES_PER_BYTE), dtype=torch.uint8, device=x.device)
     scale = torch.empty((num_tokens, num_heads, d // group_size), dtype=torch.float16, device=x.device)
     minimum = torch.empty_like(scale)
     _write_int2_kernel[(num_heads, triton.cdiv(num_tokens, rows))](
-        kernel_view(x), rotation if rotate else x, packed, scale, minimum, num_tokens,
+        kernel_view(x), _rotation_operand(rotation, x), packed, scale, minimum, num_tokens,
         NUM_HEADS=num_heads, ROTATE=rotate, INPUT_BF16=x.dtype == torch.bfloat16, BLOCK_TOKENS=rows,
+        TENSOR_CORES=not interpreting(),
         **_encode_constants(d, group_size, clip_index, levels, order_statistic), num_warps=num_warps,
     )
     return packed, scale, minimum
@@ -162,7 +208,7 @@ def _destinations(page_ids_ptr, slots_ptr, token, token_ok, NUM_PAGES, PAGE_SIZE
 @triton.jit
 def _write_pages_kernel(
     x_ptr,  # [T, K, D] float
-    rotation_ptr,  # [K, D, D] float32 (unused unless ROTATE)
+    rotation_ptr,  # _rotation_operand (unused unless ROTATE)
     page_ids_ptr,  # [T] int32
     slots_ptr,  # [T] int32
     codes_ptr,  # [P, K, L, D/4] uint8 (updated in place)
@@ -180,10 +226,11 @@ def _write_pages_kernel(
     ROTATE: tl.constexpr,
     INPUT_BF16: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
 ):
     head = tl.program_id(0)
     x, token, token_ok = _load_token_rows(
-        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16, BLOCK_TOKENS
+        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16, BLOCK_TOKENS, TENSOR_CORES
     )
     page, slot, valid = _destinations(page_ids_ptr, slots_ptr, token, token_ok, num_pages, PAGE_SIZE)
     packed, scale, minimum = encode_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
@@ -205,7 +252,7 @@ def write_pages_rows(
     clip_index: int,
     levels: str,
     order_statistic: str | None = None,
-    block_tokens: int = DEFAULT_BLOCK_ROWS,
+    block_tokens: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """Encode x [T, K, D] (rotated by rotation [K, D, D] unless None) into the INT2 pools at
@@ -213,11 +260,12 @@ def write_pages_rows(
     num_tokens, num_heads, d = x.shape
     num_pages, _, page_size, _ = codes.shape
     rotate = rotation is not None
-    rows = _token_block_rows(num_tokens, block_tokens, rotate)
+    rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
     _write_pages_kernel[(num_heads, triton.cdiv(num_tokens, rows))](
-        kernel_view(x), rotation if rotate else x, page_ids, slots, codes, scale, minimum,
+        kernel_view(x), _rotation_operand(rotation, x), page_ids, slots, codes, scale, minimum,
         num_tokens, num_pages,
         NUM_HEADS=num_heads, PAGE_SIZE=page_size, ROTATE=rotate, INPUT_BF16=x.dtype == torch.bfloat16,
+        TENSOR_CORES=not interpreting(),
         BLOCK_TOKENS=rows, **_encode_constants(d, group_size, clip_index, levels, order_statistic),
         num_warps=num_warps,
     )

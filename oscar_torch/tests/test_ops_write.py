@@ -20,7 +20,9 @@ from parity_tests.cases import (
     reference_demote,
     reference_scatter,
 )
+from oscar_torch.kernels import write as kwrite
 from shared_math import codec as ref
+from shared_math.rotation import split_bf16
 from shared_math.spec import clip_index
 
 F32 = np.float32
@@ -60,6 +62,19 @@ def test_write_int2_identity_rotation_is_exact():
     identity = np.broadcast_to(np.eye(case.head_dim, dtype=F32), (case.num_kv_heads, case.head_dim, case.head_dim))
     got = ops.write_int2(to_torch(rows), to_torch(identity), group_size=case.group_size, clip_ratio=case.clip_ratio)
     assert_pools(got, ref.encode(rows, group_size=case.group_size, clip_ratio=case.clip_ratio), "identity")
+
+
+def test_bf16_rows_take_the_rotation_split_like_shared_math():
+    """The launcher's bf16 parts of R (int16 bits for the kernel) are bit for bit shared_math's
+    split, on the test device; float32 rows take R itself."""
+    rotation = random_rotations(np.random.default_rng(3), 2, 64)
+    rows = torch.zeros((1, 2, 64), dtype=torch.bfloat16, device=DEVICE)
+    operand = kwrite._rotation_operand(to_torch(rotation), rows)
+    assert operand.dtype == torch.int16 and tuple(operand.shape) == (2, 3, 64, 64)
+    want = np.stack(split_bf16(rotation), axis=-3).view(np.uint32) >> 16
+    np.testing.assert_array_equal(to_numpy(operand).view(np.uint16), want.astype(np.uint16))
+    same = kwrite._rotation_operand(to_torch(rotation), rows.float())
+    np.testing.assert_array_equal(to_numpy(same), rotation)
 
 
 @pytest.mark.parametrize("levels", LEVELS)

@@ -5,11 +5,13 @@ import pytest
 
 from shared_math.hadamard import fwht, hadamard_matrix
 from shared_math.rotation import (
+    BF16_SPLIT_PARTS,
     ROTATION_KINDS,
     bit_reversal_permutation,
     bit_reverse_indices,
     oscar_rotation,
     rotation_from_covariance,
+    split_bf16,
 )
 
 
@@ -109,3 +111,22 @@ def test_rotation_kinds():
         oscar_rotation(np.full((16, 16), np.nan))
     with pytest.raises(ValueError, match="power of two"):
         oscar_rotation(np.eye(12))
+
+
+def test_split_bf16_parts_are_round_to_nearest_even_bfloat16_and_sum_to_r():
+    """Each part is the RNE bfloat16 of what the earlier parts leave (ml_dtypes as the oracle),
+    and three parts hold a float32 rotation to its last bit."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(0)
+    r = np.linalg.qr(rng.standard_normal((3, 128, 128)))[0].astype(np.float32)
+    r[0, 0, :4] = [0.0, -0.0, 1.0, -2.0**-30]  # zeros, an exact bfloat16, a tiny value
+    parts = split_bf16(r)
+    assert len(parts) == BF16_SPLIT_PARTS
+    rest = r
+    for part in parts:
+        assert part.dtype == np.float32 and not np.any(part.view(np.uint32) & 0xFFFF)
+        np.testing.assert_array_equal(part, rest.astype(ml_dtypes.bfloat16).astype(np.float32))
+        rest = rest - part
+    total = parts[0].astype(np.float64) + parts[1] + parts[2]
+    assert np.mean(total == r) > 0.999 and np.max(np.abs(total - r)) <= 2.0**-24 * np.max(np.abs(r))
+    assert np.all([np.array_equal(a, -b) for a, b in zip(split_bf16(-r), parts)])  # sign symmetric
