@@ -144,7 +144,7 @@ TRITON_QWEN3_8B = dict(NUM_HEADS=8, ROWS=16, D=128, PAGE_SIZE=64, PAGES_PER_SPLI
                        Q_BF16=True, SINK_SLOTS=1)
 
 
-def compile_triton_source(kernel, constants: dict, num_warps: int, num_stages: int):
+def compile_triton_source(kernel, constants: dict, num_warps: int, num_stages: int, pointers: dict | None = None):
     """Compile a `triton.jit` kernel with `constants` (its constexprs; the other arguments typed by
     TRITON_POINTERS) for sm_90. Needs the real Triton (not TRITON_INTERPRET=1).
 
@@ -160,7 +160,8 @@ def compile_triton_source(kernel, constants: dict, num_warps: int, num_stages: i
     from triton.compiler import ASTSource
 
     names = list(inspect.signature(kernel.fn).parameters)
-    signature = {name: TRITON_POINTERS.get(name, "constexpr") for name in names}
+    types = {**TRITON_POINTERS, **(pointers or {})}  # `pointers`: a kernel's own argument types
+    signature = {name: types.get(name, "constexpr") for name in names}
     constexprs = {(names.index(name),): value for name, value in constants.items() if name in names}
     missing = [n for n, t in signature.items() if t == "constexpr" and (names.index(n),) not in constexprs
                and inspect.signature(kernel.fn).parameters[n].default is inspect.Parameter.empty]
@@ -173,10 +174,11 @@ def compile_triton_source(kernel, constants: dict, num_warps: int, num_stages: i
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def triton_kernel_usage(kernel, constants: dict, num_warps: int, num_stages: int, *, loop: bool = False) -> dict:
+def triton_kernel_usage(kernel, constants: dict, num_warps: int, num_stages: int, *, loop: bool = False,
+                        pointers: dict | None = None) -> dict:
     """{"registers", "spills", "shared", "async_copies"} of a compiled Triton kernel (async copies:
     the loads its software pipeliner issued ahead), plus its loop profile if asked."""
-    compiled = compile_triton_source(kernel, constants, num_warps, num_stages)
+    compiled = compile_triton_source(kernel, constants, num_warps, num_stages, pointers)
     usage = {**resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
              "async_copies": async_copies(compiled.asm["ttgir"])}
     if loop:

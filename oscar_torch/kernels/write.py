@@ -80,7 +80,8 @@ def _bf16_part(ptrs, TENSOR_CORES: tl.constexpr):
     """A [D, D] part of the split rotation (int16 bits) as a dot operand."""
     if TENSOR_CORES:
         return tl.load(ptrs).to(tl.bfloat16, bitcast=True)
-    return widen_bf16_bits(tl.load(ptrs))  # the interpreter: the same values, float32 dots
+    else:  # the interpreter: the same values, float32 dots (a constexpr branch: both return)
+        return widen_bf16_bits(tl.load(ptrs))
 
 
 @triton.jit
