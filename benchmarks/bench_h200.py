@@ -38,7 +38,9 @@ TUNING_128K = [
     for ps, nw, ns, asm in [(16, 4, 2, False), (16, 4, 2, True), (16, 2, 2, True), (32, 4, 2, True)]
 ]
 TRITON_TUNING_128K = ([dict(pages_per_split=32, pages_per_block=1, unpack_asm=asm) for asm in (False, True)]
-                      + [dict(num_warps=2)])  # Pallas's batched default; Triton keeps 4 (NOTES v6)
+                      + [dict(num_warps=2)]  # Pallas's batched default; Triton keeps 4 (NOTES v6)
+                      # deeper pipelining of the page loop: Triton's b8 warps wait on loads (NOTES v7)
+                      + [dict(num_stages=ns) for ns in (3, 4)] + [dict(num_warps=2, num_stages=3)])
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ import torch
 
 from oscar_torch import library
 from oscar_torch.kernels.codec import interpreting
-from oscar_torch.kernels.decode_attention import DEFAULT_NUM_WARPS, MIN_DOT_DIM
+from oscar_torch.kernels.decode_attention import DEFAULT_NUM_STAGES, DEFAULT_NUM_WARPS, MIN_DOT_DIM
 from oscar_torch.validation import (
     check_devices,
     check_positive_float,
@@ -169,18 +169,18 @@ _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v
 
 
 def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block,
-                   block_m, unpack_asm=False, num_warps=DEFAULT_NUM_WARPS):
+                   block_m, unpack_asm=False, num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES):
     """The (outputs, lses) of q_rows [B, Hkv, M, D] over each tier: BF16, then INT2 (if it has slots)."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
     tiers = [library.bf16_tier_partials(
         q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots,
-        softmax_scale, pages_per_split, pages_per_block, block_m, num_warps,
+        softmax_scale, pages_per_split, pages_per_block, block_m, num_warps, num_stages,
     )]
     if history_page_table.shape[1] > 0:
         tiers.append(library.int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-            group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm, num_warps,
+            group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm, num_warps, num_stages,
         ))
     return tiers
 
@@ -216,6 +216,7 @@ def decode_attention(
     pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
     unpack_asm: bool | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
 
@@ -236,6 +237,8 @@ def decode_attention(
       num_warps: warps per program of both tier kernels (a power of two); None → 4 at every batch.
         Unlike the Pallas kernels (`shared_math.tiling.default_num_warps`), 2 warps lose here:
         H200, 128K, b1 232.1 vs 204.9 µs, b8 911.9 vs 847.9 µs (benchmarks/NOTES.md v6).
+      num_stages: software-pipelining depth of both tier kernels' page loops (Triton's
+        num_stages, ≥ 1); None → DEFAULT_NUM_STAGES (2).
     Returns:
       float32 [B, Hq, D].
     """
@@ -243,6 +246,9 @@ def decode_attention(
     if num_warps is None:
         num_warps = DEFAULT_NUM_WARPS
     check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
+    if num_stages is None:
+        num_stages = DEFAULT_NUM_STAGES
+    check_static_int("num_stages", num_stages, minimum=1)
     if unpack_asm is None:
         unpack_asm = not interpreting() and q.dtype == torch.bfloat16
     if unpack_asm not in (True, False):
@@ -266,7 +272,7 @@ def decode_attention(
     tiers = _tier_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=float(softmax_scale),
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, unpack_asm=bool(unpack_asm),
-        num_warps=int(num_warps),
+        num_warps=int(num_warps), num_stages=int(num_stages),
     )
     # One merge kernel over both tiers' splits, reading only the Gq kept rows of the padded ones
     # (the eager concatenate + merge took ~60 µs at 128K b1:

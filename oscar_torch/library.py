@@ -163,17 +163,19 @@ def bf16_tier_partials(
     pages_per_block: int,
     block_m: int,
     num_warps: int = kdecode.DEFAULT_NUM_WARPS,
+    num_stages: int = kdecode.DEFAULT_NUM_STAGES,
 ) -> tuple[Tensor, Tensor]:
     return kdecode.bf16_tier_partials(
         q, k_bf16, v_bf16, page_table, sink_tokens, recent_tokens, sink_slots=sink_slots,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
-        block_m=block_m, num_warps=num_warps,
+        block_m=block_m, num_warps=num_warps, num_stages=num_stages,
     )
 
 
 @bf16_tier_partials.register_fake
 def _(q, k_bf16, v_bf16, page_table, sink_tokens, recent_tokens, sink_slots, softmax_scale,
-      pages_per_split, pages_per_block, block_m, num_warps=kdecode.DEFAULT_NUM_WARPS):
+      pages_per_split, pages_per_block, block_m, num_warps=kdecode.DEFAULT_NUM_WARPS,
+      num_stages=kdecode.DEFAULT_NUM_STAGES):
     return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split))
 
 
@@ -195,17 +197,20 @@ def int2_tier_partials(
     block_m: int,
     unpack_asm: bool = False,
     num_warps: int = kdecode.DEFAULT_NUM_WARPS,
+    num_stages: int = kdecode.DEFAULT_NUM_STAGES,
 ) -> tuple[Tensor, Tensor]:
     return kdecode.int2_tier_partials(
         q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, page_table, history_tokens,
         group_size=group_size, softmax_scale=softmax_scale, pages_per_split=pages_per_split,
         pages_per_block=pages_per_block, block_m=block_m, unpack_asm=unpack_asm, num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
 @int2_tier_partials.register_fake
 def _(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, page_table, history_tokens, group_size,
-      softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm=False, num_warps=kdecode.DEFAULT_NUM_WARPS):
+      softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm=False, num_warps=kdecode.DEFAULT_NUM_WARPS,
+      num_stages=kdecode.DEFAULT_NUM_STAGES):
     return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split))
 
 

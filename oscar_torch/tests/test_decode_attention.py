@@ -174,6 +174,8 @@ def test_bad_cache_arrays_raise(small, name, transform, message):
         (dict(sink_slots=1.5), "sink_slots=1.5 must be an integer"),
         (dict(num_warps=3), "num_warps=3 must be a power of two"),
         (dict(num_warps=0), "num_warps=0 must be an integer >= 1"),
+        (dict(num_stages=0), "num_stages=0 must be an integer >= 1"),
+        (dict(num_stages=2.0), "num_stages=2.0 must be an integer >= 1"),
     ],
 )
 def test_bad_static_arguments_raise(small, overrides, message):
@@ -185,7 +187,7 @@ def test_bad_static_arguments_raise(small, overrides, message):
 @pytest.mark.parametrize("batch,expected", [(1, 4), (8, 4)])
 def test_num_warps_reaches_both_tier_kernels(small, monkeypatch, batch, expected):
     """num_warps=None launches both tier kernels with 4 warps at every batch (2 lose on the H200,
-    unlike Pallas); an explicit value reaches both."""
+    unlike Pallas); explicit num_warps and num_stages reach both."""
     from oscar_torch.kernels import decode_attention as kdecode
 
     q, arrays = small
@@ -196,12 +198,13 @@ def test_num_warps_reaches_both_tier_kernels(small, monkeypatch, batch, expected
     seen = []
     for tier in ("bf16_tier_partials", "int2_tier_partials"):
         real = getattr(kdecode, tier)
-        monkeypatch.setattr(kdecode, tier, lambda *a, real=real, tier=tier, **kw: (seen.append((tier, kw["num_warps"])),
-                                                                                real(*a, **kw))[1])
+        monkeypatch.setattr(kdecode, tier, lambda *a, real=real, tier=tier, **kw: (
+            seen.append((tier, kw["num_warps"], kw["num_stages"])), real(*a, **kw))[1])
     ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL))
-    ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), num_warps=8)
-    assert seen == [("bf16_tier_partials", expected), ("int2_tier_partials", expected),
-                    ("bf16_tier_partials", 8), ("int2_tier_partials", 8)]
+    ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), num_warps=8, num_stages=3)
+    default_stages = kdecode.DEFAULT_NUM_STAGES
+    assert seen == [("bf16_tier_partials", expected, default_stages), ("int2_tier_partials", expected, default_stages),
+                    ("bf16_tier_partials", 8, 3), ("int2_tier_partials", 8, 3)]
 
 
 def test_bad_query_raises(small):
