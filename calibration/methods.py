@@ -52,7 +52,9 @@ The methods and their source configurations (`parse_method` builds them from a s
               its per-layer clip ratios and its codec (group size, levels); sink 64 and recent 256
               tokens in BF16, page 16 (DESIGN.md §2 defaults). Options override windows, clip,
               levels, group; `artifact=DIR` reads another artifact (no ':' in DIR), to
-              compare artifacts on the same windows or samples.
+              compare artifacts on the same windows or samples. `levels=K/V` (e.g.
+              `minmax/moments`) gives keys and values their own levels: an experiment, since
+              format v1 stores one codec per artifact.
   int4        Reference point: per-token asymmetric INT4 (16 uniform levels between the group's
               min and max, round to nearest, fp16 scale and minimum per group; G = head_dim by
               default, i.e. 4 + 32/64 = 4.5 bits at D = 64), no rotation, OSCAR's windows.
@@ -159,22 +161,25 @@ class FormatV1Codec:
     k_clip_ratios: tuple[float, ...]  # one per layer
     v_clip_ratios: tuple[float, ...]
     levels: str = "minmax"
+    value_levels: str | None = None  # None: the values use `levels` too (one codec, as format v1)
 
     def __post_init__(self):
-        if self.levels not in LEVELS:
-            raise ValueError(f"levels={self.levels!r} must be one of {LEVELS}")
+        for levels in (self.levels, self.value_levels or self.levels):
+            if levels not in LEVELS:
+                raise ValueError(f"levels={levels!r} must be one of {LEVELS}")
         for ratio in self.k_clip_ratios + self.v_clip_ratios:
             clip_index(float(ratio), 16)
 
-    def quantize(self, x: np.ndarray, clip_ratio: float) -> np.ndarray:
+    def quantize(self, x: np.ndarray, clip_ratio: float, levels: str | None = None) -> np.ndarray:
         g = self.group_size
-        return decode(*encode(x, group_size=g, clip_ratio=float(clip_ratio), levels=self.levels), group_size=g)
+        levels = levels or self.levels
+        return decode(*encode(x, group_size=g, clip_ratio=float(clip_ratio), levels=levels), group_size=g)
 
     def quantize_keys(self, layer: int, x: np.ndarray) -> np.ndarray:
-        return self.quantize(x, self.k_clip_ratios[layer])
+        return self.quantize(x, self.k_clip_ratios[layer], self.levels)
 
     def quantize_values(self, layer: int, x: np.ndarray) -> np.ndarray:
-        return self.quantize(x, self.v_clip_ratios[layer])
+        return self.quantize(x, self.v_clip_ratios[layer], self.value_levels or self.levels)
 
     def row_bytes(self, head_dim: int) -> int:
         validate_codec_shape(head_dim, self.group_size)
@@ -182,7 +187,8 @@ class FormatV1Codec:
 
     def describe(self) -> dict[str, Any]:
         ks, vs = sorted(set(self.k_clip_ratios)), sorted(set(self.v_clip_ratios))
-        return {"codec": "format v1 INT2", "group_size": self.group_size, "levels": self.levels,
+        levels = self.levels if self.value_levels in (None, self.levels) else f"{self.levels}/{self.value_levels}"
+        return {"codec": "format v1 INT2", "group_size": self.group_size, "levels": levels,
                 "k_clip_ratio": ks[0] if len(ks) == 1 else list(self.k_clip_ratios),
                 "v_clip_ratio": vs[0] if len(vs) == 1 else list(self.v_clip_ratios)}
 
@@ -481,13 +487,15 @@ def _codec_from(options, artifact, num_layers: int, head_dim: int) -> FormatV1Co
         k_clip, v_clip = (DEFAULT_K_CLIP_RATIO,) * num_layers, (DEFAULT_V_CLIP_RATIO,) * num_layers
     if "group" in options:
         group = _int(options["group"], "group")
-    if "levels" in options:
-        levels = options["levels"]
+    value_levels = None
+    if "levels" in options:  # one for both, or keys/values ("minmax/moments")
+        levels, value_levels = _pair(options["levels"], str, "levels") if "/" in options["levels"] \
+            else (options["levels"], None)
     if "clip" in options:
         kc, vc = _pair(options["clip"], float, "clip")
         k_clip, v_clip = (kc,) * num_layers, (vc,) * num_layers
     validate_codec_shape(head_dim, group)
-    return FormatV1Codec(group, k_clip, v_clip, levels)
+    return FormatV1Codec(group, k_clip, v_clip, levels, value_levels)
 
 
 def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int, artifact=None,

@@ -218,6 +218,24 @@ def test_rotation_baselines():
     assert overridden.windows == Windows(0, 0, 16)
 
 
+def test_levels_pair_gives_keys_and_values_their_own_levels():
+    """`levels=minmax/moments`: keys encode with min/max, values with moments, bit for bit as
+    shared_math; one name keeps one codec for both; a bad name is refused, naming it."""
+    art = make_artifact(levels="moments")
+    split = build("oscar:levels=minmax/moments", art)
+    x = np.random.default_rng(6).normal(size=(1, 5, HKV, D)).astype(np.float32)
+    minmax = FormatV1Codec(64, (0.9, 0.96), (0.92, 0.92), "minmax")
+    moments = FormatV1Codec(64, (0.9, 0.96), (0.92, 0.92), "moments")
+    for layer in (0, 1):
+        assert np.array_equal(split.quantize_keys(layer, x), minmax.quantize(x, art.k_clip_ratio[layer]))
+        assert np.array_equal(split.quantize_values(layer, x), moments.quantize(x, art.v_clip_ratio[layer]))
+    assert not np.array_equal(split.quantize_keys(0, x), build("oscar", art).quantize_keys(0, x))
+    assert split.describe()["levels"] == "minmax/moments"
+    assert build("oscar:levels=minmax", art).quantizer.value_levels is None
+    with pytest.raises(ValueError, match="levels='median' must be one of"):
+        build("oscar:levels=minmax/median", art)
+
+
 def test_describe_states_windows_and_source():
     art = make_artifact()
     for spec in ("bf16", "naive-int2", "quarot-int2", "kivi2", "oscar", "int4"):
