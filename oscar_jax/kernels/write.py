@@ -14,7 +14,7 @@ Encoding is `encode_block` from codec.py, so every written row has exactly the b
 shared_math.encode of the same float32 row. Keys are rotated in the kernel, k' = k·R_K with
 R_K [K, D, D] per kv head: float32 rows as a float32 `jnp.dot` at Precision.HIGHEST (IEEE
 float32 on the GPU, never TF32); bfloat16 rows as three bfloat16 tensor-core products with R_K
-split into bfloat16 parts (shared_math.rotation.split_bf16: float32-accurate, ~2.5× faster on
+split into bfloat16 parts (shared_math.rotation.split_bf16: float32-accurate, 2.8× faster on
 the H200, benchmarks/NOTES.md v9). Values arrive already rotated (R_V folded into W_v) and take
 no rotation.
 """

@@ -16,8 +16,9 @@ shared_math.encode of the same float32 row. Keys are rotated in the kernel, k' =
 R_K [K, D, D] per kv head: float32 rows as a float32 `tl.dot` with input_precision="ieee"
 (never TF32); bfloat16 rows as three bfloat16 tensor-core products with R_K split into bfloat16
 parts (shared_math.rotation.split_bf16; the interpreter, whose bf16 dots are wrong, multiplies
-the same bfloat16 values as float32). Values arrive already rotated and take no rotation. BF16 rows are rounded to bfloat16 with
-integer round-to-nearest-even (`bf16_bits_rne`), never a cast (the interpreter truncates).
+the same bfloat16 values as float32). Values arrive already rotated and take no rotation. BF16
+rows are rounded to bfloat16 with integer round-to-nearest-even (`bf16_bits_rne`), never a cast
+(the interpreter truncates).
 Same kernels, same names and same order as oscar_jax/kernels/write.py.
 """
 
@@ -33,10 +34,10 @@ from oscar_torch.kernels.codec import (
     bf16_bits_rne,
     block_rows_for,
     encode_block,
+    interpreting,
     kernel_view,
     load_rows_f32,
     select_order_statistic,
-    interpreting,
     widen_bf16_bits,
 )
 from oscar_torch.kernels.decode_attention import dot_f32, dot_operand
