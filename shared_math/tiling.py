@@ -40,8 +40,9 @@ def default_pages_per_split(history_slots: int, pages_per_block: int, page_size:
 
 
 # Tokens per program of the fused write when it rotates bfloat16 rows (three bf16 products per
-# block, the parts read once per program): H200, 65,536 tokens × 8 heads × d 128, in-kernel
-# split (results/profile_write_v9_h200.json): 398 µs at 64 vs 1,280 µs at 16.
+# block, the parts read once per program): H200, 65,536 tokens × 8 heads × d 128, 4 warps, the
+# shipped kernel (results/profile_write_v9_product_h200.json): 16 / 32 / 64 / 128 tokens
+# 923.6 / 636.0 / 371.8 / 392.6 µs.
 SPLIT_ROTATION_BLOCK_TOKENS = 64
 
 BATCHED_DECODE_NUM_WARPS_FROM = 8  # batch from which decode programs run 2 warps instead of 4
