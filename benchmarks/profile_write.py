@@ -11,7 +11,9 @@ each variant writes against shared_math.encode of the rows rotated in float64:
   rotated in the kernel by: ieee (float32 FMAs, the product before v9), tf32x3 (three TF32
   tensor-core products), bf16x3 (R split into three bf16 parts inside every program), tf32 (one
   TF32 product: a lower bound, not accurate enough);
-- `block_tokens` (rows per program; the rotation is read once per program) and `num_warps`.
+- `block_tokens` (rows per program; the rotation is read once per program) and `num_warps`;
+- `order_statistic` of the clip threshold (shared_math.tiling.ORDER_STATISTICS): `auto` is the
+  launcher's choice (tagged_max for the unrotated bf16 rows, checked_max for rotated ones).
 
 The float32 variants are swapped in by replacing `kernels.write._rotate` and `_rotation_operand`
 while tracing, with JAX's caches cleared for each (an experiment: the product's kernels are
@@ -75,12 +77,15 @@ def main(argv=None) -> None:
     parser.add_argument("--rotations", default=",".join(ROTATIONS))
     parser.add_argument("--block-tokens", default="16,32,64,128")
     parser.add_argument("--num-warps", default="4,8")
+    parser.add_argument("--order-statistics", default="auto",
+                        help="comma-separated: auto (the launcher's choice) and/or shared_math.tiling.ORDER_STATISTICS")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
     import jax
     import jax.numpy as jnp
 
+    from oscar_jax.kernels import codec as kcodec
     from oscar_jax.kernels import write as kwrite
     from shared_math import codec
     from shared_math.spec import CODES_PER_BYTE, clip_index as spec_clip_index
@@ -109,15 +114,19 @@ def main(argv=None) -> None:
                "copy_bandwidth": harness.copy_bandwidth() if jax.default_backend() == "gpu" else None,
                "variants": []}
     original, original_operand = kwrite._rotate, kwrite._rotation_operand
-    for name, block, warps in itertools.product(args.rotations.split(","), map(int, args.block_tokens.split(",")),
-                                                map(int, args.num_warps.split(","))):
+    for name, block, warps, method in itertools.product(
+            args.rotations.split(","), map(int, args.block_tokens.split(",")), map(int, args.num_warps.split(",")),
+            args.order_statistics.split(",")):
         shipped = name in SHIPPED
         kwrite._rotate = original if shipped else _rotate_variant(name)
         kwrite._rotation_operand = original_operand if shipped else _float32_operand(original_operand)
         jax.clear_caches()  # the jitted launcher caches its trace by static arguments, not by _rotate
         rot = None if name == "none" else rotation
-        kw = dict(group_size=group, clip_index=clip_index, levels="minmax", block_tokens=block, num_warps=warps)
-        entry = {"rotation": name, "block_tokens": block, "num_warps": warps}
+        method = kcodec.resolve_order_statistic(None if method == "auto" else method, d, clip_index, rows.dtype,
+                                                rotated=rot is not None)
+        kw = dict(group_size=group, clip_index=clip_index, levels="minmax", block_tokens=block, num_warps=warps,
+                  order_statistic=method)
+        entry = {"rotation": name, "block_tokens": block, "num_warps": warps, "order_statistic": method}
         try:
             got = jax.block_until_ready(kwrite.write_pages_rows(*pools, rows, page_ids, slots, rot, **kw))
             written = [np.asarray(p[page_ids[:n_check], :, slots[:n_check]]) for p in got]
@@ -130,12 +139,12 @@ def main(argv=None) -> None:
 
             entry["timing"] = harness.time_jax_loop(step, pools, reps=20, operands=(rows, page_ids, slots, rot))
             entry["gb_per_s"] = bytes_moved / entry["timing"]["median_s"] / 1e9
-            print(f"{name:8s} block {block:4d} warps {warps}: {entry['timing']['median_s'] * 1e6:8.1f} us "
+            print(f"{name:8s} block {block:4d} warps {warps} {method:11s}: {entry['timing']['median_s'] * 1e6:8.1f} us "
                   f"{entry['gb_per_s']:7.0f} GB/s, codes differing {entry['codes_bytes_differing_from_f64_rotation']:.2e}",
                   flush=True)
         except Exception as error:  # a variant that does not lower is a result, not a crash
             entry["error"] = f"{type(error).__name__}: {str(error)[:400]}"
-            print(f"{name:8s} block {block:4d} warps {warps}: {entry['error']}", flush=True)
+            print(f"{name:8s} block {block:4d} warps {warps} {method:11s}: {entry['error']}", flush=True)
         results["variants"].append(entry)
         args.out.write_text(json.dumps(results, indent=1))
     kwrite._rotate, kwrite._rotation_operand = original, original_operand

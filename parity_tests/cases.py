@@ -26,6 +26,7 @@ import numpy as np
 
 from shared_math import attention as reference_attention
 from shared_math.codec import decode, encode
+from shared_math.float_bits import BF16_DROPPED_BITS, bf16_rounded_bits
 from shared_math.spec import CODES_PER_BYTE, DEFAULT_K_CLIP_RATIO, DEFAULT_V_CLIP_RATIO, FP16_MAX, OscarConfig
 from shared_math.tiers import tier_split
 
@@ -43,14 +44,13 @@ def seed_of(*parts) -> int:
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 → bfloat16 bit patterns (uint16), round-to-nearest-even (finite and ±inf input)."""
-    bits = np.asarray(x, F32).view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return rounded.astype(np.uint16)
+    bits = np.asarray(x, F32).view(np.int32)
+    return (bf16_rounded_bits(bits) >> BF16_DROPPED_BITS).astype(np.uint16)
 
 
 def bf16_values(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) → float32 values (exact)."""
-    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(F32)
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << BF16_DROPPED_BITS).view(F32)
 
 
 # ----------------------------------------------------------------------------- codec data

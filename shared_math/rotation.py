@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shared_math.float_bits import bf16_rounded_bits
 from shared_math.hadamard import hadamard_matrix
 from shared_math.spec import is_power_of_two
 
@@ -22,9 +23,6 @@ ROTATION_KINDS = ("identity", "hadamard", "eigen", "eigen_hadamard", "oscar")
 # keeps ~24 bits of R, as the float32 product does (benchmarks/NOTES.md v9). Not part of the
 # format: the rotation's rounding is not pinned, only the encoding of the rotated row.
 BF16_SPLIT_PARTS = 3
-_BF16_DROPPED_BITS = 16  # a bfloat16 is the top half of a float32
-_BF16_ROUNDING_BIAS = (1 << (_BF16_DROPPED_BITS - 1)) - 1  # round-to-nearest-even: + 0x7FFF + lsb
-_BF16_KEPT_MASK = -(1 << _BF16_DROPPED_BITS)  # int32 0xFFFF0000
 
 
 def split_bf16(rotation, *, to_bits=lambda a: a.view(np.int32), from_bits=lambda b: b.view(np.float32)):
@@ -37,9 +35,7 @@ def split_bf16(rotation, *, to_bits=lambda a: a.view(np.int32), from_bits=lambda
     """
     parts, rest = [], rotation
     for _ in range(BF16_SPLIT_PARTS):
-        bits = to_bits(rest)
-        lsb = (bits >> _BF16_DROPPED_BITS) & 1
-        part = from_bits((bits + _BF16_ROUNDING_BIAS + lsb) & _BF16_KEPT_MASK)
+        part = from_bits(bf16_rounded_bits(to_bits(rest)))
         parts.append(part)
         rest = rest - part  # exact: the part holds rest's leading 8 significant bits
     return parts

@@ -1,5 +1,5 @@
-"""Tiling policy of the decode / prefill attention kernels (split-K) and the fused write, shared by
-both runtimes.
+"""Tiling policy of the decode / prefill attention kernels (split-K) and the fused write, and the
+encode kernels' choice of order statistic for the clip threshold, shared by both runtimes.
 
 Not part of format v1 (it changes no byte); one module so that the Pallas and Triton kernels run
 the same tiling by default and the parity backend is timed like for like.
@@ -13,6 +13,8 @@ outputs to write and merge ([B, Hkv, S, 16, D] float32).
 from __future__ import annotations
 
 import math
+
+from shared_math.float_bits import FP16_MAX_BITS
 
 TARGET_SPLITS = 128  # splits of the history table, about
 MIN_TOKENS_PER_SPLIT = 256  # … but no split shorter than this
@@ -56,3 +58,34 @@ def default_num_warps(batch: int) -> int:
     132.7 vs 138.7 µs. The Pallas kernels only: Triton's own kernels lose at 2 warps at both
     batches (oscar_torch.attention_ops.decode_attention, measured at git e64fbae)."""
     return 2 if batch >= BATCHED_DECODE_NUM_WARPS_FROM else 4
+
+
+# The clip threshold τ (the k-th smallest |x| of a row, exact; shared_math.codec.clip_rows) is found
+# in the encode kernels without a sort, on the int32 bit patterns of |x|, by one of:
+#   max_drop     d − k rounds of a row max and a count of its copies (any rows);
+#   bisect       BISECTION_STEPS counts over the candidate patterns (any rows);
+#   tagged_max   d − k rounds of a row max over keys |x| bits | column, unique, so no count is
+#                needed: for rows that hold bfloat16 values, whose low BF16_DROPPED_BITS are free;
+#   checked_max  d − k rounds of a row max over distinct values and one count that proves no tie
+#                hid among the largest; a block where one did redoes τ by max_drop (for float32
+#                rows, e.g. rotated keys, where ties are rare; bfloat16 rows tie often).
+ORDER_STATISTICS = ("max_drop", "bisect", "tagged_max", "checked_max")
+# Bisection over the candidates 0 … FP16_MAX_BITS halves the interval each step: ceil(log2(
+# FP16_MAX_BITS + 1)) steps leave one candidate.
+BISECTION_STEPS = FP16_MAX_BITS.bit_length()
+
+
+def order_statistic_reductions(method: str, head_dim: int, clip_index: int) -> int:
+    """Row reductions a method spends on τ (checked_max: without its rare fallback)."""
+    rounds = head_dim - clip_index
+    costs = {"max_drop": 2 * rounds, "bisect": BISECTION_STEPS, "tagged_max": rounds, "checked_max": rounds + 1}
+    if method not in costs:
+        raise ValueError(f"order_statistic={method!r} must be one of {ORDER_STATISTICS}")
+    return costs[method]
+
+
+def select_order_statistic(head_dim: int, clip_index: int, rows_bf16: bool) -> str:
+    """The exact method for τ with the fewest row reductions. `rows_bf16`: the encoded rows hold
+    bfloat16 values (bfloat16 input, not rotated in the kernel), so tagged_max applies."""
+    candidates = ("tagged_max", "bisect") if rows_bf16 else ("checked_max", "bisect")
+    return min(candidates, key=lambda m: order_statistic_reductions(m, head_dim, clip_index))

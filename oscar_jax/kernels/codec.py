@@ -42,19 +42,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from shared_math.codec import MOMENTS_MINIMUM_OFFSET, ONE_THIRD_F32, THRESHOLD_OFFSETS
+from shared_math.float_bits import (
+    BF16_LOW_MASK,
+    F32_EXPONENT_MASK,
+    F32_MAGNITUDE_MASK,
+    F32_MANTISSA_MASK,
+    F32_SIGN_BIT,
+    F32_SIGN_SHIFT,
+    FP16_MAX_BITS,
+)
 from shared_math.spec import CODE_BITS, CODE_MASK, CODES_PER_BYTE, FP16_MAX, MOMENTS_MAD_TO_SIGMA
+from shared_math.tiling import BISECTION_STEPS, ORDER_STATISTICS, select_order_statistic
 
-# IEEE 754 binary32 bit-pattern constants (not format constants).
-_INT32 = np.iinfo(np.int32)
-F32_MAGNITUDE_MASK = int(_INT32.max)  # bits & mask = the bits of |x|
-F32_SIGN_BIT = int(_INT32.min)  # the sign bit as an int32
-F32_SIGN_SHIFT = _INT32.bits - 1  # arithmetic shift: 0 for x ≥ +0, all ones for x ≤ −0
-FP16_MAX_BITS = int(np.float32(FP16_MAX).view(np.int32))  # largest |x| bits after sanitize
-# Bisection over the candidates 0 … FP16_MAX_BITS halves the interval each step:
-# ceil(log2(FP16_MAX_BITS + 1)) steps leave one candidate.
-BISECTION_STEPS = FP16_MAX_BITS.bit_length()
-ORDER_STATISTICS = ("max_drop", "bisect")
-MAX_DROP_REDUCTIONS_PER_ROUND = 2  # a max and a count; bisection does one count per step
+BELOW_EVERY_MAGNITUDE = -1  # below every |x| bit pattern: what a masked max returns for an exhausted row
 
 DEFAULT_BLOCK_ROWS = 16  # power of two; also tl.dot's minimum M for the fused key rotation
 DEFAULT_NUM_WARPS = 4
@@ -67,11 +67,21 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return bool(interpret)
 
 
-def select_order_statistic(head_dim: int, clip_index: int) -> str:
-    """The cheaper exact method for τ: `max_drop` costs 2 row reductions per round and needs
-    d − k rounds (d − k is 5–10 at the default clip ratios); `bisect` costs one per step."""
-    rounds = head_dim - clip_index
-    return "max_drop" if MAX_DROP_REDUCTIONS_PER_ROUND * rounds <= BISECTION_STEPS else "bisect"
+def resolve_order_statistic(order_statistic: str | None, head_dim: int, clip_index: int, rows_dtype,
+                            rotated: bool = False) -> str:
+    """The launchers' order statistic: `None` picks the cheapest exact method for these rows
+    (shared_math.tiling.select_order_statistic); an explicit one is validated."""
+    rows_bf16 = jnp.dtype(rows_dtype) == jnp.bfloat16 and not rotated
+    if order_statistic is None:
+        return select_order_statistic(head_dim, clip_index, rows_bf16)
+    if order_statistic not in ORDER_STATISTICS:
+        raise ValueError(f"{order_statistic=} must be one of {ORDER_STATISTICS}")
+    if order_statistic == "tagged_max" and not rows_bf16:
+        raise ValueError(
+            f"order_statistic='tagged_max' needs rows of bfloat16 values, got {jnp.dtype(rows_dtype)} rows"
+            + (" rotated in the kernel" if rotated else "")
+        )
+    return order_statistic
 
 
 # --------------------------------------------------------------------------------- block bodies
@@ -79,28 +89,52 @@ def select_order_statistic(head_dim: int, clip_index: int) -> str:
 
 def clip_threshold_bits(abs_bits, *, clip_index: int, order_statistic: str):
     """The k-th smallest (0-based) value of each row of abs_bits [R, D] (non-negative int32 ≤
-    FP16_MAX_BITS, the bit patterns of |x|), exactly, as int32 [R, 1]."""
+    FP16_MAX_BITS, the bit patterns of |x|), exactly, as int32 [R, 1]. The methods are described
+    with shared_math.tiling.ORDER_STATISTICS; `tagged_max` needs rows of bfloat16 values."""
     rows, d = abs_bits.shape
     assert 0 <= clip_index < d, (clip_index, d)
+    skip = d - 1 - clip_index  # the value sought has `skip` values above it, counting ties
+    above_all = jnp.full((rows, 1), F32_MAGNITUDE_MASK, jnp.int32)  # above every |x| bit pattern
+
+    def next_below(values):
+        """One round: the largest of `values` under the previous round's result."""
+        return lambda _, ceiling: jnp.max(
+            jnp.where(values < ceiling, values, BELOW_EVERY_MAGNITUDE), axis=1, keepdims=True
+        )
+
     if order_statistic == "max_drop":
         # Take the largest remaining value and drop all its copies, counting ties, until the
         # value of rank k is reached; `remaining` = how many of the largest values still to skip.
-        skip = d - 1 - clip_index
-
         def body(_, carry):
             tau, remaining, ceiling = carry
-            top = jnp.max(jnp.where(abs_bits < ceiling, abs_bits, -1), axis=1, keepdims=True)
+            top = next_below(abs_bits)(_, ceiling)
             count = jnp.sum((abs_bits == top).astype(jnp.int32), axis=1, keepdims=True)
             found = (remaining >= 0) & (count > remaining)  # only once: remaining < 0 afterwards
             return jnp.where(found, top, tau), remaining - count, top
 
-        init = (
-            jnp.zeros((rows, 1), jnp.int32),
-            jnp.full((rows, 1), skip, jnp.int32),
-            jnp.full((rows, 1), F32_MAGNITUDE_MASK, jnp.int32),  # above every |x| bit pattern
-        )
+        init = (jnp.zeros((rows, 1), jnp.int32), jnp.full((rows, 1), skip, jnp.int32), above_all)
         tau, _, _ = lax.fori_loop(0, skip + 1, body, init)  # each round drops ≥ 1 value
         return tau
+    if order_statistic == "tagged_max":
+        # Rows of bfloat16 values leave the low BF16_DROPPED_BITS of |x| free (the sanitize clamp
+        # FP16_MAX is the one exception: rounded up, it still orders above every bfloat16 ≤ it):
+        # tagged with the column, all keys differ, so round skip + 1 lands on rank k, ties included.
+        assert d <= BF16_LOW_MASK + 1, d
+        column = lax.broadcasted_iota(jnp.int32, (rows, d), 1)
+        tagged = ((abs_bits + BF16_LOW_MASK) & ~BF16_LOW_MASK) | column
+        top = lax.fori_loop(0, skip + 1, next_below(tagged), above_all)
+        return jnp.minimum(top & ~BF16_LOW_MASK, FP16_MAX_BITS)
+    if order_statistic == "checked_max":
+        # Round r gives the r-th largest distinct value t_r (or the sentinel). Always
+        # #{|x| > t_{skip+1}} ≥ skip; where it equals skip, t_{skip+1} has rank k. A block with a
+        # row where ties hid among the largest values redoes τ by max_drop.
+        top = lax.fori_loop(0, skip + 1, next_below(abs_bits), above_all)
+        above = jnp.sum((abs_bits > top).astype(jnp.int32), axis=1, keepdims=True)
+        return lax.cond(
+            jnp.max(above) == skip,
+            lambda: top,
+            lambda: clip_threshold_bits(abs_bits, clip_index=clip_index, order_statistic="max_drop"),
+        )
     if order_statistic == "bisect":
         # Smallest v with #{|x| ≤ v} ≥ k + 1; invariant: the answer lies in [lo, hi].
         need = clip_index + 1
@@ -155,8 +189,6 @@ def tree_sum(v):
 # multiple of 2^-149) is reproduced explicitly.
 MOMENTS_SCALE_EXP = 103
 _F32 = np.finfo(np.float32)
-F32_MANTISSA_MASK = (1 << int(_F32.nmant)) - 1
-F32_EXPONENT_MASK = F32_MAGNITUDE_MASK & ~F32_MANTISSA_MASK
 _SCALE_UP = np.float32(2.0**MOMENTS_SCALE_EXP)
 _SCALE_DOWN = np.float32(2.0**-MOMENTS_SCALE_EXP)
 _SUBNORMAL_QUANTUM_SCALED = np.float32(float(_F32.smallest_subnormal) * 2.0**MOMENTS_SCALE_EXP)
@@ -353,8 +385,7 @@ def encode_rows(
     """Launch encode over x [N, D] (N ≥ 1). Arguments are validated by oscar_jax.ops.encode."""
     num_rows, d = x.shape
     quarter, num_groups = d // CODES_PER_BYTE, d // group_size
-    if order_statistic is None:
-        order_statistic = select_order_statistic(d, clip_index)
+    order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype)
     rows = block_rows_for(num_rows, block_rows)
     kernel = functools.partial(
         _encode_kernel,

@@ -36,7 +36,7 @@ from oscar_jax.kernels.codec import (
     encode_block,
     load_block,
     resolve_interpret,
-    select_order_statistic,
+    resolve_order_statistic,
     store_block,
 )
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
@@ -163,8 +163,7 @@ def write_int2_rows(
     num_tokens, num_heads, d = x.shape
     quarter, num_groups = d // CODES_PER_BYTE, d // group_size
     rotate = rotation is not None
-    if order_statistic is None:
-        order_statistic = select_order_statistic(d, clip_index)
+    order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype, rotated=rotate)
     rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
     encode_args = dict(
         group_size=group_size, clip_index=clip_index, levels=levels, order_statistic=order_statistic
@@ -278,8 +277,7 @@ def write_pages_rows(
     pools are stacked [Y, P, K, L, ·] and only layer `layer` is written (in place)."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
-    if order_statistic is None:
-        order_statistic = select_order_statistic(d, clip_index)
+    order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype, rotated=rotate)
     rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
     encode_args = dict(
         group_size=group_size, clip_index=clip_index, levels=levels, order_statistic=order_statistic
@@ -435,8 +433,7 @@ def demote_pages_rows(
     (Y, N, K): one program encodes the L rows of one (layer, page, head) block."""
     num_layers, _, num_heads, page_size, d = bf16_pool.shape
     (num_demoted,) = src_pages.shape
-    if order_statistic is None:
-        order_statistic = select_order_statistic(d, clip_index)
+    order_statistic = resolve_order_statistic(order_statistic, d, clip_index, bf16_pool.dtype)
     encode_args = dict(
         group_size=group_size, clip_index=clip_index, levels=levels, order_statistic=order_statistic
     )

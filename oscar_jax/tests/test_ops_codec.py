@@ -145,36 +145,72 @@ def test_golden_clip():
     assert np.asarray(scale).tolist() == [33.34375] and np.asarray(minimum).tolist() == [-50.0]
 
 
-@pytest.mark.parametrize("clip_ratio", [0.05, 0.5, 0.92, 0.96, 1.0])
-def test_order_statistic_methods_agree_with_sort(clip_ratio):
-    """Both exact order statistics (max-drop rounds, bisection on bits) equal the sorted value,
-    with heavy ties (few distinct magnitudes, both signs, zeros of both signs)."""
-    rng = np.random.default_rng(7)
-    d = 64
+def _order_statistic_rows(rng, d):
+    """Rows with heavy ties (few distinct magnitudes, both signs, zeros of both signs), the
+    sanitize clamp (±inf and bfloat16 values above FP16_MAX), and tie-free rows, all bfloat16
+    values, so that every method applies."""
     x = (rng.integers(-4, 5, size=(24, d)) * F32(0.75)).astype(F32)
     x[0] = -0.0
     x[1, : d // 2] = -0.0
+    x[2, :6] = [np.inf, -np.inf, 70144.0, -65280.0, 65280.0, 65504.0]  # bf16 values; 65504 is not
+    x[2] = x[2].astype(jnp.bfloat16).astype(F32)
+    x[3:6] = rng.standard_normal((3, d)).astype(jnp.bfloat16).astype(F32)
+    x[6:9] = np.arange(d, dtype=F32) * rng.choice([-1, 1], size=(3, d)).astype(F32)  # distinct magnitudes
+    return x
+
+
+@pytest.mark.parametrize("clip_ratio", [0.05, 0.5, 0.92, 0.96, 1.0])
+def test_order_statistic_methods_agree_with_sort(clip_ratio):
+    """Every exact order statistic equals the sorted value and gives shared_math's bytes."""
+    d = 64
+    x = _order_statistic_rows(np.random.default_rng(7), d)
     k = clip_index(clip_ratio, d)
-    want = np.sort(np.abs(x), axis=-1)[:, k : k + 1].view(np.int32)
-    abs_bits = jnp.asarray(np.abs(x).view(np.int32))
+    sanitized = ref.sanitize(x)
+    want = np.sort(np.abs(sanitized), axis=-1)[:, k : k + 1].view(np.int32)
+    abs_bits = jnp.asarray(np.abs(sanitized).view(np.int32))
     for method in kcodec.ORDER_STATISTICS:
         got = jax.jit(
             functools.partial(kcodec.clip_threshold_bits, clip_index=k, order_statistic=method)
         )(abs_bits)
         assert_same_bits(got, want, method)
         packed, scale, minimum = kcodec.encode_rows(
-            jnp.asarray(x), group_size=32, clip_index=k, levels="minmax", order_statistic=method
+            jnp.asarray(x, jnp.bfloat16), group_size=32, clip_index=k, levels="minmax", order_statistic=method
         )
         for name, a, e in zip(("packed", "scale", "minimum"), (packed, scale, minimum),
                               ref.encode(x, group_size=32, clip_ratio=clip_ratio)):
             assert_same_bits(a, e, f"{name} {method}")
 
 
+@pytest.mark.parametrize("ties", ["none", "one_row"])
+def test_checked_max_fast_path_and_fallback(ties):
+    """checked_max on float32 rows: tie-free blocks keep the max rounds' value; a block with one
+    row whose largest values tie falls back to max_drop, the other blocks do not care."""
+    rng = np.random.default_rng(11)
+    d, k = 128, clip_index(0.96, 128)
+    x = rng.standard_normal((40, d)).astype(F32)
+    if ties == "one_row":
+        x[17, :3] = 9.0  # three copies of the largest |x|: rank k is below them
+    want = ref.encode(x, group_size=128, clip_ratio=0.96)
+    got = kcodec.encode_rows(jnp.asarray(x), group_size=128, clip_index=k, levels="minmax",
+                             order_statistic="checked_max")
+    for name, a, e in zip(("packed", "scale", "minimum"), got, want):
+        assert_same_bits(a, e, name)
+
+
 def test_default_order_statistic_choice():
-    assert kcodec.select_order_statistic(128, clip_index(0.96, 128)) == "max_drop"
-    assert kcodec.select_order_statistic(128, clip_index(0.92, 128)) == "max_drop"
-    assert kcodec.select_order_statistic(128, clip_index(0.5, 128)) == "bisect"
-    assert kcodec.select_order_statistic(64, clip_index(1.0, 64)) == "max_drop"
+    assert kcodec.select_order_statistic(128, clip_index(0.96, 128), rows_bf16=False) == "checked_max"
+    assert kcodec.select_order_statistic(128, clip_index(0.92, 128), rows_bf16=True) == "tagged_max"
+    assert kcodec.select_order_statistic(128, clip_index(0.5, 128), rows_bf16=True) == "bisect"
+    assert kcodec.select_order_statistic(64, clip_index(1.0, 64), rows_bf16=False) == "checked_max"
+    assert kcodec.resolve_order_statistic(None, 128, clip_index(0.96, 128), jnp.bfloat16) == "tagged_max"
+    assert kcodec.resolve_order_statistic(None, 128, clip_index(0.96, 128), jnp.bfloat16, rotated=True) \
+        == "checked_max"
+    with pytest.raises(ValueError, match="tagged_max.*float32"):
+        kcodec.resolve_order_statistic("tagged_max", 128, 122, jnp.float32)
+    with pytest.raises(ValueError, match="rotated"):
+        kcodec.resolve_order_statistic("tagged_max", 128, 122, jnp.bfloat16, rotated=True)
+    with pytest.raises(ValueError, match="sorting"):
+        kcodec.resolve_order_statistic("sorting", 128, 122, jnp.float32)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, np.float64, np.int32, np.int64])

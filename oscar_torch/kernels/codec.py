@@ -44,6 +44,18 @@ import triton
 import triton.language as tl
 
 from shared_math.codec import MOMENTS_MINIMUM_OFFSET, ONE_THIRD_F32, THRESHOLD_OFFSETS
+from shared_math.float_bits import (
+    BF16_DROPPED_BITS,
+    BF16_LOW_MASK,
+    BF16_QUIET_BIT,
+    BF16_ROUNDING_BIAS,
+    F32_EXPONENT_MASK,
+    F32_MAGNITUDE_MASK,
+    F32_MANTISSA_MASK,
+    F32_SIGN_BIT,
+    F32_SIGN_SHIFT,
+    FP16_MAX_BITS,
+)
 from shared_math.spec import (
     CODE_BITS,
     CODE_MASK,
@@ -52,6 +64,7 @@ from shared_math.spec import (
     MOMENTS_MAD_TO_SIGMA,
     NUM_LEVELS,
 )
+from shared_math.tiling import BISECTION_STEPS, ORDER_STATISTICS, select_order_statistic
 
 # Format constants as compile-time constants of the kernels.
 CODE_BITS_C = tl.constexpr(CODE_BITS)
@@ -67,27 +80,13 @@ FIRST_THRESHOLD_C = tl.constexpr(float(THRESHOLD_OFFSETS[0]))
 THRESHOLD_STEP_C = tl.constexpr(float(THRESHOLD_OFFSETS[1] - THRESHOLD_OFFSETS[0]))
 assert all(float(o) == FIRST_THRESHOLD_C.value + j * THRESHOLD_STEP_C.value for j, o in enumerate(THRESHOLD_OFFSETS))
 
-# IEEE 754 binary32 / bfloat16 bit-pattern constants (not format constants).
-_INT32 = np.iinfo(np.int32)
-F32_MAGNITUDE_MASK = int(_INT32.max)  # bits & mask = the bits of |x|
-F32_SIGN_BIT = int(_INT32.min)  # the sign bit as an int32
-F32_SIGN_SHIFT = _INT32.bits - 1  # arithmetic shift: 0 for x ≥ +0, all ones for x ≤ −0
-FP16_MAX_BITS = int(np.float32(FP16_MAX).view(np.int32))  # largest |x| bits after sanitize
-# Bisection over the candidates 0 … FP16_MAX_BITS halves the interval each step.
-BISECTION_STEPS = FP16_MAX_BITS.bit_length()
-ORDER_STATISTICS = ("max_drop", "bisect")
-MAX_DROP_REDUCTIONS_PER_ROUND = 2  # a max and a count; bisection does one count per step
-BF16_SHIFT = torch.finfo(torch.float32).bits - torch.finfo(torch.bfloat16).bits  # bf16 = top half of f32
-_F32 = np.finfo(np.float32)
-F32_MANTISSA_MASK = (1 << int(_F32.nmant)) - 1
-F32_EXPONENT_MASK = F32_MAGNITUDE_MASK & ~F32_MANTISSA_MASK
-BF16_ROUNDING_BIAS = (1 << (BF16_SHIFT - 1)) - 1  # round-to-nearest-even: + 0x7FFF + lsb
-BF16_QUIET_BIT = 1 << (int(_F32.nmant) - BF16_SHIFT - 1)  # the quiet-NaN bit of a bfloat16
+BELOW_EVERY_MAGNITUDE = -1  # below every |x| bit pattern: what a masked max returns for an exhausted row
 
 # levels="moments" sums in a scaled copy of the values, x·2^MOMENTS_SCALE_EXP (see
 # oscar_jax/kernels/codec.py for the derivation): every float32 there is normal and nothing
 # overflows, so the sums are exactly 2^E times numpy's sums with gradual underflow.
 MOMENTS_SCALE_EXP = 103
+_F32 = np.finfo(np.float32)
 SCALE_UP = float(np.float32(2.0**MOMENTS_SCALE_EXP))
 SCALE_DOWN = float(np.float32(2.0**-MOMENTS_SCALE_EXP))
 SUBNORMAL_QUANTUM_SCALED = float(np.float32(float(_F32.smallest_subnormal) * 2.0**MOMENTS_SCALE_EXP))
@@ -97,10 +96,12 @@ assert NORMAL_MIN_SCALED == SUBNORMAL_QUANTUM_SCALED * 2.0 ** int(_F32.nmant)
 F32_MAGNITUDE_MASK_C = tl.constexpr(F32_MAGNITUDE_MASK)
 F32_SIGN_BIT_C = tl.constexpr(F32_SIGN_BIT)
 F32_SIGN_SHIFT_C = tl.constexpr(F32_SIGN_SHIFT)
+BF16_LOW_MASK_C = tl.constexpr(BF16_LOW_MASK)
+BELOW_EVERY_MAGNITUDE_C = tl.constexpr(BELOW_EVERY_MAGNITUDE)
 FP16_MAX_BITS_C = tl.constexpr(FP16_MAX_BITS)
 BISECTION_STEPS_C = tl.constexpr(BISECTION_STEPS)
 TREE_SUM_MAX_STEPS_C = tl.constexpr(F32_SIGN_SHIFT)  # halvings of any int32-sized axis
-BF16_SHIFT_C = tl.constexpr(BF16_SHIFT)
+BF16_SHIFT_C = tl.constexpr(BF16_DROPPED_BITS)  # bfloat16 = the top half of a float32
 BF16_ROUNDING_BIAS_C = tl.constexpr(BF16_ROUNDING_BIAS)
 BF16_QUIET_BIT_C = tl.constexpr(BF16_QUIET_BIT)
 F32_MANTISSA_MASK_C = tl.constexpr(F32_MANTISSA_MASK)
@@ -123,11 +124,21 @@ def interpreting() -> bool:
     return INTERPRETING
 
 
-def select_order_statistic(head_dim: int, clip_index: int) -> str:
-    """The cheaper exact method for τ: `max_drop` costs 2 row reductions per round and needs
-    d − k rounds (d − k is 5–10 at the default clip ratios); `bisect` costs one per step."""
-    rounds = head_dim - clip_index
-    return "max_drop" if MAX_DROP_REDUCTIONS_PER_ROUND * rounds <= BISECTION_STEPS else "bisect"
+def resolve_order_statistic(order_statistic: str | None, head_dim: int, clip_index: int, rows_dtype,
+                            rotated: bool = False) -> str:
+    """The launchers' order statistic: `None` picks the cheapest exact method for these rows
+    (shared_math.tiling.select_order_statistic); an explicit one is validated."""
+    rows_bf16 = rows_dtype == torch.bfloat16 and not rotated
+    if order_statistic is None:
+        return select_order_statistic(head_dim, clip_index, rows_bf16)
+    if order_statistic not in ORDER_STATISTICS:
+        raise ValueError(f"{order_statistic=} must be one of {ORDER_STATISTICS}")
+    if order_statistic == "tagged_max" and not rows_bf16:
+        raise ValueError(
+            f"order_statistic='tagged_max' needs rows of bfloat16 values, got {rows_dtype} rows"
+            + (" rotated in the kernel" if rotated else "")
+        )
+    return order_statistic
 
 
 def block_rows_for(num_rows: int, block_rows: int) -> int:
@@ -186,27 +197,63 @@ def _ordered_key(bits):
 
 
 @triton.jit
-def clip_threshold_bits(abs_bits, CLIP_INDEX: tl.constexpr, ORDER_STATISTIC: tl.constexpr):
-    """The k-th smallest (0-based) value of each row of abs_bits [R, D] (non-negative int32 ≤
-    FP16_MAX_BITS, the bit patterns of |x|), exactly, as int32 [R, 1]."""
+def _max_drop_bits(abs_bits, CLIP_INDEX: tl.constexpr):
+    """max_drop: take the largest remaining value and drop all its copies, counting ties, until
+    the value of rank k is reached; `remaining` = how many of the largest values still to skip."""
     ROWS: tl.constexpr = abs_bits.shape[0]
     D: tl.constexpr = abs_bits.shape[1]
+    tau = tl.zeros((ROWS, 1), tl.int32)
+    remaining = tl.full((ROWS, 1), D - 1 - CLIP_INDEX, tl.int32)
+    ceiling = tl.full((ROWS, 1), F32_MAGNITUDE_MASK_C, tl.int32)  # above every |x| pattern
+    for _ in range(D - CLIP_INDEX):  # each round drops ≥ 1 value
+        top = tl.max(tl.where(abs_bits < ceiling, abs_bits, BELOW_EVERY_MAGNITUDE_C), axis=1, keep_dims=True)
+        count = tl.sum((abs_bits == top).to(tl.int32), axis=1, keep_dims=True)
+        found = (remaining >= 0) & (count > remaining)  # only once: remaining < 0 afterwards
+        tau = tl.where(found, top, tau)
+        remaining = remaining - count
+        ceiling = top
+    return tau
+
+
+@triton.jit
+def _distinct_max_rounds(values, ROUNDS: tl.constexpr):
+    """Round r: the largest of `values` under round r − 1's result, per row ([R, 1])."""
+    top = tl.full((values.shape[0], 1), F32_MAGNITUDE_MASK_C, tl.int32)  # above every |x| pattern
+    for _ in range(ROUNDS):
+        top = tl.max(tl.where(values < top, values, BELOW_EVERY_MAGNITUDE_C), axis=1, keep_dims=True)
+    return top
+
+
+@triton.jit
+def clip_threshold_bits(abs_bits, CLIP_INDEX: tl.constexpr, ORDER_STATISTIC: tl.constexpr):
+    """The k-th smallest (0-based) value of each row of abs_bits [R, D] (non-negative int32 ≤
+    FP16_MAX_BITS, the bit patterns of |x|), exactly, as int32 [R, 1]. The methods are described
+    with shared_math.tiling.ORDER_STATISTICS; `tagged_max` needs rows of bfloat16 values."""
+    ROWS: tl.constexpr = abs_bits.shape[0]
+    D: tl.constexpr = abs_bits.shape[1]
+    SKIP: tl.constexpr = D - 1 - CLIP_INDEX  # the value sought has SKIP values above it, ties counted
     if ORDER_STATISTIC == "max_drop":
-        # Take the largest remaining value and drop all its copies, counting ties, until the
-        # value of rank k is reached; `remaining` = how many of the largest values still to skip.
-        tau = tl.zeros((ROWS, 1), tl.int32)
-        remaining = tl.full((ROWS, 1), D - 1 - CLIP_INDEX, tl.int32)
-        ceiling = tl.full((ROWS, 1), F32_MAGNITUDE_MASK_C, tl.int32)  # above every |x| pattern
-        for _ in range(D - CLIP_INDEX):  # each round drops ≥ 1 value
-            top = tl.max(tl.where(abs_bits < ceiling, abs_bits, -1), axis=1, keep_dims=True)
-            count = tl.sum((abs_bits == top).to(tl.int32), axis=1, keep_dims=True)
-            found = (remaining >= 0) & (count > remaining)  # only once: remaining < 0 afterwards
-            tau = tl.where(found, top, tau)
-            remaining = remaining - count
-            ceiling = top
+        return _max_drop_bits(abs_bits, CLIP_INDEX)
+    elif ORDER_STATISTIC == "tagged_max":
+        # Rows of bfloat16 values leave the low BF16_DROPPED_BITS of |x| free (the sanitize clamp
+        # FP16_MAX is the one exception: rounded up, it still orders above every bfloat16 ≤ it):
+        # tagged with the column, all keys differ, so round SKIP + 1 lands on rank k, ties included.
+        tl.static_assert(D <= BF16_LOW_MASK_C + 1)
+        column = tl.arange(0, D)[None, :]
+        tagged = ((abs_bits + BF16_LOW_MASK_C) & ~BF16_LOW_MASK_C) | column
+        top = _distinct_max_rounds(tagged, SKIP + 1)
+        return tl.minimum(top & ~BF16_LOW_MASK_C, FP16_MAX_BITS_C)
+    elif ORDER_STATISTIC == "checked_max":
+        # Round r gives the r-th largest distinct value t_r (or the sentinel). Always
+        # #{|x| > t_{SKIP+1}} ≥ SKIP; where it equals SKIP, t_{SKIP+1} has rank k. A block with a
+        # row where ties hid among the largest values redoes τ by max_drop.
+        tau = _distinct_max_rounds(abs_bits, SKIP + 1)
+        above = tl.sum((abs_bits > tau).to(tl.int32), axis=1, keep_dims=True)
+        if tl.max(above) != SKIP:
+            tau = _max_drop_bits(abs_bits, CLIP_INDEX)
         return tau
     else:
-        # Smallest v with #{|x| ≤ v} ≥ k + 1; invariant: the answer lies in [lo, hi].
+        # bisect: smallest v with #{|x| ≤ v} ≥ k + 1; invariant: the answer lies in [lo, hi].
         lo = tl.zeros((ROWS, 1), tl.int32)
         hi = tl.full((ROWS, 1), FP16_MAX_BITS_C, tl.int32)
         for _ in range(BISECTION_STEPS_C):
@@ -401,8 +448,7 @@ def encode_rows(
     """Launch encode over x [N, D] (N ≥ 1, contiguous float32/float16/bfloat16). Arguments are
     validated by oscar_torch.ops.encode. Returns packed u8 [N, D/4], scale, minimum f16 [N, D/G]."""
     num_rows, d = x.shape
-    if order_statistic is None:
-        order_statistic = select_order_statistic(d, clip_index)
+    order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype)
     rows = block_rows_for(num_rows, block_rows)
     packed = torch.empty((num_rows, d // CODES_PER_BYTE), dtype=torch.uint8, device=x.device)
     scale = torch.empty((num_rows, d // group_size), dtype=torch.float16, device=x.device)

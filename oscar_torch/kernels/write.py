@@ -37,7 +37,7 @@ from oscar_torch.kernels.codec import (
     interpreting,
     kernel_view,
     load_rows_f32,
-    select_order_statistic,
+    resolve_order_statistic,
     widen_bf16_bits,
 )
 from oscar_torch.kernels.decode_attention import dot_f32, dot_operand
@@ -159,9 +159,9 @@ def _write_int2_kernel(
     _store_rows(minimum_ptr, token, head, 0, token_ok, minimum, NUM_HEADS, 1)
 
 
-def _encode_constants(d: int, group_size: int, clip_index: int, levels: str, order_statistic: str | None):
-    if order_statistic is None:
-        order_statistic = select_order_statistic(d, clip_index)
+def _encode_constants(d: int, group_size: int, clip_index: int, levels: str, order_statistic: str | None,
+                      rows_dtype: torch.dtype, rotated: bool):
+    order_statistic = resolve_order_statistic(order_statistic, d, clip_index, rows_dtype, rotated)
     return dict(
         D=d, GROUP_SIZE=group_size, CLIP_INDEX=clip_index, LEVELS=levels, ORDER_STATISTIC=order_statistic
     )
@@ -189,7 +189,8 @@ def write_int2_rows(
         kernel_view(x), _rotation_operand(rotation, x), packed, scale, minimum, num_tokens,
         NUM_HEADS=num_heads, ROTATE=rotate, INPUT_BF16=x.dtype == torch.bfloat16, BLOCK_TOKENS=rows,
         TENSOR_CORES=not interpreting(),
-        **_encode_constants(d, group_size, clip_index, levels, order_statistic), num_warps=num_warps,
+        **_encode_constants(d, group_size, clip_index, levels, order_statistic, x.dtype, rotate),
+        num_warps=num_warps,
     )
     return packed, scale, minimum
 
@@ -268,7 +269,7 @@ def write_pages_rows(
         num_tokens, num_pages,
         NUM_HEADS=num_heads, PAGE_SIZE=page_size, ROTATE=rotate, INPUT_BF16=x.dtype == torch.bfloat16,
         TENSOR_CORES=not interpreting(),
-        BLOCK_TOKENS=rows, **_encode_constants(d, group_size, clip_index, levels, order_statistic),
+        BLOCK_TOKENS=rows, **_encode_constants(d, group_size, clip_index, levels, order_statistic, x.dtype, rotate),
         num_warps=num_warps,
     )
 
@@ -381,6 +382,7 @@ def demote_pages_rows(
         src_pages, dst_pages, bf16_pool.view(torch.int16), codes, scale, minimum,
         src_pool_pages, codes.shape[1],
         NUM_HEADS=num_heads, PAGE_SIZE=page_size,
-        **_encode_constants(d, group_size, clip_index, levels, order_statistic), num_warps=num_warps,
+        **_encode_constants(d, group_size, clip_index, levels, order_statistic, bf16_pool.dtype, False),
+        num_warps=num_warps,
     )
 

@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton")
 
 from benchmarks.static_analysis import TRITON_QWEN3_8B, triton_kernel_usage  # noqa: E402
 from oscar_torch.kernels import decode_attention as kernels  # noqa: E402
+from shared_math.tiling import select_order_statistic  # noqa: E402
 
 QWEN3_8B = {k: v for k, v in TRITON_QWEN3_8B.items() if k not in ("GROUP_SIZE", "PAGES_PER_BLOCK", "Q_BF16")}
 
@@ -82,7 +83,7 @@ WRITE_CASES = [  # (kernel, bf16 rows, rotate, tokens per program)
     (kernel, *case) for kernel in ("_write_pages_kernel", "_write_int2_kernel")
     for case in [(True, True, 64), (False, True, 16), (True, False, 16)]
 ]
-KNOWN_WRITE_SPILLS = [("_write_int2_kernel", False, True, 16)]  # float32 rows, IEEE rotation: 5008 B
+KNOWN_WRITE_SPILLS: list = []  # float32 rows, IEEE rotation spilled 5008 B with max_drop; none with checked_max
 
 
 @pytest.mark.parametrize(
@@ -95,8 +96,9 @@ def test_write_kernel_compiles_for_h200_without_spills(kernel, rows_bf16, rotate
     """The fused write at Qwen3-8B head shapes, as the launchers call it: bf16 rows with the split
     rotation (bf16 parts as int16, three tensor-core dots; the interpreter runs float32 dots, so
     only a compile sees this path's typing), float32 rows with the IEEE rotation, no rotation."""
+    order_statistic = select_order_statistic(128, 123, rows_bf16=rows_bf16 and not rotate)  # as the launchers
     constants = dict(NUM_HEADS=8, PAGE_SIZE=64, D=128, GROUP_SIZE=128, CLIP_INDEX=123, LEVELS="minmax",
-                     ORDER_STATISTIC="max_drop", ROTATE=rotate, INPUT_BF16=rows_bf16, BLOCK_TOKENS=block_tokens,
+                     ORDER_STATISTIC=order_statistic, ROTATE=rotate, INPUT_BF16=rows_bf16, BLOCK_TOKENS=block_tokens,
                      TENSOR_CORES=True)
     pointers = dict(WRITE_POINTERS, x_ptr="*i16" if rows_bf16 else "*fp32",
                     rotation_ptr="*i16" if rows_bf16 else "*fp32")

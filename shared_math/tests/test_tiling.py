@@ -33,3 +33,21 @@ def test_num_warps_drops_to_two_from_batch_eight(batch, expected):
     from shared_math.tiling import default_num_warps
 
     assert default_num_warps(batch) == expected
+
+
+def test_order_statistic_choice_counts_row_reductions():
+    """tagged_max (rows of bfloat16 values) and checked_max (other rows) while their max rounds
+    cost fewer row reductions than bisection's BISECTION_STEPS counts; bisection beyond."""
+    from shared_math import tiling
+    from shared_math.spec import clip_index
+
+    assert tiling.BISECTION_STEPS == 31  # FP16_MAX's float32 bits (0x477FE000) need 31 bits
+    k = clip_index(0.96, 128)  # 122: six rounds
+    assert [tiling.order_statistic_reductions(m, 128, k) for m in tiling.ORDER_STATISTICS] == [12, 31, 6, 7]
+    assert tiling.select_order_statistic(128, k, rows_bf16=True) == "tagged_max"
+    assert tiling.select_order_statistic(128, k, rows_bf16=False) == "checked_max"
+    assert tiling.select_order_statistic(128, 128 - 30, rows_bf16=False) == "checked_max"  # 31 = 31: ties go first
+    assert tiling.select_order_statistic(128, 128 - 31, rows_bf16=False) == "bisect"
+    assert tiling.select_order_statistic(128, clip_index(0.5, 128), rows_bf16=True) == "bisect"
+    with pytest.raises(ValueError, match="sorting"):
+        tiling.order_statistic_reductions("sorting", 128, k)
