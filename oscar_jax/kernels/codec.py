@@ -129,9 +129,12 @@ def clip_threshold_bits(abs_bits, *, clip_index: int, order_statistic: str):
         # #{|x| > t_{skip+1}} ≥ skip; where it equals skip, t_{skip+1} has rank k. A block with a
         # row where ties hid among the largest values redoes τ by max_drop.
         top = lax.fori_loop(0, skip + 1, next_below(abs_bits), above_all)
-        above = jnp.sum((abs_bits > top).astype(jnp.int32), axis=1)  # [R]: one axis per reduction
-        return lax.cond(  # (the Triton lowering's multi-axis reductions fail under an explicit mesh)
-            jnp.max(above) == skip,
+        above = jnp.sum((abs_bits > top).astype(jnp.int32), axis=1, keepdims=True)
+        # One axis per reduction: the Triton lowering's multi-axis reductions fail under an
+        # explicit mesh (test_layered_kernels_compile_for_h200).
+        worst = jnp.max(jnp.max(above, axis=0), axis=0)
+        return lax.cond(
+            worst == skip,
             lambda: top,
             lambda: clip_threshold_bits(abs_bits, clip_index=clip_index, order_statistic="max_drop"),
         )
