@@ -26,9 +26,9 @@ Machine behaviours kept away from the bytes (the same measures as the Pallas ker
 Signed zeros in step 3 follow FORMAT.md: −0 orders below +0 (IEEE 754-2019 minimum/maximum), so
 a group holding both zeros as its extreme has lo = −0 / hi = +0 — exactly what the ordered keys give.
 
-Format constants come from shared_math (spec.py, codec.py) and reach the kernels as
-tl.constexpr globals or arguments; the IEEE 754 binary32 bit-pattern constants below are not
-format constants.
+Format constants come from shared_math (spec.py, codec.py), the IEEE 754 bit-pattern constants
+(not format constants) from shared_math.float_bits, the choice of order statistic for τ from
+shared_math.tiling; they reach the kernels as tl.constexpr globals or arguments.
 
 Shapes (one vocabulary): R rows in a block, D head dim, G group size, Q = D/4 packed bytes,
 NG = D/G groups per row, N rows in total.
