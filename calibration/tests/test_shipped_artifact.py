@@ -1,7 +1,7 @@
 """The SmolLM2 artifacts that ship in the package — the product default (U from the key / value
-second moments of 32K calibration tokens, moment-placed levels, clip ratios fitted per layer:
-QUALITY.md run 8) and the paper's configuration kept as the reference — valid, and each reproduced
-by the command recorded in it."""
+second moments of 32K calibration tokens, min/max levels, clip ratios fitted per layer: QUALITY.md
+run 12) and the paper's configuration kept as the reference — valid, and each reproduced by the
+command recorded in it."""
 
 import shlex
 
@@ -16,9 +16,10 @@ from shared_math.rotation import bit_reversal_permutation
 
 DOCUMENTED = "python -m calibration --model-path smollm2-135m --calib-data wiki --calib-tokens {tokens} --output-dir"
 SHIPPED = {  # directory under oscar_jax/artifacts → (calibration tokens, options after the output dir, levels,
-    # K clip, V clip, targets). The default reads 32K tokens (QUALITY.md: 1.0068× BF16 against 1.0119× from 8K).
-    "smollm2-135m": (32768, "--levels moments --fit-clip --key-target key --value-target value",
-                     "moments", "fitted", "fitted", ("key", "value")),
+    # K clip, V clip, targets). The default reads 32K tokens (QUALITY.md run 8: 1.0068× BF16 against 1.0119×
+    # from 8K) and has min/max levels since run 12 (moment-placed levels before: the same perplexity).
+    "smollm2-135m": (32768, "--levels minmax --fit-clip --key-target key --value-target value",
+                     "minmax", "fitted", "fitted", ("key", "value")),
     "smollm2-135m-paper": (8192, "", "minmax", 0.96, 0.92, ("query", "attention_output")),
 }
 SMOLLM2 = ModelFingerprint(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64)
@@ -90,3 +91,18 @@ def test_documented_command_reproduces_the_shipped_artifact(name, tmp_path):
             assert a.shape == b.shape and np.sum(a != b) <= 3 and np.abs(a - b).max() <= 0.041
         else:
             assert np.array_equal(a, b)
+
+
+def test_previous_default_differs_from_the_default_in_its_codec_only():
+    """The default until run 12 (moment-placed levels) stays in calibration/results, so that the runs
+    made with it can be reproduced (`oscar:artifact=DIR`): the same calibration, so rotations equal to
+    float32 noise (the calibration code changed in between), other levels and clip ratios."""
+    from pathlib import Path
+
+    previous = read_artifact(Path(__file__).parents[1] / "results/artifacts/smollm2-135m-moments-fitclip",
+                             expected_model=SMOLLM2)
+    default = read_artifact(shipped_artifact("smollm2-135m"))
+    assert (previous.levels, default.levels) == ("moments", "minmax")
+    for kv in ("k", "v"):
+        np.testing.assert_allclose(getattr(previous, f"{kv}_rotation"), getattr(default, f"{kv}_rotation"), atol=1e-5)
+    assert not np.array_equal(previous.k_clip_ratio, default.k_clip_ratio)
