@@ -56,6 +56,31 @@ def bf16_values(bits: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- codec data
 
 
+def order_statistic_rows(d: int, seed: int = 7) -> np.ndarray:
+    """float32 rows of bfloat16 values (so every order statistic of the clip threshold applies,
+    tagged_max included): heavy ties (few distinct magnitudes, both signs, zeros of both signs),
+    the sanitize clamp (±inf, bfloat16 values above FP16_MAX), N(0, 1) rows and tie-free rows."""
+    rng = np.random.default_rng(seed)
+    x = (rng.integers(-4, 5, size=(24, d)) * F32(0.75)).astype(F32)
+    x[0] = -0.0
+    x[1, : d // 2] = -0.0
+    x[2, :6] = [np.inf, -np.inf, 70144.0, -65280.0, 65280.0, 65504.0]  # 65504 rounds up to 65536
+    x[3:6] = rng.standard_normal((3, d))
+    x[6:9] = np.arange(d, dtype=F32) * rng.choice([-1, 1], size=(3, d)).astype(F32)  # distinct magnitudes
+    return bf16_values(bf16_bits(x))
+
+
+def checked_max_rows(ties: bool) -> np.ndarray:
+    """40 float32 rows of d 128 (N(0, 1), tie-free); with `ties`, row 17 holds three copies of its
+    largest |x|, so checked_max's block with it falls back to max_drop."""
+    x = np.random.default_rng(11).standard_normal((40, 128)).astype(F32)
+    if ties:
+        x[17, :3] = 9.0
+    return x
+
+
+
+
 def normal_rows(rng, shape):
     return rng.standard_normal(shape).astype(F32)
 

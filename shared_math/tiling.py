@@ -89,3 +89,16 @@ def select_order_statistic(head_dim: int, clip_index: int, rows_bf16: bool) -> s
     bfloat16 values (bfloat16 input, not rotated in the kernel), so tagged_max applies."""
     candidates = ("tagged_max", "bisect") if rows_bf16 else ("checked_max", "bisect")
     return min(candidates, key=lambda m: order_statistic_reductions(m, head_dim, clip_index))
+
+
+def resolve_order_statistic(order_statistic: str | None, head_dim: int, clip_index: int, *, rows_bf16: bool,
+                            rows: str) -> str:
+    """The encode launchers' order statistic: `None` picks select_order_statistic's; an explicit
+    one is validated. `rows` describes the encoded rows for the error message."""
+    if order_statistic is None:
+        return select_order_statistic(head_dim, clip_index, rows_bf16)
+    if order_statistic not in ORDER_STATISTICS:
+        raise ValueError(f"{order_statistic=} must be one of {ORDER_STATISTICS}")
+    if order_statistic == "tagged_max" and not rows_bf16:
+        raise ValueError(f"order_statistic='tagged_max' needs rows of bfloat16 values, got {rows}")
+    return order_statistic

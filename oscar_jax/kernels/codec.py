@@ -52,6 +52,7 @@ from shared_math.float_bits import (
     FP16_MAX_BITS,
 )
 from shared_math.spec import CODE_BITS, CODE_MASK, CODES_PER_BYTE, FP16_MAX, MOMENTS_MAD_TO_SIGMA
+from shared_math import tiling
 from shared_math.tiling import BISECTION_STEPS, ORDER_STATISTICS, select_order_statistic
 
 BELOW_EVERY_MAGNITUDE = -1  # below every |x| bit pattern: what a masked max returns for an exhausted row
@@ -69,19 +70,12 @@ def resolve_interpret(interpret: bool | None) -> bool:
 
 def resolve_order_statistic(order_statistic: str | None, head_dim: int, clip_index: int, rows_dtype,
                             rotated: bool = False) -> str:
-    """The launchers' order statistic: `None` picks the cheapest exact method for these rows
-    (shared_math.tiling.select_order_statistic); an explicit one is validated."""
-    rows_bf16 = jnp.dtype(rows_dtype) == jnp.bfloat16 and not rotated
-    if order_statistic is None:
-        return select_order_statistic(head_dim, clip_index, rows_bf16)
-    if order_statistic not in ORDER_STATISTICS:
-        raise ValueError(f"{order_statistic=} must be one of {ORDER_STATISTICS}")
-    if order_statistic == "tagged_max" and not rows_bf16:
-        raise ValueError(
-            f"order_statistic='tagged_max' needs rows of bfloat16 values, got {jnp.dtype(rows_dtype)} rows"
-            + (" rotated in the kernel" if rotated else "")
-        )
-    return order_statistic
+    """shared_math.tiling.resolve_order_statistic for rows of `rows_dtype` (rotated in the kernel
+    or not): tagged_max applies to bfloat16 rows that the kernel does not rotate."""
+    return tiling.resolve_order_statistic(
+        order_statistic, head_dim, clip_index, rows_bf16=jnp.dtype(rows_dtype) == jnp.bfloat16 and not rotated,
+        rows=f"{jnp.dtype(rows_dtype)} rows" + (" rotated in the kernel" if rotated else ""),
+    )
 
 
 # --------------------------------------------------------------------------------- block bodies

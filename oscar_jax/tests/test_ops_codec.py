@@ -15,6 +15,7 @@ from hypothesis.extra import numpy as hnp
 
 from oscar_jax import ops
 from oscar_jax.kernels import codec as kcodec
+from parity_tests.cases import checked_max_rows, order_statistic_rows
 from shared_math import codec as ref
 from shared_math.spec import FP16_MAX, clip_index
 
@@ -145,25 +146,11 @@ def test_golden_clip():
     assert np.asarray(scale).tolist() == [33.34375] and np.asarray(minimum).tolist() == [-50.0]
 
 
-def _order_statistic_rows(rng, d):
-    """Rows with heavy ties (few distinct magnitudes, both signs, zeros of both signs), the
-    sanitize clamp (±inf and bfloat16 values above FP16_MAX), and tie-free rows, all bfloat16
-    values, so that every method applies."""
-    x = (rng.integers(-4, 5, size=(24, d)) * F32(0.75)).astype(F32)
-    x[0] = -0.0
-    x[1, : d // 2] = -0.0
-    x[2, :6] = [np.inf, -np.inf, 70144.0, -65280.0, 65280.0, 65504.0]  # bf16 values; 65504 is not
-    x[2] = x[2].astype(jnp.bfloat16).astype(F32)
-    x[3:6] = rng.standard_normal((3, d)).astype(jnp.bfloat16).astype(F32)
-    x[6:9] = np.arange(d, dtype=F32) * rng.choice([-1, 1], size=(3, d)).astype(F32)  # distinct magnitudes
-    return x
-
-
 @pytest.mark.parametrize("clip_ratio", [0.05, 0.5, 0.92, 0.96, 1.0])
 def test_order_statistic_methods_agree_with_sort(clip_ratio):
     """Every exact order statistic equals the sorted value and gives shared_math's bytes."""
     d = 64
-    x = _order_statistic_rows(np.random.default_rng(7), d)
+    x = order_statistic_rows(d)
     k = clip_index(clip_ratio, d)
     sanitized = ref.sanitize(x)
     want = np.sort(np.abs(sanitized), axis=-1)[:, k : k + 1].view(np.int32)
@@ -185,11 +172,7 @@ def test_order_statistic_methods_agree_with_sort(clip_ratio):
 def test_checked_max_fast_path_and_fallback(ties):
     """checked_max on float32 rows: tie-free blocks keep the max rounds' value; a block with one
     row whose largest values tie falls back to max_drop, the other blocks do not care."""
-    rng = np.random.default_rng(11)
-    d, k = 128, clip_index(0.96, 128)
-    x = rng.standard_normal((40, d)).astype(F32)
-    if ties == "one_row":
-        x[17, :3] = 9.0  # three copies of the largest |x|: rank k is below them
+    x, k = checked_max_rows(ties == "one_row"), clip_index(0.96, 128)
     want = ref.encode(x, group_size=128, clip_ratio=0.96)
     got = kcodec.encode_rows(jnp.asarray(x), group_size=128, clip_index=k, levels="minmax",
                              order_statistic="checked_max")

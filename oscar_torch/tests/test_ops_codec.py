@@ -15,7 +15,7 @@ from hypothesis.extra import numpy as hnp
 from oscar_torch import ops
 from oscar_torch.kernels import codec as kcodec
 from oscar_torch.tests.util import DEVICE, to_numpy, to_torch
-from parity_tests.cases import CODEC_CASES, DATA, LEVELS, assert_same_bits
+from parity_tests.cases import CODEC_CASES, DATA, LEVELS, assert_same_bits, checked_max_rows, order_statistic_rows
 from shared_math import codec as ref
 from shared_math.spec import clip_index
 
@@ -74,26 +74,12 @@ def test_golden_clip():
     assert to_numpy(scale).tolist() == [33.34375] and to_numpy(minimum).tolist() == [-50.0]
 
 
-def _order_statistic_rows(rng, d):
-    """Rows with heavy ties (few distinct magnitudes, both signs, zeros of both signs), the
-    sanitize clamp (±inf and bfloat16 values above FP16_MAX), and tie-free rows, all bfloat16
-    values, so that every method applies (oscar_jax/tests/test_ops_codec.py has the same)."""
-    x = (rng.integers(-4, 5, size=(24, d)) * F32(0.75)).astype(F32)
-    x[0] = -0.0
-    x[1, : d // 2] = -0.0
-    x[1, d // 2 :] = 3.0
-    x[2, :6] = [np.inf, -np.inf, 70144.0, -65280.0, 65280.0, 65280.0]
-    x[3:6] = torch.randn(3, d, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).float().numpy()
-    x[6:9] = np.arange(d, dtype=F32) * rng.choice([-1, 1], size=(3, d)).astype(F32)  # distinct magnitudes
-    return x
-
-
 @pytest.mark.parametrize("clip_ratio", [0.05, 0.5, 0.92, 0.96, 1.0])
 def test_order_statistic_methods_agree_with_sort(clip_ratio):
     """Every exact order statistic gives the sorted value's bytes (bfloat16 rows, so that
     tagged_max applies; the values are bfloat16-exact, so every method sees the same rows)."""
     d = 64
-    x = _order_statistic_rows(np.random.default_rng(7), d)
+    x = order_statistic_rows(d)
     k = clip_index(clip_ratio, d)
     want = ref.encode(x, group_size=32, clip_ratio=clip_ratio)
     for method in kcodec.ORDER_STATISTICS:
@@ -107,11 +93,7 @@ def test_order_statistic_methods_agree_with_sort(clip_ratio):
 def test_checked_max_fast_path_and_fallback(ties):
     """checked_max on float32 rows: tie-free blocks keep the max rounds' value; a block with one
     row whose largest values tie falls back to max_drop, the other blocks do not care."""
-    rng = np.random.default_rng(11)
-    d, k = 128, clip_index(0.96, 128)
-    x = rng.standard_normal((40, d)).astype(F32)
-    if ties == "one_row":
-        x[17, :3] = 9.0  # three copies of the largest |x|: rank k is below them
+    x, k = checked_max_rows(ties == "one_row"), clip_index(0.96, 128)
     want = ref.encode(x, group_size=128, clip_ratio=0.96)
     got = kcodec.encode_rows(to_torch(x), group_size=128, clip_index=k, levels="minmax", order_statistic="checked_max")
     for name, a, e in zip(("packed", "scale", "minimum"), got, want):

@@ -51,3 +51,14 @@ def test_order_statistic_choice_counts_row_reductions():
     assert tiling.select_order_statistic(128, clip_index(0.5, 128), rows_bf16=True) == "bisect"
     with pytest.raises(ValueError, match="sorting"):
         tiling.order_statistic_reductions("sorting", 128, k)
+
+
+def test_resolve_order_statistic_validates_an_explicit_choice():
+    from shared_math.tiling import resolve_order_statistic
+
+    assert resolve_order_statistic(None, 128, 122, rows_bf16=True, rows="bfloat16 rows") == "tagged_max"
+    assert resolve_order_statistic("max_drop", 128, 122, rows_bf16=False, rows="float32 rows") == "max_drop"
+    with pytest.raises(ValueError, match="tagged_max.*float32 rows"):
+        resolve_order_statistic("tagged_max", 128, 122, rows_bf16=False, rows="float32 rows")
+    with pytest.raises(ValueError, match="'sorting'"):
+        resolve_order_statistic("sorting", 128, 122, rows_bf16=True, rows="bfloat16 rows")
