@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 import warnings
 
+from shared_math.tiling import base2_score_scale
+
 H200 = dict(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 H200_ARCH = 90
 
@@ -108,16 +110,33 @@ def pallas_triton_kernels(fn, *args) -> list[tuple[str, str, int, int]]:
 
 
 def compile_triton_ir(text: str, num_warps: int, num_stages: int):
-    """Compile Triton IR text for sm_90; returns triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+    """Compile Triton IR text for sm_90; returns triton's CompiledKernel (asm: ttgir, ptx, cubin).
 
+    `triton.compile` of an IR file starts *after* that file's stage, so it would skip make_ttir
+    (inliner, canonicalizer, combine: e.g. `a + dot(q, k)` → `dot(q, k, acc=a)`). XLA's pipeline
+    for Pallas kernels runs those passes (xla/backends/gpu/codegen/triton/compilation_pipeline_cuda.cc,
+    "Based on make_ttir()"), so they are run here first, as on the H200."""
+    import triton
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    target = GPUTarget("cuda", H200_ARCH, 32)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    backend = CUDABackend(target)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ttir")
         with open(path, "w") as f:
             f.write(text)
-        return triton.compile(path, target=GPUTarget("cuda", H200_ARCH, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        module = ir.parse_mlir_module(path, context)
+        module.context = context  # as triton.compile sets it
+        module = backend.make_ttir(module, {}, backend.parse_options(options), H200_ARCH)
+        with open(path, "w") as f:
+            f.write(str(module))
+        return triton.compile(path, target=target, options=options)
 
 
 def compile_pallas_for_h200(fn, *args) -> dict[str, dict]:
@@ -140,8 +159,8 @@ TRITON_POINTERS = {
     "o_a_ptr": "*fp32", "lse_a_ptr": "*fp32", "o_b_ptr": "*fp32", "lse_b_ptr": "*fp32", "out_ptr": "*fp32",
 }
 TRITON_QWEN3_8B = dict(NUM_HEADS=8, ROWS=16, D=128, PAGE_SIZE=64, PAGES_PER_SPLIT=16, NUM_SPLITS=4,
-                       SOFTMAX_SCALE=128**-0.5, BLOCK_M=16, TENSOR_CORES=True, GROUP_SIZE=128, PAGES_PER_BLOCK=1,
-                       Q_BF16=True, SINK_SLOTS=1)
+                       SCORE_SCALE=base2_score_scale(128**-0.5), BLOCK_M=16, TENSOR_CORES=True, GROUP_SIZE=128,
+                       PAGES_PER_BLOCK=1, Q_BF16=True, SINK_SLOTS=1)
 
 
 def compile_triton_source(kernel, constants: dict, num_warps: int, num_stages: int, pointers: dict | None = None):

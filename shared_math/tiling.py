@@ -23,6 +23,18 @@ MERGE_BLOCK_SPLITS = 32  # splits per load of the decode merge kernels …
 MERGE_BLOCK_D = 32  # … and columns per merge program: [32, 32] float32 = 4 KB per load; D / 32
 #                     programs per kept row, so a batch-1 merge fills more than 32 SMs
 
+# The attention kernels keep scores in base-2 units (softmax scale × log2 e), so that every
+# exponential of the online softmax is an exp2: on the GPU one MUFU.EX2, where Pallas's jnp.exp
+# lowers to libdevice's accurate __nv_expf (~9 instructions per element; benchmarks/NOTES.md
+# v11). The partials' log-sum-exp stays a natural log: lse = (m + log2 l)·ln 2.
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def base2_score_scale(softmax_scale: float) -> float:
+    """The factor the attention kernels multiply raw q·k by: the softmax scale in base-2 units."""
+    return float(softmax_scale) * LOG2E
+
 
 def next_power_of_two(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))

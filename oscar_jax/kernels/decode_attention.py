@@ -51,7 +51,7 @@ from jax.experimental.pallas import triton as pl_triton
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.ptx import UNPACK_CONSTRAINTS, UNPACK_PACK, unpack_plane_ptx
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
-from shared_math.tiling import MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, next_power_of_two
+from shared_math.tiling import LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, next_power_of_two
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
 # running maximum finite and exp(m_old − m_new) never becomes exp(−inf + inf) = NaN.
@@ -89,24 +89,26 @@ def dot_nn(a, b):
 
 
 def online_softmax_step(scores, valid, m_prev, l_prev):
-    """One online-softmax step on a [M, N] score tile; `valid` broadcasts to [M, N].
+    """One online-softmax step on a [M, N] score tile in base-2 units (`shared_math.tiling.base2_score_scale`); `valid`
+    broadcasts to [M, N].
 
     Returns (p, correction, m_new, l_new). Masked entries get p = 0 exactly, even while a row
-    has seen no valid score yet (then m stays MASK_VALUE and exp(scores − m) would be 1).
+    has seen no valid score yet (then m stays MASK_VALUE and exp2(scores − m) would be 1).
     """
     scores = jnp.where(valid, scores, MASK_VALUE)
     m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1))
-    correction = jnp.exp(m_prev - m_new)
-    p = jnp.where(valid, jnp.exp(scores - m_new[:, None]), 0.0)
+    correction = jnp.exp2(m_prev - m_new)
+    p = jnp.where(valid, jnp.exp2(scores - m_new[:, None]), 0.0)
     l_new = l_prev * correction + jnp.sum(p, axis=1)
     return p, correction, m_new, l_new
 
 
 def finalize_rows(l, m):
-    """Normaliser and log-sum-exp of the finished rows; empty rows get lse = −inf."""
+    """Normaliser and natural log-sum-exp of the finished rows (m in base-2 units); empty rows
+    get lse = −inf."""
     nonempty = l > 0.0
     inv_l = 1.0 / jnp.where(nonempty, l, 1.0)
-    lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+    lse = jnp.where(nonempty, (m + jnp.log2(jnp.where(nonempty, l, 1.0))) * LN2, -jnp.inf)
     return inv_l, lse
 
 
@@ -129,7 +131,7 @@ def _bf16_tier_kernel(
     PAGE_SIZE: int,
     PAGES_PER_SPLIT: int,
     PAGES_PER_BLOCK: int,
-    SOFTMAX_SCALE: float,
+    SCORE_SCALE: float,
 ):
     b, split = pl.program_id(0), pl.program_id(3)
     block_m, head_dim = q_ref.shape
@@ -160,7 +162,7 @@ def _bf16_tier_kernel(
         k = k_ref[page, offset, :].astype(compute_dtype)  # [N, D]
         v = v_ref[page, offset, :]  # [N, D]
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v)).astype(compute_dtype)
-        scores = dot_nt(q, k) * SOFTMAX_SCALE  # [BLOCK_M, N]
+        scores = dot_nt(q, k) * SCORE_SCALE  # [BLOCK_M, N]
         p, correction, m, l = online_softmax_step(scores, valid[None, :], m, l)
         o = o * correction[:, None] + dot_nn(p.astype(compute_dtype), v)
         return o, m, l
@@ -211,7 +213,7 @@ def bf16_tier_partials(
         PAGE_SIZE=page_size,
         PAGES_PER_SPLIT=pages_per_split,
         PAGES_PER_BLOCK=pages_per_block,
-        SOFTMAX_SCALE=float(softmax_scale),
+        SCORE_SCALE=base2_score_scale(softmax_scale),
     )
     pool_spec = layer_block_spec((num_pages, None, page_size, head_dim), lambda b, h, r, s: (0, h, 0, 0), layer)
     grid = (batch, num_kv_heads, rows // block_m, splits)
@@ -331,15 +333,16 @@ def _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_
 
 
 def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias):
-    """Per piece Σ_n (p·s_v)·c_v + Σ_n p·m_v → [BLOCK_M, W] (p [BLOCK_M, N] unnormalised).
-    The planes hold c + code_bias: subtract code_bias·Σ_n (p·s_v) of the *rounded* operand, so
-    the bias cancels exactly up to float32 accumulation."""
+    """(Σ_n (p·s_v)·c_v per piece [BLOCK_M, W], Σ_n p·m_v per group [BLOCK_M]); p [BLOCK_M, N]
+    unnormalised. The minimum term is a row scalar per group: the kernels carry it beside the
+    output tiles and add it once at the end, not to every [BLOCK_M, W] tile of every page.
+    The planes hold c + code_bias: the minimum term subtracts code_bias·Σ_n (p·s_v) of the
+    *rounded* operand, so the bias cancels exactly up to float32 accumulation."""
     p_scaled = [(p * scale[None, :]).astype(compute_dtype) for scale in v_scale]
     p_min = [jnp.sum(p * minimum[None, :], axis=1) for minimum in v_min]
     if code_bias:
         p_min = [m - code_bias * jnp.sum(ps.astype(jnp.float32), axis=1) for m, ps in zip(p_min, p_scaled)]
-    return [dot_nn(p_scaled[group], plane) + p_min[group][:, None]
-            for plane, (_, _, _, _, group) in zip(v_planes, pieces)]
+    return [dot_nn(p_scaled[group], plane) for plane, (_, _, _, _, group) in zip(v_planes, pieces)], p_min
 
 
 def _history_split(n_history, split, page_size, pages_per_split, pages_per_block):
@@ -371,7 +374,7 @@ def _int2_tier_kernel(
     PAGE_SIZE: int,
     PAGES_PER_SPLIT: int,
     PAGES_PER_BLOCK: int,
-    SOFTMAX_SCALE: float,
+    SCORE_SCALE: float,
     UNPACK_ASM: bool = False,
 ):
     """One iteration = PAGES_PER_BLOCK pages, each read as a whole page through a scalar page id
@@ -390,7 +393,7 @@ def _int2_tier_kernel(
     q_pieces, q_group_sums = _int2_query_terms(q_ref, pieces, num_groups)
 
     def body(i, carry):
-        o_pieces, m, l = carry
+        o_pieces, o_min, m, l = carry
         pages = []
         for j in range(PAGES_PER_BLOCK):  # static: the pages' loads are independent
             slot = first_slot + i * PAGES_PER_BLOCK + j
@@ -400,32 +403,34 @@ def _int2_tier_kernel(
                                      UNPACK_ASM)
             k_scale = _int2_metadata(k_scale_ref, (page, slice(None)), valid, num_groups)
             k_min = _int2_metadata(k_min_ref, (page, slice(None)), valid, num_groups)
-            scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias) * SOFTMAX_SCALE
+            scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias) * SCORE_SCALE
             pages.append((page, valid, jnp.where(valid[None, :], scores, MASK_VALUE)))
         m_new = m
         for _, _, scores in pages:
             m_new = jnp.maximum(m_new, jnp.max(scores, axis=1))
-        correction = jnp.exp(m - m_new)
+        correction = jnp.exp2(m - m_new)
         l = l * correction
         o_pieces = [o_piece * correction[:, None] for o_piece in o_pieces]
+        o_min = [o_group * correction for o_group in o_min]
         for page, valid, scores in pages:
-            p = jnp.where(valid[None, :], jnp.exp(scores - m_new[:, None]), 0.0)  # [BLOCK_M, L]
+            p = jnp.where(valid[None, :], jnp.exp2(scores - m_new[:, None]), 0.0)  # [BLOCK_M, L]
             l = l + jnp.sum(p, axis=1)
             v_planes = _code_planes(lambda c0, w: v_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype,
                                      UNPACK_ASM)
             v_scale = _int2_metadata(v_scale_ref, (page, slice(None)), valid, num_groups)
             v_min = _int2_metadata(v_min_ref, (page, slice(None)), valid, num_groups)
-            updates = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
+            updates, min_terms = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
             o_pieces = [o_piece + update for o_piece, update in zip(o_pieces, updates)]
-        return tuple(o_pieces), m_new, l
+            o_min = [o_group + term for o_group, term in zip(o_min, min_terms)]
+        return tuple(o_pieces), tuple(o_min), m_new, l
 
-    _int2_finish(body, num_blocks, pieces, o_ref, lse_ref)
+    _int2_finish(body, num_blocks, pieces, num_groups, o_ref, lse_ref)
 
 
 def _int2_tier_gather_kernel(
     page_table_ref, history_tokens_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref, v_codes_ref, v_scale_ref,
     v_min_ref, o_ref, lse_ref, *, GROUP_SIZE: int, PAGE_SIZE: int, PAGES_PER_SPLIT: int, PAGES_PER_BLOCK: int,
-    SOFTMAX_SCALE: float, UNPACK_ASM: bool = False,
+    SCORE_SCALE: float, UNPACK_ASM: bool = False,
 ):
     """As `_int2_tier_kernel` (same refs), for any page size: one block of PAGES_PER_BLOCK·L ≥ 16
     tokens gathered token by token (a page id per token)."""
@@ -445,7 +450,7 @@ def _int2_tier_gather_kernel(
     q_pieces, q_group_sums = _int2_query_terms(q_ref, pieces, num_groups)
 
     def body(i, carry):
-        o_pieces, m, l = carry
+        o_pieces, o_min, m, l = carry
         slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
         valid = slot * PAGE_SIZE + offset < n_history  # [N]
         page = jnp.where(valid, page_table_ref[slot], 0)  # [N] never dereference unused slots
@@ -454,29 +459,33 @@ def _int2_tier_gather_kernel(
         k_scale = _int2_metadata(k_scale_ref, (page, offset), valid, num_groups)
         k_min = _int2_metadata(k_min_ref, (page, offset), valid, num_groups)
         scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias)
-        p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
+        p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
         v_planes = _code_planes(lambda c0, w: v_codes_ref[page, offset, pl.ds(c0, w)], pieces, compute_dtype,
                                  UNPACK_ASM)
         v_scale = _int2_metadata(v_scale_ref, (page, offset), valid, num_groups)
         v_min = _int2_metadata(v_min_ref, (page, offset), valid, num_groups)
-        updates = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
-        return tuple(o * correction[:, None] + u for o, u in zip(o_pieces, updates)), m, l
+        updates, min_terms = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
+        return (tuple(o * correction[:, None] + u for o, u in zip(o_pieces, updates)),
+                tuple(o * correction + t for o, t in zip(o_min, min_terms)), m, l)
 
-    _int2_finish(body, num_blocks, pieces, o_ref, lse_ref)
+    _int2_finish(body, num_blocks, pieces, num_groups, o_ref, lse_ref)
 
 
-def _int2_finish(body, num_blocks, pieces, o_ref, lse_ref):
-    """Run the online-softmax loop from an empty state and write the normalised partial."""
+def _int2_finish(body, num_blocks, pieces, num_groups, o_ref, lse_ref):
+    """Run the online-softmax loop from an empty state and write the normalised partial.
+    The carry: the output pieces without their minimum terms, the minimum term Σ p·m_v of each
+    group (a row scalar), the running maximum and the normaliser."""
     block_m = o_ref.shape[0]
     carry = (
         tuple(jnp.zeros((block_m, width), jnp.float32) for (_, width, _, _, _) in pieces),
+        tuple(jnp.zeros((block_m,), jnp.float32) for _ in range(num_groups)),
         jnp.full((block_m,), MASK_VALUE, jnp.float32),
         jnp.zeros((block_m,), jnp.float32),
     )
-    o_pieces, m, l = lax.fori_loop(0, num_blocks, body, carry)
+    o_pieces, o_min, m, l = lax.fori_loop(0, num_blocks, body, carry)
     inv_l, lse = finalize_rows(l, m)
-    for o_piece, (_, width, _, c0, _) in zip(o_pieces, pieces):
-        o_ref[:, pl.ds(c0, width)] = o_piece * inv_l[:, None]
+    for o_piece, (_, width, _, c0, group) in zip(o_pieces, pieces):
+        o_ref[:, pl.ds(c0, width)] = (o_piece + o_min[group][:, None]) * inv_l[:, None]
     lse_ref[...] = lse
 
 
@@ -520,7 +529,7 @@ def int2_tier_partials(
         PAGE_SIZE=page_size,
         PAGES_PER_SPLIT=pages_per_split,
         PAGES_PER_BLOCK=pages_per_block,
-        SOFTMAX_SCALE=float(softmax_scale),
+        SCORE_SCALE=base2_score_scale(softmax_scale),
         UNPACK_ASM=bool(unpack_asm),
     )
     codes_spec = layer_block_spec((num_pages, None, page_size, packed), lambda b, h, r, s: (0, h, 0, 0), layer)

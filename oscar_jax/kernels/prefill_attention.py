@@ -32,6 +32,7 @@ from oscar_jax.kernels.decode_attention import (
     finalize_rows,
     online_softmax_step,
 )
+from shared_math.tiling import base2_score_scale
 
 
 def _causal_chunk_kernel(
@@ -44,7 +45,7 @@ def _causal_chunk_kernel(
     *,
     HEADS_PER_KV: int,
     BLOCK_N: int,
-    SOFTMAX_SCALE: float,
+    SCORE_SCALE: float,
 ):
     b, row_block = pl.program_id(0), pl.program_id(2)
     block_m, head_dim = q_ref.shape
@@ -63,7 +64,7 @@ def _causal_chunk_kernel(
         k = k_ref[pl.ds(i * BLOCK_N, BLOCK_N), :]  # [N, D]
         v = v_ref[pl.ds(i * BLOCK_N, BLOCK_N), :]
         v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
-        scores = dot_nt(q, k) * SOFTMAX_SCALE  # [BLOCK_M, N]
+        scores = dot_nt(q, k) * SCORE_SCALE  # [BLOCK_M, N]
         causal = key[None, :] <= query_token[:, None]
         p, correction, m, l = online_softmax_step(scores, causal & key_valid[None, :], m, l)
         o = o * correction[:, None] + dot_nn(p.astype(v.dtype), v)
@@ -102,7 +103,7 @@ def causal_chunk_partials(
         _causal_chunk_kernel,
         HEADS_PER_KV=heads_per_kv,
         BLOCK_N=block_n,
-        SOFTMAX_SCALE=float(softmax_scale),
+        SCORE_SCALE=base2_score_scale(softmax_scale),
     )
     grid = (batch, num_kv_heads, rows // block_m)
     return pl.pallas_call(

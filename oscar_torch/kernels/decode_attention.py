@@ -64,13 +64,14 @@ from oscar_torch.kernels.codec import (
 )
 from shared_math.ptx import UNPACK_CONSTRAINTS, UNPACK_PACK, unpack_plane_ptx
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODES_PER_BYTE
-from shared_math.tiling import MERGE_BLOCK_D, MERGE_BLOCK_SPLITS
+from shared_math.tiling import LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
 # running maximum finite and exp(m_old − m_new) never becomes exp(−inf + inf) = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MASK_VALUE_C = tl.constexpr(MASK_VALUE)
 BF16_CODE_BIAS_C = tl.constexpr(BF16_CODE_BIAS)
+LN2_C = tl.constexpr(LN2)
 BF16_CODE_BIAS_BITS_C = tl.constexpr(BF16_CODE_BIAS_BITS)
 UNPACK_PLANE_0_PTX = tl.constexpr(unpack_plane_ptx(0))
 UNPACK_PLANE_1_PTX = tl.constexpr(unpack_plane_ptx(1))
@@ -117,26 +118,33 @@ def dot_f32(a, b, BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr):
 
 @triton.jit
 def online_softmax_step(scores, valid, m_prev, l_prev):
-    """One online-softmax step on a [M, N] score tile; `valid` broadcasts to [M, N].
+    """One online-softmax step on a [M, N] score tile in base-2 units
+    (`shared_math.tiling.base2_score_scale`); `valid` broadcasts to [M, N].
 
     Returns (p, correction, m_new, l_new). Masked entries get p = 0 exactly, even while a row
-    has seen no valid score yet (then m stays MASK_VALUE and exp(scores − m) would be 1).
+    has seen no valid score yet (then m stays MASK_VALUE and exp2(scores − m) would be 1).
     """
     scores = tl.where(valid, scores, MASK_VALUE_C)
     m_new = tl.maximum(m_prev, tl.max(scores, axis=1))
-    correction = tl.exp(m_prev - m_new)
-    p = tl.where(valid, tl.exp(scores - m_new[:, None]), 0.0)
+    correction = tl.exp2(m_prev - m_new)
+    p = tl.where(valid, tl.exp2(scores - m_new[:, None]), 0.0)
     l_new = l_prev * correction + tl.sum(p, axis=1)
     return p, correction, m_new, l_new
 
 
 @triton.jit
+def natural_lse(m, l, nonempty):
+    """log Σ exp(score) of rows whose running maximum m is in base-2 units; −inf where empty."""
+    return tl.where(nonempty, (m + tl.log2(tl.where(nonempty, l, 1.0))) * LN2_C, float("-inf"))
+
+
+@triton.jit
 def store_partial(o_ptr, lse_ptr, o, m, l, out_row, D: tl.constexpr):
     """Normalise and store a finished partial: o [M, D] at rows out_row [M] of a [·, D] output;
-    rows that saw no token get o = 0 and lse = −inf."""
+    rows that saw no token get o = 0 and lse = −inf (natural log; m in base-2 units)."""
     nonempty = l > 0.0
     inv_l = 1.0 / tl.where(nonempty, l, 1.0)
-    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l, 1.0)), float("-inf"))
+    lse = natural_lse(m, l, nonempty)
     tl.store(o_ptr + out_row[:, None].to(tl.int64) * D + tl.arange(0, D)[None, :], o * inv_l[:, None])
     tl.store(lse_ptr + out_row, lse)
 
@@ -165,7 +173,7 @@ def _output_rows(b, h, split, row_block, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl
 @triton.jit
 def _bf16_block(i, o, m, l, q, page_table_ptr, k_ptr, v_ptr, table_slots, b, h, first_slot, n_sink, n_recent,
                 slot_in_block, offset, column, NUM_HEADS: tl.constexpr, D: tl.constexpr, SINK_SLOTS: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr, SOFTMAX_SCALE: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr, SCORE_SCALE: tl.constexpr,
                 Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr):
     """One block of PAGES_PER_BLOCK BF16 pages (sink or recent): scores, online softmax, P·V."""
     slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
@@ -179,7 +187,7 @@ def _bf16_block(i, o, m, l, q, page_table_ptr, k_ptr, v_ptr, table_slots, b, h, 
     v = tl.where(valid[:, None], v, 0.0)
     k = dot_operand(k, Q_BF16, TENSOR_CORES)
     v = dot_operand(v, Q_BF16, TENSOR_CORES)
-    scores = dot_f32(q, tl.trans(k), Q_BF16, TENSOR_CORES) * SOFTMAX_SCALE  # [BLOCK_M, N]
+    scores = dot_f32(q, tl.trans(k), Q_BF16, TENSOR_CORES) * SCORE_SCALE  # [BLOCK_M, N]
     p, correction, m, l = online_softmax_step(scores, valid[None, :], m, l)
     p = dot_operand(p, Q_BF16, TENSOR_CORES)
     o = o * correction[:, None] + dot_f32(p, v, Q_BF16, TENSOR_CORES)
@@ -205,7 +213,7 @@ def _bf16_tier_kernel(
     PAGES_PER_SPLIT: tl.constexpr,
     PAGES_PER_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SOFTMAX_SCALE: tl.constexpr,
+    SCORE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     Q_BF16: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
@@ -238,7 +246,7 @@ def _bf16_tier_kernel(
         for i in range(0, num_blocks):
             o, m, l = _bf16_block(i, o, m, l, q, page_table_ptr, k_ptr, v_ptr, table_slots, b, h, first_slot,
                                   n_sink, n_recent, slot_in_block, offset, column, NUM_HEADS, D, SINK_SLOTS,
-                                  PAGE_SIZE, PAGES_PER_BLOCK, SOFTMAX_SCALE, Q_BF16, TENSOR_CORES)
+                                  PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE, Q_BF16, TENSOR_CORES)
     else:
         # The interpreter cannot take a loaded value as a loop bound (numpy 2.5 refuses int() of
         # its 1-element arrays): a static trip count with a dynamic guard. Compiled, the guard
@@ -248,7 +256,7 @@ def _bf16_tier_kernel(
             if i < num_blocks:
                 o, m, l = _bf16_block(i, o, m, l, q, page_table_ptr, k_ptr, v_ptr, table_slots, b, h, first_slot,
                                       n_sink, n_recent, slot_in_block, offset, column, NUM_HEADS, D, SINK_SLOTS,
-                                      PAGE_SIZE, PAGES_PER_BLOCK, SOFTMAX_SCALE, Q_BF16, TENSOR_CORES)
+                                      PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE, Q_BF16, TENSOR_CORES)
 
     out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
     store_partial(o_ptr, lse_ptr, o, m, l, out_row, D)
@@ -286,7 +294,7 @@ def bf16_tier_partials(
         v_bf16.view(torch.int16), o, lse, page_table.shape[1],
         NUM_HEADS=num_kv_heads, ROWS=rows, D=head_dim, SINK_SLOTS=sink_slots, PAGE_SIZE=page_size,
         PAGES_PER_SPLIT=pages_per_split, PAGES_PER_BLOCK=pages_per_block, NUM_SPLITS=splits,
-        SOFTMAX_SCALE=float(softmax_scale), BLOCK_M=block_m, Q_BF16=q_bf16,
+        SCORE_SCALE=base2_score_scale(softmax_scale), BLOCK_M=block_m, Q_BF16=q_bf16,
         TENSOR_CORES=not interpreting(), num_warps=num_warps, num_stages=num_stages,
     )
     return o, lse
@@ -370,12 +378,12 @@ def _code_bias(BF16_DOTS: tl.constexpr):
 
 @triton.jit
 def _value_minimum_term(p, minimum, p_scaled, BF16_DOTS: tl.constexpr):
-    """Σ_n p·m_v as [BLOCK_M, 1], less bias·Σ_n of the *rounded* p·s_v operand, so that the bias
+    """Σ_n p·m_v as [BLOCK_M], less bias·Σ_n of the *rounded* p·s_v operand, so that the bias
     the planes carry cancels exactly up to float32 accumulation."""
     term = tl.sum(p * minimum[None, :], axis=1)
     if BF16_DOTS:
         term -= BF16_CODE_BIAS_C * tl.sum(p_scaled.to(tl.float32), axis=1)
-    return term[:, None]
+    return term
 
 
 @triton.jit
@@ -409,7 +417,7 @@ def _plane_update(o_plane, correction, p, packed, scale_ptr, minimum_ptr, row, v
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     p_scaled = dot_operand(p * scale[None, :], BF16_DOTS, TENSOR_CORES)
     p_min = _value_minimum_term(p, minimum, p_scaled, BF16_DOTS)
-    update = dot_f32(p_scaled, codes, BF16_DOTS, TENSOR_CORES) + p_min
+    update = dot_f32(p_scaled, codes, BF16_DOTS, TENSOR_CORES) + p_min[:, None]
     return o_plane * correction[:, None] + update
 
 
@@ -431,12 +439,13 @@ def _store_plane(o_ptr, o_plane, inv_l, out_row, PLANE: tl.constexpr, D: tl.cons
 
 
 @triton.jit
-def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
+def _int2_block_one_group(o0, o1, o2, o3, o_min, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
                           v_min_ptr, row, valid, columns, q0, q1, q2, q3, q_sum, QUARTER: tl.constexpr,
-                          SOFTMAX_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
+                          SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
                           UNPACK_ASM: tl.constexpr):
     """`_int2_block` when G = D: the metadata is loaded, and p·s_v and Σ p·m_v are formed, once per
-    token instead of once per plane (the per-plane form cost ~25 % more instructions, sm_90 SASS)."""
+    token instead of once per plane (the per-plane form cost ~25 % more instructions, sm_90 SASS).
+    Σ p·m_v is a row scalar: it is carried in `o_min` and added to the planes once, at the end."""
     packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
     dots = dot_f32(q0, tl.trans(_plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
     dots += dot_f32(q1, tl.trans(_plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
@@ -446,31 +455,33 @@ def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_
     k_min = tl.where(valid, tl.load(k_min_ptr + row).to(tl.float32), 0.0)
     k_min -= _code_bias(Q_BF16) * k_scale  # the planes hold c + bias
     scores = dots * k_scale[None, :] + q_sum[:, None] * k_min[None, :]
-    p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
+    p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
     packed = _load_packed(v_codes_ptr, row, columns, QUARTER, UNPACK_ASM)
     v_scale = tl.where(valid, tl.load(v_scale_ptr + row).to(tl.float32), 0.0)
     v_min = tl.where(valid, tl.load(v_min_ptr + row).to(tl.float32), 0.0)
     p_scaled = dot_operand(p * v_scale[None, :], Q_BF16, TENSOR_CORES)
-    p_min = _value_minimum_term(p, v_min, p_scaled, Q_BF16)
+    o_min = o_min * correction + _value_minimum_term(p, v_min, p_scaled, Q_BF16)
     o0 = o0 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16,
-                                            TENSOR_CORES) + p_min
+                                            TENSOR_CORES)
     o1 = o1 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16,
-                                            TENSOR_CORES) + p_min
+                                            TENSOR_CORES)
     o2 = o2 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16,
-                                            TENSOR_CORES) + p_min
+                                            TENSOR_CORES)
     o3 = o3 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16,
-                                            TENSOR_CORES) + p_min
-    return o0, o1, o2, o3, m, l
+                                            TENSOR_CORES)
+    return o0, o1, o2, o3, o_min, m, l
 
 
 @triton.jit
-def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+def _int2_block(i, o0, o1, o2, o3, o_min, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                 v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                 q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS: tl.constexpr, D: tl.constexpr,
                 GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr,
-                SOFTMAX_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
+                SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
                 UNPACK_ASM: tl.constexpr):
-    """One block of PAGES_PER_BLOCK history pages: scores, online softmax, the four output planes."""
+    """One block of PAGES_PER_BLOCK history pages: scores, online softmax, the four output planes
+    (and, when G = D, the minimum term `o_min` they all share; with smaller groups each plane
+    holds its own and `o_min` stays 0)."""
     QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
     NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
     if PAGES_PER_BLOCK == 1:  # one whole page through a scalar page id: contiguous, vectorised loads
@@ -486,9 +497,9 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
         row = (page.to(tl.int64) * NUM_HEADS + h) * PAGE_SIZE + offset  # [N]
     columns = tl.arange(0, QUARTER)[None, :]
     if GROUP_SIZE >= D:  # one group per row: the four planes share its scale and minimum
-        o0, o1, o2, o3, m, l = _int2_block_one_group(
-            o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr,
-            row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, QUARTER, SOFTMAX_SCALE, Q_BF16, TENSOR_CORES,
+        o0, o1, o2, o3, o_min, m, l = _int2_block_one_group(
+            o0, o1, o2, o3, o_min, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr,
+            row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, QUARTER, SCORE_SCALE, Q_BF16, TENSOR_CORES,
             UNPACK_ASM)
     else:
         packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
@@ -500,7 +511,7 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
                                 QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         scores += _plane_scores(q3, s3, packed, k_scale_ptr, k_min_ptr, row, valid, 3,
                                 QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
-        p, correction, m, l = online_softmax_step(scores * SOFTMAX_SCALE, valid[None, :], m, l)
+        p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
         packed = _load_packed(v_codes_ptr, row, columns, QUARTER, UNPACK_ASM)
         o0 = _plane_update(o0, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 0,
                            QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
@@ -510,7 +521,7 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
                            QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         o3 = _plane_update(o3, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 3,
                            QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
-    return o0, o1, o2, o3, m, l
+    return o0, o1, o2, o3, o_min, m, l
 
 
 @triton.jit
@@ -535,7 +546,7 @@ def _int2_tier_kernel(
     PAGES_PER_SPLIT: tl.constexpr,
     PAGES_PER_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SOFTMAX_SCALE: tl.constexpr,
+    SCORE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     Q_BF16: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
@@ -573,31 +584,32 @@ def _int2_tier_kernel(
     o1 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
     o2 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
     o3 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
+    o_min = tl.zeros((BLOCK_M,), tl.float32)
     m = tl.full((BLOCK_M,), MASK_VALUE_C, tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     # (Triton calls take no *args: constexpr arguments must be passed by name or position.)
     if TENSOR_CORES:  # compiled: a loop bounded by the loaded length, which Triton can pipeline
         for i in range(0, num_blocks):
-            o0, o1, o2, o3, m, l = _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+            o0, o1, o2, o3, o_min, m, l = _int2_block(i, o0, o1, o2, o3, o_min, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                     v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                     q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
-                    SOFTMAX_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+                    SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM)
     else:  # interpreter: a static trip count with a guard (see the BF16 kernel)
         for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
             if i < num_blocks:
-                o0, o1, o2, o3, m, l = _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+                o0, o1, o2, o3, o_min, m, l = _int2_block(i, o0, o1, o2, o3, o_min, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                         v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                         q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
-                        SOFTMAX_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+                        SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM)
 
     out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
     nonempty = l > 0.0
     inv_l = 1.0 / tl.where(nonempty, l, 1.0)
-    _store_plane(o_ptr, o0, inv_l, out_row, 0, D)
-    _store_plane(o_ptr, o1, inv_l, out_row, 1, D)
-    _store_plane(o_ptr, o2, inv_l, out_row, 2, D)
-    _store_plane(o_ptr, o3, inv_l, out_row, 3, D)
-    tl.store(lse_ptr + out_row, tl.where(nonempty, m + tl.log(tl.where(nonempty, l, 1.0)), float("-inf")))
+    _store_plane(o_ptr, o0 + o_min[:, None], inv_l, out_row, 0, D)
+    _store_plane(o_ptr, o1 + o_min[:, None], inv_l, out_row, 1, D)
+    _store_plane(o_ptr, o2 + o_min[:, None], inv_l, out_row, 2, D)
+    _store_plane(o_ptr, o3 + o_min[:, None], inv_l, out_row, 3, D)
+    tl.store(lse_ptr + out_row, natural_lse(m, l, nonempty))
 
 
 @triton.jit
@@ -612,7 +624,7 @@ def _int2_tier_dequantizing_kernel(
     PAGES_PER_SPLIT: tl.constexpr,
     PAGES_PER_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SOFTMAX_SCALE: tl.constexpr,
+    SCORE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     Q_BF16: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
@@ -644,7 +656,7 @@ def _int2_tier_dequantizing_kernel(
             page = tl.load(page_table_ptr + b * table_slots + slot, mask=valid, other=0)
             k = _load_int2_tile(k_codes_ptr, k_scale_ptr, k_min_ptr, page, h, offset, valid,
                                 NUM_HEADS, PAGE_SIZE, D, GROUP_SIZE)  # [N, D]
-            scores = dot_f32(q, tl.trans(k), False, False) * SOFTMAX_SCALE  # [BLOCK_M, N]
+            scores = dot_f32(q, tl.trans(k), False, False) * SCORE_SCALE  # [BLOCK_M, N]
             p, correction, m, l = online_softmax_step(scores, valid[None, :], m, l)
             v = _load_int2_tile(v_codes_ptr, v_scale_ptr, v_min_ptr, page, h, offset, valid,
                                 NUM_HEADS, PAGE_SIZE, D, GROUP_SIZE)
@@ -693,7 +705,7 @@ def int2_tier_partials(
         o, lse, page_table.shape[1],
         NUM_HEADS=num_kv_heads, ROWS=rows, D=head_dim, GROUP_SIZE=group_size, PAGE_SIZE=page_size,
         PAGES_PER_SPLIT=pages_per_split, PAGES_PER_BLOCK=pages_per_block, NUM_SPLITS=splits,
-        SOFTMAX_SCALE=float(softmax_scale), BLOCK_M=block_m, Q_BF16=q.dtype == torch.bfloat16,
+        SCORE_SCALE=base2_score_scale(softmax_scale), BLOCK_M=block_m, Q_BF16=q.dtype == torch.bfloat16,
         TENSOR_CORES=not interpreting(), num_warps=num_warps, num_stages=num_stages, **extra,
     )
     return o, lse

@@ -32,6 +32,7 @@ from oscar_torch.kernels.decode_attention import (
     online_softmax_step,
     store_partial,
 )
+from shared_math.tiling import base2_score_scale
 
 
 @triton.jit
@@ -47,7 +48,7 @@ def _causal_chunk_kernel(
     CHUNK: tl.constexpr,
     D: tl.constexpr,
     HEADS_PER_KV: tl.constexpr,
-    SOFTMAX_SCALE: tl.constexpr,
+    SCORE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INPUT_BF16: tl.constexpr,
@@ -79,7 +80,7 @@ def _causal_chunk_kernel(
             v = load_rows_f32(v_ptr + kv_start[:, None] + column, key_valid[:, None], INPUT_BF16)
             k = dot_operand(k, INPUT_BF16, TENSOR_CORES)
             v = dot_operand(v, INPUT_BF16, TENSOR_CORES)
-            scores = dot_f32(q, tl.trans(k), INPUT_BF16, TENSOR_CORES) * SOFTMAX_SCALE  # [BLOCK_M, N]
+            scores = dot_f32(q, tl.trans(k), INPUT_BF16, TENSOR_CORES) * SCORE_SCALE  # [BLOCK_M, N]
             causal = key[None, :] <= query_token[:, None]
             p, correction, m, l = online_softmax_step(scores, causal & key_valid[None, :], m, l)
             p = dot_operand(p, INPUT_BF16, TENSOR_CORES)
@@ -111,7 +112,7 @@ def causal_chunk_partials(
     _causal_chunk_kernel[(batch, num_kv_heads, rows // block_m)](
         new_tokens, kernel_view(q), kernel_view(k), kernel_view(v), o, lse,
         NUM_HEADS=num_kv_heads, ROWS=rows, CHUNK=chunk, D=head_dim, HEADS_PER_KV=heads_per_kv,
-        SOFTMAX_SCALE=float(softmax_scale), BLOCK_M=block_m, BLOCK_N=block_n,
+        SCORE_SCALE=base2_score_scale(softmax_scale), BLOCK_M=block_m, BLOCK_N=block_n,
         INPUT_BF16=q.dtype == torch.bfloat16, TENSOR_CORES=not interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
