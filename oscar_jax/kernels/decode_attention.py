@@ -334,15 +334,23 @@ def _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_
 
 def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias):
     """(Σ_n (p·s_v)·c_v per piece [BLOCK_M, W], Σ_n p·m_v per group [BLOCK_M]); p [BLOCK_M, N]
-    unnormalised. The minimum term is a row scalar per group: the kernels carry it beside the
-    output tiles and add it once at the end, not to every [BLOCK_M, W] tile of every page.
-    The planes hold c + code_bias: the minimum term subtracts code_bias·Σ_n (p·s_v) of the
-    *rounded* operand, so the bias cancels exactly up to float32 accumulation."""
+    unnormalised. The planes hold c + code_bias: the minimum term subtracts code_bias·Σ_n (p·s_v)
+    of the *rounded* operand, so the bias cancels exactly up to float32 accumulation. Callers add
+    the minimum term to the rescaled output *before* the dot (`_accumulate_output`)."""
     p_scaled = [(p * scale[None, :]).astype(compute_dtype) for scale in v_scale]
     p_min = [jnp.sum(p * minimum[None, :], axis=1) for minimum in v_min]
     if code_bias:
         p_min = [m - code_bias * jnp.sum(ps.astype(jnp.float32), axis=1) for m, ps in zip(p_min, p_scaled)]
     return [dot_nn(p_scaled[group], plane) for plane, (_, _, _, _, group) in zip(v_planes, pieces)], p_min
+
+
+def _accumulate_output(o_pieces, dots, p_min, pieces):
+    """o + Σ p·m_v + dot per piece, summed as (o + Σ p·m_v) + dot: Triton folds the last add into
+    the dot's accumulator (no separate add per element), and the bias the dot carries (code_bias·Σ p·s_v,
+    ~100× the output when values centre on 0) cancels inside this page's sum. Adding Σ p·m_v once at
+    the end instead let the bias grow over a split's pages: 3 % relative error at 128K on the H200
+    (benchmarks/NOTES.md v11)."""
+    return [(o_piece + p_min[group][:, None]) + d for o_piece, d, (_, _, _, _, group) in zip(o_pieces, dots, pieces)]
 
 
 def _history_split(n_history, split, page_size, pages_per_split, pages_per_block):
@@ -393,7 +401,7 @@ def _int2_tier_kernel(
     q_pieces, q_group_sums = _int2_query_terms(q_ref, pieces, num_groups)
 
     def body(i, carry):
-        o_pieces, o_min, m, l = carry
+        o_pieces, m, l = carry
         pages = []
         for j in range(PAGES_PER_BLOCK):  # static: the pages' loads are independent
             slot = first_slot + i * PAGES_PER_BLOCK + j
@@ -411,7 +419,6 @@ def _int2_tier_kernel(
         correction = jnp.exp2(m - m_new)
         l = l * correction
         o_pieces = [o_piece * correction[:, None] for o_piece in o_pieces]
-        o_min = [o_group * correction for o_group in o_min]
         for page, valid, scores in pages:
             p = jnp.where(valid[None, :], jnp.exp2(scores - m_new[:, None]), 0.0)  # [BLOCK_M, L]
             l = l + jnp.sum(p, axis=1)
@@ -419,12 +426,11 @@ def _int2_tier_kernel(
                                      UNPACK_ASM)
             v_scale = _int2_metadata(v_scale_ref, (page, slice(None)), valid, num_groups)
             v_min = _int2_metadata(v_min_ref, (page, slice(None)), valid, num_groups)
-            updates, min_terms = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
-            o_pieces = [o_piece + update for o_piece, update in zip(o_pieces, updates)]
-            o_min = [o_group + term for o_group, term in zip(o_min, min_terms)]
-        return tuple(o_pieces), tuple(o_min), m_new, l
+            dots, p_min = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
+            o_pieces = _accumulate_output(o_pieces, dots, p_min, pieces)
+        return tuple(o_pieces), m_new, l
 
-    _int2_finish(body, num_blocks, pieces, num_groups, o_ref, lse_ref)
+    _int2_finish(body, num_blocks, pieces, o_ref, lse_ref)
 
 
 def _int2_tier_gather_kernel(
@@ -450,7 +456,7 @@ def _int2_tier_gather_kernel(
     q_pieces, q_group_sums = _int2_query_terms(q_ref, pieces, num_groups)
 
     def body(i, carry):
-        o_pieces, o_min, m, l = carry
+        o_pieces, m, l = carry
         slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
         valid = slot * PAGE_SIZE + offset < n_history  # [N]
         page = jnp.where(valid, page_table_ref[slot], 0)  # [N] never dereference unused slots
@@ -464,28 +470,25 @@ def _int2_tier_gather_kernel(
                                  UNPACK_ASM)
         v_scale = _int2_metadata(v_scale_ref, (page, offset), valid, num_groups)
         v_min = _int2_metadata(v_min_ref, (page, offset), valid, num_groups)
-        updates, min_terms = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
-        return (tuple(o * correction[:, None] + u for o, u in zip(o_pieces, updates)),
-                tuple(o * correction + t for o, t in zip(o_min, min_terms)), m, l)
+        dots, p_min = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
+        o_pieces = [o * correction[:, None] for o in o_pieces]
+        return tuple(_accumulate_output(o_pieces, dots, p_min, pieces)), m, l
 
-    _int2_finish(body, num_blocks, pieces, num_groups, o_ref, lse_ref)
+    _int2_finish(body, num_blocks, pieces, o_ref, lse_ref)
 
 
-def _int2_finish(body, num_blocks, pieces, num_groups, o_ref, lse_ref):
-    """Run the online-softmax loop from an empty state and write the normalised partial.
-    The carry: the output pieces without their minimum terms, the minimum term Σ p·m_v of each
-    group (a row scalar), the running maximum and the normaliser."""
+def _int2_finish(body, num_blocks, pieces, o_ref, lse_ref):
+    """Run the online-softmax loop from an empty state and write the normalised partial."""
     block_m = o_ref.shape[0]
     carry = (
         tuple(jnp.zeros((block_m, width), jnp.float32) for (_, width, _, _, _) in pieces),
-        tuple(jnp.zeros((block_m,), jnp.float32) for _ in range(num_groups)),
         jnp.full((block_m,), MASK_VALUE, jnp.float32),
         jnp.zeros((block_m,), jnp.float32),
     )
-    o_pieces, o_min, m, l = lax.fori_loop(0, num_blocks, body, carry)
+    o_pieces, m, l = lax.fori_loop(0, num_blocks, body, carry)
     inv_l, lse = finalize_rows(l, m)
-    for o_piece, (_, width, _, c0, group) in zip(o_pieces, pieces):
-        o_ref[:, pl.ds(c0, width)] = (o_piece + o_min[group][:, None]) * inv_l[:, None]
+    for o_piece, (_, width, _, c0, _) in zip(o_pieces, pieces):
+        o_ref[:, pl.ds(c0, width)] = o_piece * inv_l[:, None]
     lse_ref[...] = lse
 
 

@@ -417,8 +417,7 @@ def _plane_update(o_plane, correction, p, packed, scale_ptr, minimum_ptr, row, v
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     p_scaled = dot_operand(p * scale[None, :], BF16_DOTS, TENSOR_CORES)
     p_min = _value_minimum_term(p, minimum, p_scaled, BF16_DOTS)
-    update = dot_f32(p_scaled, codes, BF16_DOTS, TENSOR_CORES) + p_min[:, None]
-    return o_plane * correction[:, None] + update
+    return (o_plane * correction[:, None] + p_min[:, None]) + dot_f32(p_scaled, codes, BF16_DOTS, TENSOR_CORES)
 
 
 @triton.jit
@@ -439,13 +438,15 @@ def _store_plane(o_ptr, o_plane, inv_l, out_row, PLANE: tl.constexpr, D: tl.cons
 
 
 @triton.jit
-def _int2_block_one_group(o0, o1, o2, o3, o_min, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
+def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
                           v_min_ptr, row, valid, columns, q0, q1, q2, q3, q_sum, QUARTER: tl.constexpr,
                           SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
                           UNPACK_ASM: tl.constexpr):
     """`_int2_block` when G = D: the metadata is loaded, and p·s_v and Σ p·m_v are formed, once per
     token instead of once per plane (the per-plane form cost ~25 % more instructions, sm_90 SASS).
-    Σ p·m_v is a row scalar: it is carried in `o_min` and added to the planes once, at the end."""
+    Each plane is summed as (o·correction + Σ p·m_v) + dot: Triton folds the last add into the dot's
+    accumulator, and the code bias the dot carries cancels within the page (as in the Pallas
+    kernel's `_accumulate_output`)."""
     packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
     dots = dot_f32(q0, tl.trans(_plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
     dots += dot_f32(q1, tl.trans(_plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
@@ -460,28 +461,26 @@ def _int2_block_one_group(o0, o1, o2, o3, o_min, m, l, k_codes_ptr, k_scale_ptr,
     v_scale = tl.where(valid, tl.load(v_scale_ptr + row).to(tl.float32), 0.0)
     v_min = tl.where(valid, tl.load(v_min_ptr + row).to(tl.float32), 0.0)
     p_scaled = dot_operand(p * v_scale[None, :], Q_BF16, TENSOR_CORES)
-    o_min = o_min * correction + _value_minimum_term(p, v_min, p_scaled, Q_BF16)
-    o0 = o0 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16,
-                                            TENSOR_CORES)
-    o1 = o1 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16,
-                                            TENSOR_CORES)
-    o2 = o2 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16,
-                                            TENSOR_CORES)
-    o3 = o3 * correction[:, None] + dot_f32(p_scaled, _plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16,
-                                            TENSOR_CORES)
-    return o0, o1, o2, o3, o_min, m, l
+    p_min = _value_minimum_term(p, v_min, p_scaled, Q_BF16)[:, None]
+    o0 = (o0 * correction[:, None] + p_min) + dot_f32(
+        p_scaled, _plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
+    o1 = (o1 * correction[:, None] + p_min) + dot_f32(
+        p_scaled, _plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
+    o2 = (o2 * correction[:, None] + p_min) + dot_f32(
+        p_scaled, _plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
+    o3 = (o3 * correction[:, None] + p_min) + dot_f32(
+        p_scaled, _plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
+    return o0, o1, o2, o3, m, l
 
 
 @triton.jit
-def _int2_block(i, o0, o1, o2, o3, o_min, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                 v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                 q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS: tl.constexpr, D: tl.constexpr,
                 GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr,
                 SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
                 UNPACK_ASM: tl.constexpr):
-    """One block of PAGES_PER_BLOCK history pages: scores, online softmax, the four output planes
-    (and, when G = D, the minimum term `o_min` they all share; with smaller groups each plane
-    holds its own and `o_min` stays 0)."""
+    """One block of PAGES_PER_BLOCK history pages: scores, online softmax, the four output planes."""
     QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
     NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
     if PAGES_PER_BLOCK == 1:  # one whole page through a scalar page id: contiguous, vectorised loads
@@ -497,8 +496,8 @@ def _int2_block(i, o0, o1, o2, o3, o_min, m, l, page_table_ptr, k_codes_ptr, k_s
         row = (page.to(tl.int64) * NUM_HEADS + h) * PAGE_SIZE + offset  # [N]
     columns = tl.arange(0, QUARTER)[None, :]
     if GROUP_SIZE >= D:  # one group per row: the four planes share its scale and minimum
-        o0, o1, o2, o3, o_min, m, l = _int2_block_one_group(
-            o0, o1, o2, o3, o_min, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr,
+        o0, o1, o2, o3, m, l = _int2_block_one_group(
+            o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr,
             row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, QUARTER, SCORE_SCALE, Q_BF16, TENSOR_CORES,
             UNPACK_ASM)
     else:
@@ -521,7 +520,7 @@ def _int2_block(i, o0, o1, o2, o3, o_min, m, l, page_table_ptr, k_codes_ptr, k_s
                            QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         o3 = _plane_update(o3, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 3,
                            QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
-    return o0, o1, o2, o3, o_min, m, l
+    return o0, o1, o2, o3, m, l
 
 
 @triton.jit
@@ -584,20 +583,19 @@ def _int2_tier_kernel(
     o1 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
     o2 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
     o3 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
-    o_min = tl.zeros((BLOCK_M,), tl.float32)
     m = tl.full((BLOCK_M,), MASK_VALUE_C, tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     # (Triton calls take no *args: constexpr arguments must be passed by name or position.)
     if TENSOR_CORES:  # compiled: a loop bounded by the loaded length, which Triton can pipeline
         for i in range(0, num_blocks):
-            o0, o1, o2, o3, o_min, m, l = _int2_block(i, o0, o1, o2, o3, o_min, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+            o0, o1, o2, o3, m, l = _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                     v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                     q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
                     SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM)
     else:  # interpreter: a static trip count with a guard (see the BF16 kernel)
         for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
             if i < num_blocks:
-                o0, o1, o2, o3, o_min, m, l = _int2_block(i, o0, o1, o2, o3, o_min, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+                o0, o1, o2, o3, m, l = _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                         v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                         q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
                         SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM)
@@ -605,10 +603,10 @@ def _int2_tier_kernel(
     out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
     nonempty = l > 0.0
     inv_l = 1.0 / tl.where(nonempty, l, 1.0)
-    _store_plane(o_ptr, o0 + o_min[:, None], inv_l, out_row, 0, D)
-    _store_plane(o_ptr, o1 + o_min[:, None], inv_l, out_row, 1, D)
-    _store_plane(o_ptr, o2 + o_min[:, None], inv_l, out_row, 2, D)
-    _store_plane(o_ptr, o3 + o_min[:, None], inv_l, out_row, 3, D)
+    _store_plane(o_ptr, o0, inv_l, out_row, 0, D)
+    _store_plane(o_ptr, o1, inv_l, out_row, 1, D)
+    _store_plane(o_ptr, o2, inv_l, out_row, 2, D)
+    _store_plane(o_ptr, o3, inv_l, out_row, 3, D)
     tl.store(lse_ptr + out_row, natural_lse(m, l, nonempty))
 
 
