@@ -28,14 +28,14 @@ from pathlib import Path
 from benchmarks.harness import JAX_TIMING_MODES
 
 SECTIONS = ("copy", "decode", "write", "e2e")
-# Tilings timed as extra variants at 128K, batch 1 and 8 (NOTES.md: why these). `unpack_asm`:
-# the inline-PTX unpacker, 14 % (4 warps) and 33 % (2 warps) fewer SASS instructions per page
-# than the default (benchmarks.static_analysis; Triton: 15 % at 4 warps), not yet timed.
-# The defaults unpack with inline PTX (bf16 q on the GPU); `unpack_asm=False` keeps the compiler's
-# unpacking in the sweep as the reference it replaced (v3 → v4 in NOTES.md).
+# Tilings timed as extra variants at 128K, batch 1 and 8 (NOTES.md: why these). `unpack_asm=False`
+# keeps the compiler's unpacking in the sweep as the reference the inline-PTX default replaced (v3 →
+# v4). The 2-warp variants with 2 pages per iteration or 3 stages test v11's finding that the b8
+# kernel is latency-bound (more independent work per warp, deeper prefetch).
 TUNING_128K = [
-    dict(pages_per_split=ps, pages_per_block=1, num_warps=nw, num_stages=ns, unpack_asm=asm)
-    for ps, nw, ns, asm in [(16, 4, 2, False), (16, 4, 2, True), (16, 2, 2, True), (32, 4, 2, True)]
+    dict(pages_per_split=ps, pages_per_block=pb, num_warps=nw, num_stages=ns, unpack_asm=asm)
+    for ps, pb, nw, ns, asm in [(16, 1, 4, 2, False), (16, 1, 4, 2, True), (16, 1, 2, 2, True), (32, 1, 4, 2, True),
+                                (16, 2, 2, 2, True), (16, 1, 2, 3, True), (32, 1, 2, 2, True)]
 ]
 TRITON_TUNING_128K = ([dict(pages_per_split=32, pages_per_block=1, unpack_asm=asm) for asm in (False, True)]
                       + [dict(num_warps=2)]  # Pallas's batched default; Triton keeps 4 (NOTES v6)
