@@ -486,6 +486,32 @@ def reference_decode(case: AttentionCase, cache: PagedCache, q: np.ndarray) -> n
     ])
 
 
+# bf16 queries build the INT2 code operand as 128 + c and cancel the 128 in Σ p·m_v. Over
+# zero-mean values the output is ~10⁻² while a page's biased dot is ~10 × Σ p, so the kernels must
+# cancel page by page: a version that added Σ p·m_v once per split measured 3 % relative error at
+# 128K on the H200 (benchmarks/NOTES.md v11). This case is exact but for that float32 rounding:
+# q = 0 (every p = 1) and one bf16 V scale, so p·s_v is exact in bf16 and a page's sums of
+# s·integers fit float32's 24 bits, while a split's biased sum over 128 pages does not.
+BIAS_CANCELLATION_CASE = AttentionCase(
+    "bias_cancellation", 128, 128, 1, 4, (64 + 128 * 16 + 32,), q_dtype="bfloat16", pages_per_split=128)
+BIAS_CANCELLATION_TOLERANCE = 1e-5  # relative error in norm; the per-split version: 4.6e-4 (CPU)
+
+
+def bias_cancellation_cache() -> PagedCache:
+    """`build_cache(BIAS_CANCELLATION_CASE)` with every written V scale one bf16 value s and every V
+    minimum −1.5·s (values s·(c − 1.5): zero mean), in the pools and in the reference's tiers."""
+    cache = build_cache(BIAS_CANCELLATION_CASE)
+    v_scale = float(bf16_values(bf16_bits(np.float32(0.1))))  # 8 significant bits: exact in fp16 too
+    v_min = -1.5 * v_scale
+    for b, tiers in enumerate(cache.sequences):
+        pages = cache.history_page_table[b, : -(-int(cache.history_tokens[b]) // BIAS_CANCELLATION_CASE.page_size)]
+        cache.v_scale[pages] = v_scale
+        cache.v_min[pages] = v_min
+        k_q, (v_codes, scale, minimum) = tiers.history
+        tiers.history = (k_q, (v_codes, np.full_like(scale, v_scale), np.full_like(minimum, v_min)))
+    return cache
+
+
 def dequantized_cache(case: AttentionCase, tiers: SequenceTiers) -> tuple[np.ndarray, np.ndarray]:
     """All cached K and V of one sequence, [S, K, D] float64 (sink ‖ history ‖ recent)."""
     k_hist = decode(*tiers.history[0], group_size=case.group_size)

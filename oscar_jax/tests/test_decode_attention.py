@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 
 from oscar_jax.attention_ops import decode_attention, merge_partials
+from parity_tests import cases
+from parity_tests.backends import to_jax
 from shared_math import attention as reference
 from shared_math.codec import decode, encode
 from shared_math.spec import CODES_PER_BYTE, DEFAULT_K_CLIP_RATIO, DEFAULT_V_CLIP_RATIO, OscarConfig
@@ -242,30 +244,17 @@ def test_decode_matches_float64_reference_over_dequantized_cache(case):
 
 
 def test_long_split_keeps_the_code_bias_from_accumulating():
-    """bf16 queries build the code operand as 128 + c and cancel the 128 in Σ p·m_v. Over
-    zero-mean values the output is ~10⁻² while a page's biased dot is ~10 × Σp, so the cancellation
-    must happen page by page: a version that added Σ p·m_v once per split measured 3 % relative
-    error at 128K on the H200 (benchmarks/NOTES.md v11). Made exact but for that float32 rounding:
-    q = 0 (every p = 1) and one bf16 V scale (p·s_v exact in bf16; a page's sums of s·integers fit
-    float32's 24 bits, a split's biased sum of 128 pages does not), one split of 128 pages."""
-    rng = np.random.default_rng(2026)
-    history_pages = 128
-    cache = build_cache(rng, (SINK + history_pages * PAGE_SIZE + 32,), num_kv_heads=1, head_dim=128,
-                        group_size=128, recent=32)
-    v_scale = float(jnp.asarray(0.1, jnp.bfloat16))  # 8 significant bits, exact in fp16 too
-    v_min = -1.5 * v_scale  # values s·(c − 1.5): zero mean
-    arrays = list(cache.arrays)
-    for index, value in ((6, v_scale), (7, v_min)):
-        arrays[index] = jnp.where(jnp.isnan(arrays[index]), jnp.nan, value).astype(jnp.float16)
-    k_q, (v_codes, scale, minimum) = cache.sequences[0].history
-    cache.sequences[0].history = (k_q, (v_codes, np.full_like(scale, v_scale), np.full_like(minimum, v_min)))
-    q = jnp.zeros((1, 4, 128), jnp.bfloat16)
-    out = decode_attention(q, *arrays, sink_slots=SINK_SLOTS, group_size=128, softmax_scale=128**-0.5,
-                           pages_per_split=history_pages, pages_per_block=1)
-    expected = reference_decode(q, cache, 128**-0.5)
+    """The bf16 code bias cancels page by page (parity_tests.cases.BIAS_CANCELLATION_CASE)."""
+    case = cases.BIAS_CANCELLATION_CASE
+    cache = cases.bias_cancellation_cache()
+    q = jnp.zeros((1, case.num_kv_heads * case.heads_per_kv, case.head_dim), jnp.bfloat16)
+    out = decode_attention(q, *map(to_jax, cache.pools() + cache.tables()),
+                           sink_slots=case.sink_slots, group_size=case.group_size, softmax_scale=case.softmax_scale,
+                           pages_per_split=case.pages_per_split, pages_per_block=case.pages_per_block)
+    expected = cases.reference_decode(case, cache, np.zeros(q.shape))
     relative = np.linalg.norm(np.asarray(out, np.float64) - expected) / np.linalg.norm(expected)
     print(f"relative error {relative:.2e}")
-    assert relative < 1e-5
+    assert relative < cases.BIAS_CANCELLATION_TOLERANCE
 
 
 # Page sizes other than 16: 8 (< the dot tile: the token-gather kernel) and 32 (whole-page kernel).
