@@ -40,7 +40,11 @@ TUNING_128K = [
 TRITON_TUNING_128K = ([dict(pages_per_split=32, pages_per_block=1, unpack_asm=asm) for asm in (False, True)]
                       + [dict(num_warps=2)]  # Pallas's batched default; Triton keeps 4 (NOTES v6)
                       # deeper pipelining of the page loop: Triton's b8 warps wait on loads (NOTES v7)
-                      + [dict(num_stages=ns) for ns in (3, 4)] + [dict(num_warps=2, num_stages=3)])
+                      + [dict(num_stages=ns) for ns in (3, 4)] + [dict(num_warps=2, num_stages=3)]
+                      # capped registers (maxnreg), more programs per SM: the b8 kernel is
+                      # latency-bound (NOTES v11); static: 2 warps at 128 → 24 B spilled, 4 at 80 → 24 B
+                      + [dict(num_warps=2, max_registers=128), dict(num_warps=2, num_stages=3, max_registers=128),
+                         dict(max_registers=80), dict(max_registers=64)])
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -169,7 +169,8 @@ _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v
 
 
 def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block,
-                   block_m, unpack_asm=False, num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES):
+                   block_m, unpack_asm=False, num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES,
+                   max_registers=0):
     """The (outputs, lses) of q_rows [B, Hkv, M, D] over each tier: BF16, then INT2 (if it has slots)."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
@@ -181,6 +182,7 @@ def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, page
         tiers.append(library.int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
             group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm, num_warps, num_stages,
+            max_registers,
         ))
     return tiers
 
@@ -217,6 +219,7 @@ def decode_attention(
     unpack_asm: bool | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    max_registers: int | None = None,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
 
@@ -239,6 +242,9 @@ def decode_attention(
         H200, 128K, b1 232.1 vs 204.9 µs, b8 911.9 vs 847.9 µs (benchmarks/NOTES.md v6).
       num_stages: software-pipelining depth of both tier kernels' page loops (Triton's
         num_stages, ≥ 1); None → DEFAULT_NUM_STAGES (2).
+      max_registers: registers per thread the compiled INT2 tier kernel may use (Triton's maxnreg,
+        ≥ 32; spills beyond it), to fit more programs per SM; None → the compiler's choice. No
+        effect under the Triton interpreter.
     Returns:
       float32 [B, Hq, D].
     """
@@ -249,6 +255,8 @@ def decode_attention(
     if num_stages is None:
         num_stages = DEFAULT_NUM_STAGES
     check_static_int("num_stages", num_stages, minimum=1)
+    if max_registers is not None:
+        check_static_int("max_registers", max_registers, minimum=32)
     if unpack_asm is None:
         unpack_asm = not interpreting() and q.dtype == torch.bfloat16
     if unpack_asm not in (True, False):
@@ -272,7 +280,7 @@ def decode_attention(
     tiers = _tier_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=float(softmax_scale),
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, unpack_asm=bool(unpack_asm),
-        num_warps=int(num_warps), num_stages=int(num_stages),
+        num_warps=int(num_warps), num_stages=int(num_stages), max_registers=int(max_registers or 0),
     )
     # One merge kernel over both tiers' splits, reading only the Gq kept rows of the padded ones
     # (the eager concatenate + merge took ~60 µs at 128K b1:

@@ -684,8 +684,11 @@ def int2_tier_partials(
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
     unpack_asm: bool = False,
+    max_registers: int | None = None,
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
+    `max_registers`: Triton's maxnreg for the compiled kernel (more programs per SM, at the price of
+    spills); None → the compiler's choice, and always under the interpreter.
     `unpack_asm`: the folded kernel unpacks codes by inline PTX (bfloat16 q on the GPU; the G < D/4
     dequantizing fallback has no code planes and ignores it)."""
     batch, num_kv_heads, rows, head_dim = q.shape
@@ -698,6 +701,8 @@ def int2_tier_partials(
     folded = group_size >= head_dim // CODES_PER_BYTE
     kernel = _int2_tier_kernel if folded else _int2_tier_dequantizing_kernel
     extra = dict(UNPACK_ASM=bool(unpack_asm)) if folded and unpack_asm else {}
+    if max_registers is not None and not interpreting():
+        extra["maxnreg"] = int(max_registers)
     kernel[(batch, num_kv_heads, (rows // block_m) * splits)](
         page_table, history_tokens, kernel_view(q), k_codes, k_scale, k_min, v_codes, v_scale, v_min,
         o, lse, page_table.shape[1],

@@ -191,6 +191,7 @@ def test_bad_cache_arrays_raise(small, name, transform, message):
         (dict(num_warps=0), "num_warps=0 must be an integer >= 1"),
         (dict(num_stages=0), "num_stages=0 must be an integer >= 1"),
         (dict(num_stages=2.0), "num_stages=2.0 must be an integer >= 1"),
+        (dict(max_registers=16), "max_registers=16 must be an integer >= 32"),
     ],
 )
 def test_bad_static_arguments_raise(small, overrides, message):
@@ -202,7 +203,7 @@ def test_bad_static_arguments_raise(small, overrides, message):
 @pytest.mark.parametrize("batch,expected", [(1, 4), (8, 4)])
 def test_num_warps_reaches_both_tier_kernels(small, monkeypatch, batch, expected):
     """num_warps=None launches both tier kernels with 4 warps at every batch (2 lose on the H200,
-    unlike Pallas); explicit num_warps and num_stages reach both."""
+    unlike Pallas); explicit num_warps and num_stages reach both, max_registers the INT2 one."""
     from oscar_torch.kernels import decode_attention as kdecode
 
     q, arrays = small
@@ -214,12 +215,12 @@ def test_num_warps_reaches_both_tier_kernels(small, monkeypatch, batch, expected
     for tier in ("bf16_tier_partials", "int2_tier_partials"):
         real = getattr(kdecode, tier)
         monkeypatch.setattr(kdecode, tier, lambda *a, real=real, tier=tier, **kw: (
-            seen.append((tier, kw["num_warps"], kw["num_stages"])), real(*a, **kw))[1])
+            seen.append((tier, kw["num_warps"], kw["num_stages"], kw.get("max_registers"))), real(*a, **kw))[1])
     ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL))
-    ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), num_warps=8, num_stages=3)
-    default_stages = kdecode.DEFAULT_NUM_STAGES
-    assert seen == [("bf16_tier_partials", expected, default_stages), ("int2_tier_partials", expected, default_stages),
-                    ("bf16_tier_partials", 8, 3), ("int2_tier_partials", 8, 3)]
+    ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), num_warps=8, num_stages=3, max_registers=128)
+    stages = kdecode.DEFAULT_NUM_STAGES
+    assert seen == [("bf16_tier_partials", expected, stages, None), ("int2_tier_partials", expected, stages, None),
+                    ("bf16_tier_partials", 8, 3, None), ("int2_tier_partials", 8, 3, 128)]
 
 
 def test_bad_query_raises(small):
