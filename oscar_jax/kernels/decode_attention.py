@@ -278,43 +278,46 @@ def code_offset(compute_dtype) -> float:
     return BF16_CODE_BIAS if jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) else 0.0
 
 
-def _unpack_planes_asm(chunk):
-    """uint8 [N, W] → its 4 bit planes as bfloat16 [N, W], code c as bits `0x4300 | c`, by inline
+def _unpack_plane_asm(chunk, plane):
+    """uint8 [N, W] → bit plane `plane` as bfloat16 [N, W], code c as bits `0x4300 | c`, by inline
     PTX (GPU only; shared_math.ptx). One asm per plane: jax's lowering of a multi-result inline asm
-    returns one value; ptxas merges the repeated PRMTs."""
-    return [pl_triton.elementwise_inline_asm(
+    returns one value; ptxas merges the PRMTs the planes of one chunk repeat."""
+    return pl_triton.elementwise_inline_asm(
         unpack_plane_ptx(plane), args=[chunk], constraints=UNPACK_CONSTRAINTS, pack=UNPACK_PACK,
         result_shape_dtypes=[jax.ShapeDtypeStruct(chunk.shape, jnp.bfloat16)])[0]
-        for plane in range(CODES_PER_BYTE)]
 
 
 def _code_planes(load_chunk, pieces, compute_dtype, unpack_asm=False):
-    """Each piece's codes as [N, W] dot operands; `load_chunk(byte_start, width)` gives the uint8
-    bytes [N, W] (widened to int32 before the shift: the Triton lowering's rule).
+    """Each piece's codes as a zero-argument function giving its [N, W] dot operand; the caller
+    calls it right before that piece's dot. `load_chunk(byte_start, width)` gives the uint8 bytes
+    [N, W] (loaded once per chunk, here; widened to int32 before the shift: the Triton lowering's
+    rule). Unpacking a plane next to its dot, instead of all four planes before the first dot, keeps
+    one plane live at a time: sm_90, the 2-warp INT2 kernel 168 → 152 registers, 4 warps 113 → 96
+    (benchmarks/NOTES.md v11).
 
     bfloat16: the operand is built as bits `0x4300 | c`, i.e. the exact value 128 + c, with one
     integer op per code instead of an int→bf16 conversion: conversions issue at 16/clk/SM on
     sm_90 (a quarter of integer ops), and at 128 per thread per page they bounded the kernel
     (benchmarks/NOTES.md). The +128 is folded back into the minimum terms (`code_offset`).
     float32: the exact codes. `unpack_asm` (bfloat16, GPU only): the same bits through
-    `_unpack_planes_asm`."""
+    `_unpack_plane_asm`."""
     bf16 = code_offset(compute_dtype) != 0.0
-    if bf16 and unpack_asm:
-        unpacked = {}
-        for byte_start, width, _, _, _ in pieces:
-            if byte_start not in unpacked:
-                unpacked[byte_start] = _unpack_planes_asm(load_chunk(byte_start, width))
-        return [unpacked[byte_start][plane] for byte_start, _, plane, _, _ in pieces]
-    chunks, planes = {}, []
-    for byte_start, width, plane, _, _ in pieces:
+    asm = bf16 and unpack_asm
+    chunks = {}
+    for byte_start, width, _, _, _ in pieces:
         if byte_start not in chunks:
-            chunks[byte_start] = load_chunk(byte_start, width).astype(jnp.int32)
-        code = lax.shift_right_logical(chunks[byte_start], plane * CODE_BITS) & CODE_MASK
+            chunk = load_chunk(byte_start, width)
+            chunks[byte_start] = chunk if asm else chunk.astype(jnp.int32)
+
+    def plane_operand(chunk, plane):
+        if asm:
+            return _unpack_plane_asm(chunk, plane)
+        code = lax.shift_right_logical(chunk, plane * CODE_BITS) & CODE_MASK
         if bf16:
-            planes.append(lax.bitcast_convert_type((code | BF16_CODE_BIAS_BITS).astype(jnp.uint16), jnp.bfloat16))
-        else:
-            planes.append(code.astype(compute_dtype))
-    return planes
+            return lax.bitcast_convert_type((code | BF16_CODE_BIAS_BITS).astype(jnp.uint16), jnp.bfloat16)
+        return code.astype(compute_dtype)
+
+    return [functools.partial(plane_operand, chunks[byte_start], plane) for byte_start, _, plane, _, _ in pieces]
 
 
 def _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias):
@@ -322,7 +325,7 @@ def _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_
     The planes hold c + code_bias, so the minimum term uses m − code_bias·s."""
     code_dots = [None] * len(k_scale)
     for q_piece, plane, (_, _, _, _, group) in zip(q_pieces, k_planes, pieces):
-        d = dot_nt(q_piece, plane)
+        d = dot_nt(q_piece, plane())
         code_dots[group] = d if code_dots[group] is None else code_dots[group] + d
     scores = None
     for group, (scale, minimum) in enumerate(zip(k_scale, k_min)):
@@ -341,7 +344,7 @@ def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_
     p_min = [jnp.sum(p * minimum[None, :], axis=1) for minimum in v_min]
     if code_bias:
         p_min = [m - code_bias * jnp.sum(ps.astype(jnp.float32), axis=1) for m, ps in zip(p_min, p_scaled)]
-    return [dot_nn(p_scaled[group], plane) for plane, (_, _, _, _, group) in zip(v_planes, pieces)], p_min
+    return [dot_nn(p_scaled[group], plane()) for plane, (_, _, _, _, group) in zip(v_planes, pieces)], p_min
 
 
 def _accumulate_output(o_pieces, dots, p_min, pieces):
@@ -516,7 +519,7 @@ def int2_tier_partials(
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
     With `layer`, the pools are stacked [Y, P, K, L, ·] and layer `layer` is read.
-    `unpack_asm`: codes unpacked by inline PTX (bfloat16 q, GPU only; `_unpack_planes_asm`)."""
+    `unpack_asm`: codes unpacked by inline PTX (bfloat16 q, GPU only; `_unpack_plane_asm`)."""
     batch, num_kv_heads, rows, head_dim = q.shape
     num_pages, _, page_size, packed = per_layer_shape(k_codes.shape, layer)
     num_groups = k_scale.shape[-1]
