@@ -28,23 +28,23 @@ from pathlib import Path
 from benchmarks.harness import JAX_TIMING_MODES
 
 SECTIONS = ("copy", "decode", "write", "e2e")
-# Tilings timed as extra variants at 128K, batch 1 and 8 (NOTES.md: why these). `unpack_asm=False`
-# keeps the compiler's unpacking in the sweep as the reference the inline-PTX default replaced (v3 →
-# v4). The 2-warp variants with 2 pages per iteration or 3 stages test v11's finding that the b8
-# kernel is latency-bound (more independent work per warp, deeper prefetch).
+# Tilings timed as extra variants at 128K, batch 1 and 8 (or everywhere with --sweep-all; NOTES.md:
+# why these). `unpack_asm=False` keeps the compiler's unpacking in the sweep as the reference the
+# inline-PTX default replaced (v3 → v4). Each launch is spelled out in full, so that a variant's name
+# means the same launch whatever the defaults (`shared_math.tiling`: 2 warps, 3 stages since v12).
 TUNING_128K = [
     dict(pages_per_split=ps, pages_per_block=pb, num_warps=nw, num_stages=ns, unpack_asm=asm)
     for ps, pb, nw, ns, asm in [(16, 1, 4, 2, False), (16, 1, 4, 2, True), (16, 1, 2, 2, True), (32, 1, 4, 2, True),
-                                (16, 2, 2, 2, True), (16, 1, 2, 3, True), (32, 1, 2, 2, True)]
+                                (16, 2, 2, 2, True), (16, 1, 2, 3, True), (32, 1, 2, 2, True), (32, 1, 2, 3, True)]
 ]
-TRITON_TUNING_128K = ([dict(pages_per_split=32, pages_per_block=1, unpack_asm=asm) for asm in (False, True)]
-                      + [dict(num_warps=2)]  # Pallas's batched default; Triton keeps 4 (NOTES v6)
-                      # deeper pipelining of the page loop: Triton's b8 warps wait on loads (NOTES v7)
-                      + [dict(num_stages=ns) for ns in (3, 4)] + [dict(num_warps=2, num_stages=3)]
-                      # capped registers (maxnreg), more programs per SM: the b8 kernel is
-                      # latency-bound (NOTES v11); static: 2 warps at 128 → 24 B spilled, 4 at 80 → 24 B
-                      + [dict(num_warps=2, max_registers=128), dict(num_warps=2, num_stages=3, max_registers=128),
-                         dict(max_registers=80), dict(max_registers=64)])
+TRITON_TUNING_128K = (
+    # the compiler's unpacking and longer splits, at the default launch
+    [dict(pages_per_split=32, pages_per_block=1, unpack_asm=asm) for asm in (False, True)]
+    # the launches around the default (2 warps, 3 stages, maxnreg 128): 4 warps (the default until
+    # v12), uncapped registers (max_registers=0), deeper or shallower pipelining (NOTES v7, v11)
+    + [dict(num_warps=nw, num_stages=ns, max_registers=mr)
+       for nw, ns, mr in [(4, 2, 0), (4, 3, 0), (4, 2, 80), (2, 2, 0), (2, 3, 0), (2, 2, 128), (2, 4, 128)]]
+)
 
 
 def _ints(text: str) -> tuple[int, ...]:

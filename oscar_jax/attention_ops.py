@@ -45,10 +45,12 @@ from oscar_jax.kernels.decode_attention import (
 from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
-from shared_math.tiling import default_num_warps, default_pages_per_block, default_pages_per_split, next_power_of_two
+from shared_math.tiling import (
+    DECODE_NUM_STAGES, DECODE_NUM_WARPS, default_pages_per_block, default_pages_per_split, next_power_of_two,
+)
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
-DEFAULT_NUM_WARPS = 4  # Triton launch parameters of the decode kernels
+DEFAULT_NUM_WARPS = 4  # Triton launch parameters of prefill's cache partials (decode: shared_math.tiling)
 DEFAULT_NUM_STAGES = 2
 DEFAULT_PREFILL_BLOCK_M = 64
 DEFAULT_PREFILL_BLOCK_N = 64
@@ -291,7 +293,7 @@ def decode_attention(
     pages_per_split: int | None = None,
     pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
     num_warps: int | None = None,
-    num_stages: int = DEFAULT_NUM_STAGES,
+    num_stages: int | None = None,
     layer: int | None = None,
     unpack_asm: bool | None = None,
     interpret: bool | None = None,
@@ -309,8 +311,9 @@ def decode_attention(
         NH / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens (`shared_math.tiling`).
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
-      num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only); num_warps
-        None → `shared_math.tiling.default_num_warps(B)` (4 at batch 1, 2 from batch 8).
+      num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only); None →
+        `shared_math.tiling.DECODE_NUM_WARPS` / `DECODE_NUM_STAGES` (2 / 3, the fastest on the H200
+        at every batch measured: benchmarks/NOTES.md v12).
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, GPU only): the same operand
         bits in fewer instructions (H200, 128K: 161 → 133 µs, benchmarks/NOTES.md v4); None → on
         where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
@@ -331,8 +334,8 @@ def decode_attention(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
-    if num_warps is None:
-        num_warps = default_num_warps(batch)
+    num_warps = DECODE_NUM_WARPS if num_warps is None else num_warps
+    num_stages = DECODE_NUM_STAGES if num_stages is None else num_stages
     _check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
     _check_static_int("num_stages", num_stages, minimum=1)
     interpret = resolve_interpret(interpret)

@@ -36,6 +36,7 @@ import torch
 from oscar_torch import library
 from oscar_torch.kernels.codec import interpreting
 from oscar_torch.kernels.decode_attention import DEFAULT_NUM_STAGES, DEFAULT_NUM_WARPS, MIN_DOT_DIM
+from shared_math.tiling import DECODE_NUM_STAGES, DECODE_NUM_WARPS, TRITON_INT2_MAX_REGISTERS
 from oscar_torch.validation import (
     check_devices,
     check_positive_float,
@@ -237,25 +238,24 @@ def decode_attention(
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, compiled Triton on a GPU):
         the same operand bits in fewer instructions (H200, 128K: 211 → 192 µs, benchmarks/NOTES.md
         v4); None → on where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
-      num_warps: warps per program of both tier kernels (a power of two); None → 4 at every batch.
-        Unlike the Pallas kernels (`shared_math.tiling.default_num_warps`), 2 warps lose here:
-        H200, 128K, b1 232.1 vs 204.9 µs, b8 911.9 vs 847.9 µs (benchmarks/NOTES.md v6).
-      num_stages: software-pipelining depth of both tier kernels' page loops (Triton's
-        num_stages, ≥ 1); None → DEFAULT_NUM_STAGES (2).
+      num_warps, num_stages: warps per program (a power of two) and software-pipelining depth of
+        the page loops (≥ 1) of both tier kernels; None → `shared_math.tiling.DECODE_NUM_WARPS` /
+        `DECODE_NUM_STAGES` (2 / 3, with the register cap below the fastest on the H200 at every
+        batch measured: benchmarks/NOTES.md v12).
       max_registers: registers per thread the compiled INT2 tier kernel may use (Triton's maxnreg,
-        ≥ 32; spills beyond it), to fit more programs per SM; None → the compiler's choice. No
-        effect under the Triton interpreter.
+        ≥ 32; spills beyond it), to fit more programs per SM; None →
+        `shared_math.tiling.TRITON_INT2_MAX_REGISTERS` (128), 0 → the compiler's choice. No effect
+        under the Triton interpreter.
     Returns:
       float32 [B, Hq, D].
     """
     check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
-    if num_warps is None:
-        num_warps = DEFAULT_NUM_WARPS
+    num_warps = DECODE_NUM_WARPS if num_warps is None else num_warps
     check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
-    if num_stages is None:
-        num_stages = DEFAULT_NUM_STAGES
+    num_stages = DECODE_NUM_STAGES if num_stages is None else num_stages
     check_static_int("num_stages", num_stages, minimum=1)
-    if max_registers is not None:
+    max_registers = TRITON_INT2_MAX_REGISTERS if max_registers is None else max_registers
+    if max_registers != 0:  # 0: uncapped
         check_static_int("max_registers", max_registers, minimum=32)
     if unpack_asm is None:
         unpack_asm = not interpreting() and q.dtype == torch.bfloat16
@@ -280,7 +280,7 @@ def decode_attention(
     tiers = _tier_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=float(softmax_scale),
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, unpack_asm=bool(unpack_asm),
-        num_warps=int(num_warps), num_stages=int(num_stages), max_registers=int(max_registers or 0),
+        num_warps=int(num_warps), num_stages=int(num_stages), max_registers=int(max_registers),
     )
     # One merge kernel over both tiers' splits, reading only the Gq kept rows of the padded ones
     # (the eager concatenate + merge took ~60 µs at 128K b1:

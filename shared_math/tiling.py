@@ -59,17 +59,18 @@ def default_pages_per_split(history_slots: int, pages_per_block: int, page_size:
 # 923.6 / 636.0 / 371.8 / 392.6 µs.
 SPLIT_ROTATION_BLOCK_TOKENS = 64
 
-BATCHED_DECODE_NUM_WARPS_FROM = 8  # batch from which decode programs run 2 warps instead of 4
-
-
-def default_num_warps(batch: int) -> int:
-    """Warps per decode program. From batch 8 the grid holds ≥ 8× more programs than at batch 1
-    and 2-warp programs, more of them resident per SM, win: H200, Qwen3-8B shapes, Pallas
-    (results/decode_h200.json): 128K b8 648.6 vs 711.8 µs, b32 at 8K / 32K / 128K 199.8 / 645.0 /
-    2344.8 vs 224.0 / 736.4 / 2639.8 µs. At batch 1 (1024 programs at 128K) 4 warps win,
-    132.7 vs 138.7 µs. The Pallas kernels only: Triton's own kernels lose at 2 warps at both
-    batches (oscar_torch.attention_ops.decode_attention, measured at git e64fbae)."""
-    return 2 if batch >= BATCHED_DECODE_NUM_WARPS_FROM else 4
+# Launch of the decode tier kernels, both backends: 2 warps and 3 pipeline stages at every batch.
+# H200, Qwen3-8B shapes, Pallas with the planes unpacked next to their dots (benchmarks/NOTES.md
+# v12, results/decode_h200.json): 128K b1 / b8 / b32 103.0 / 583.4 / 2132.4 µs vs 143.2 / 725.4 /
+# 2696.3 at (4 warps, 2 stages); Triton, with its INT2 kernel capped at TRITON_INT2_MAX_REGISTERS,
+# 106.8 / 636.3 / 2393.0 vs 125.7 / 712.0 / 2709.0. The b8 kernel is latency-bound (NOTES v11):
+# 2-warp programs, more of them per SM, and a deeper prefetch keep more loads in flight.
+DECODE_NUM_WARPS = 2
+DECODE_NUM_STAGES = 3
+# Triton's maxnreg for its INT2 tier kernel: at 2 warps it holds 161 registers uncapped (6 programs
+# per SM), 128 fits 8 at the price of 24 B of spills (NOTES v11). Pallas's Triton CompilerParams
+# have no register cap: its kernel gets the same effect from fewer live code planes (NOTES v12).
+TRITON_INT2_MAX_REGISTERS = 128
 
 
 # The clip threshold τ (the k-th smallest |x| of a row, exact; shared_math.codec.clip_rows) is found

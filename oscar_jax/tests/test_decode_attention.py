@@ -502,18 +502,21 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
         assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
 
 
-@pytest.mark.parametrize("batch_rows,expected", [(1, 4), (8, 2)])
-def test_default_num_warps_follows_the_batch(small_cache, monkeypatch, batch_rows, expected):
-    """num_warps=None launches shared_math.tiling.default_num_warps(B); an explicit value is kept."""
+@pytest.mark.parametrize("batch_rows", [1, 8])
+def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_rows):
+    """num_warps / num_stages None launch shared_math.tiling.DECODE_NUM_WARPS / DECODE_NUM_STAGES at
+    every batch; explicit values are kept."""
     from oscar_jax import attention_ops
+    from shared_math.tiling import DECODE_NUM_STAGES, DECODE_NUM_WARPS
 
     q, cache = small_cache
     seen = []
-    monkeypatch.setattr(attention_ops, "_decode_attention", lambda q, cache, **kw: seen.append(kw["num_warps"]))
+    monkeypatch.setattr(attention_ops, "_decode_attention",
+                        lambda q, cache, **kw: seen.append((kw["num_warps"], kw["num_stages"])))
     arrays = list(cache.arrays)
     for i in (8, 9, 10, 11, 12):  # tables and lengths [B, …]: repeat row 0 to the batch
         arrays[i] = jnp.repeat(jnp.asarray(arrays[i])[:1], batch_rows, axis=0)
     qb = jnp.repeat(q[:1], batch_rows, axis=0)
     _call(qb, arrays)
-    _call(qb, arrays, num_warps=8)
-    assert seen == [expected, 8]
+    _call(qb, arrays, num_warps=8, num_stages=1)
+    assert seen == [(DECODE_NUM_WARPS, DECODE_NUM_STAGES), (8, 1)]

@@ -200,11 +200,13 @@ def test_bad_static_arguments_raise(small, overrides, message):
         ops.decode_attention(q, *arrays, **{**attention_kwargs(SMALL), **overrides})
 
 
-@pytest.mark.parametrize("batch,expected", [(1, 4), (8, 4)])
-def test_num_warps_reaches_both_tier_kernels(small, monkeypatch, batch, expected):
-    """num_warps=None launches both tier kernels with 4 warps at every batch (2 lose on the H200,
-    unlike Pallas); explicit num_warps and num_stages reach both, max_registers the INT2 one."""
+@pytest.mark.parametrize("batch", [1, 8])
+def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch):
+    """None launches both tier kernels with shared_math.tiling's DECODE_NUM_WARPS / DECODE_NUM_STAGES
+    at every batch and caps the INT2 one at TRITON_INT2_MAX_REGISTERS; explicit num_warps and
+    num_stages reach both, max_registers the INT2 one, 0 lifting the cap."""
     from oscar_torch.kernels import decode_attention as kdecode
+    from shared_math.tiling import DECODE_NUM_STAGES, DECODE_NUM_WARPS, TRITON_INT2_MAX_REGISTERS
 
     q, arrays = small
     arrays = list(arrays)
@@ -217,10 +219,13 @@ def test_num_warps_reaches_both_tier_kernels(small, monkeypatch, batch, expected
         monkeypatch.setattr(kdecode, tier, lambda *a, real=real, tier=tier, **kw: (
             seen.append((tier, kw["num_warps"], kw["num_stages"], kw.get("max_registers"))), real(*a, **kw))[1])
     ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL))
-    ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), num_warps=8, num_stages=3, max_registers=128)
-    stages = kdecode.DEFAULT_NUM_STAGES
-    assert seen == [("bf16_tier_partials", expected, stages, None), ("int2_tier_partials", expected, stages, None),
-                    ("bf16_tier_partials", 8, 3, None), ("int2_tier_partials", 8, 3, 128)]
+    ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), num_warps=8, num_stages=1, max_registers=96)
+    ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), max_registers=0)
+    warps, stages = DECODE_NUM_WARPS, DECODE_NUM_STAGES
+    assert seen == [("bf16_tier_partials", warps, stages, None),
+                    ("int2_tier_partials", warps, stages, TRITON_INT2_MAX_REGISTERS),
+                    ("bf16_tier_partials", 8, 1, None), ("int2_tier_partials", 8, 1, 96),
+                    ("bf16_tier_partials", warps, stages, None), ("int2_tier_partials", warps, stages, None)]
 
 
 def test_bad_query_raises(small):
@@ -267,6 +272,8 @@ def test_unpack_asm_on_the_gpu_matches_the_compiler_unpacking(case):
     default = ops.decode_attention(query(case), *arrays, **kwargs).cpu().numpy()
     np.testing.assert_allclose(unpacked, compiler, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(default, unpacked)  # None → the PTX unpacker on the GPU for bf16 q
-    two_warps = ops.decode_attention(query(case), *arrays, num_warps=2, **kwargs).cpu().numpy()
-    assert_close(two_warps, reference_decode(case, cache, case.query()), case.q_dtype)  # another dot split
+    # the launch before v12 (4 warps, 2 stages, uncapped registers): another dot split, no spills
+    four_warps = ops.decode_attention(query(case), *arrays, num_warps=4, num_stages=2, max_registers=0,
+                                      **kwargs).cpu().numpy()
+    assert_close(four_warps, reference_decode(case, cache, case.query()), case.q_dtype)
     assert_close(unpacked, reference_decode(case, cache, case.query()), case.q_dtype)
