@@ -46,7 +46,7 @@ from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    DECODE_NUM_STAGES, DECODE_NUM_WARPS, default_pages_per_block, default_pages_per_split, next_power_of_two,
+    DECODE_NUM_STAGES, default_decode_num_warps, default_pages_per_block, default_pages_per_split, next_power_of_two,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
@@ -312,8 +312,8 @@ def decode_attention(
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
       num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only); None →
-        `shared_math.tiling.DECODE_NUM_WARPS` / `DECODE_NUM_STAGES` (2 / 3, the fastest on the H200
-        at every batch measured: benchmarks/NOTES.md v12).
+        `shared_math.tiling.default_decode_num_warps` (2 once the INT2 tier has ≥ 512 programs,
+        else 4) / `DECODE_NUM_STAGES` (3), the fastest on the H200 (benchmarks/NOTES.md v12).
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, GPU only): the same operand
         bits in fewer instructions (H200, 128K: 161 → 133 µs, benchmarks/NOTES.md v4); None → on
         where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
@@ -330,11 +330,12 @@ def decode_attention(
     views = _layer_views(cache, layer)
     pages_per_split, pages_per_block = _resolve_tiling(
         pages_per_split, pages_per_block, history_page_table, _page_size(views[0]))
-    _validate_cache(
+    num_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
-    num_warps = DECODE_NUM_WARPS if num_warps is None else num_warps
+    if num_warps is None:
+        num_warps = default_decode_num_warps(batch, num_kv_heads, history_page_table.shape[1], pages_per_split)
     num_stages = DECODE_NUM_STAGES if num_stages is None else num_stages
     _check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
     _check_static_int("num_stages", num_stages, minimum=1)

@@ -36,7 +36,7 @@ import torch
 from oscar_torch import library
 from oscar_torch.kernels.codec import interpreting
 from oscar_torch.kernels.decode_attention import DEFAULT_NUM_STAGES, DEFAULT_NUM_WARPS, MIN_DOT_DIM
-from shared_math.tiling import DECODE_NUM_STAGES, DECODE_NUM_WARPS, TRITON_INT2_MAX_REGISTERS
+from shared_math.tiling import DECODE_NUM_STAGES, TRITON_INT2_MAX_REGISTERS, default_decode_num_warps
 from oscar_torch.validation import (
     check_devices,
     check_positive_float,
@@ -239,9 +239,9 @@ def decode_attention(
         the same operand bits in fewer instructions (H200, 128K: 211 → 192 µs, benchmarks/NOTES.md
         v4); None → on where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
       num_warps, num_stages: warps per program (a power of two) and software-pipelining depth of
-        the page loops (≥ 1) of both tier kernels; None → `shared_math.tiling.DECODE_NUM_WARPS` /
-        `DECODE_NUM_STAGES` (2 / 3, with the register cap below the fastest on the H200 at every
-        batch measured: benchmarks/NOTES.md v12).
+        the page loops (≥ 1) of both tier kernels; None → `shared_math.tiling.default_decode_num_warps`
+        (2 once the INT2 tier has ≥ 512 programs, else 4) / `DECODE_NUM_STAGES` (3): with the
+        register cap below, the fastest on the H200 (benchmarks/NOTES.md v12).
       max_registers: registers per thread the compiled INT2 tier kernel may use (Triton's maxnreg,
         ≥ 32; spills beyond it), to fit more programs per SM; None →
         `shared_math.tiling.TRITON_INT2_MAX_REGISTERS` (128), 0 → the compiler's choice. No effect
@@ -250,8 +250,6 @@ def decode_attention(
       float32 [B, Hq, D].
     """
     check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
-    num_warps = DECODE_NUM_WARPS if num_warps is None else num_warps
-    check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
     num_stages = DECODE_NUM_STAGES if num_stages is None else num_stages
     check_static_int("num_stages", num_stages, minimum=1)
     max_registers = TRITON_INT2_MAX_REGISTERS if max_registers is None else max_registers
@@ -272,6 +270,9 @@ def decode_attention(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
+    if num_warps is None:
+        num_warps = default_decode_num_warps(batch, num_kv_heads, history_page_table.shape[1], pages_per_split)
+    check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
     check_devices(q=q, **dict(zip(_CACHE_NAMES, cache)))
     heads_per_kv = q_heads // num_kv_heads
     rows = max(MIN_DOT_DIM, next_power_of_two(heads_per_kv))  # GQA group padded for dot's M ≥ 16

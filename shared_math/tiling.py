@@ -59,14 +59,28 @@ def default_pages_per_split(history_slots: int, pages_per_block: int, page_size:
 # 923.6 / 636.0 / 371.8 / 392.6 µs.
 SPLIT_ROTATION_BLOCK_TOKENS = 64
 
-# Launch of the decode tier kernels, both backends: 2 warps and 3 pipeline stages at every batch.
-# H200, Qwen3-8B shapes, Pallas with the planes unpacked next to their dots (benchmarks/NOTES.md
-# v12, results/decode_h200.json): 128K b1 / b8 / b32 103.0 / 583.4 / 2132.4 µs vs 143.2 / 725.4 /
-# 2696.3 at (4 warps, 2 stages); Triton, with its INT2 kernel capped at TRITON_INT2_MAX_REGISTERS,
-# 106.8 / 636.3 / 2393.0 vs 125.7 / 712.0 / 2709.0. The b8 kernel is latency-bound (NOTES v11):
-# 2-warp programs, more of them per SM, and a deeper prefetch keep more loads in flight.
+# Launch of the decode tier kernels, both backends: 3 pipeline stages, and 2 warps per program once
+# the INT2 tier has enough programs (B × Hkv × splits) to fill the SMs with them, else 4.
+# H200, Qwen3-8B shapes (benchmarks/NOTES.md v12, results/decode_h200.json). 128K (1024 programs at
+# b1): Pallas b1 / b8 / b32 103.0 / 583.4 / 2132.4 µs at (2 warps, 3 stages) vs 143.2 / 725.4 /
+# 2696.3 at (4, 2); Triton, its INT2 kernel capped at TRITON_INT2_MAX_REGISTERS, 106.8 / 636.3 /
+# 2393.0 vs 125.7 / 712.0 / 2709.0. The b8 kernel is latency-bound (NOTES v11): 2-warp programs,
+# more of them per SM, keep more loads in flight. 8K b1 (248 programs, under 2 per SM): Triton
+# 4 warps 28.8 µs vs 2 warps 33.3; 8K b8 (1984 programs) 2 warps 67.8 vs 78.3.
 DECODE_NUM_WARPS = 2
+DECODE_FEW_PROGRAMS_NUM_WARPS = 4
+DECODE_TWO_WARPS_MIN_PROGRAMS = 512  # ≈ 4 per SM on the H200's 132
 DECODE_NUM_STAGES = 3
+
+
+def default_decode_num_warps(batch: int, num_kv_heads: int, history_slots: int, pages_per_split: int) -> int:
+    """Warps per decode program: DECODE_NUM_WARPS from DECODE_TWO_WARPS_MIN_PROGRAMS INT2-tier
+    programs, else DECODE_FEW_PROGRAMS_NUM_WARPS (a small grid needs wider programs to fill the SMs)."""
+    splits = max(1, -(-history_slots // max(pages_per_split, 1)))
+    programs = batch * num_kv_heads * splits
+    return DECODE_NUM_WARPS if programs >= DECODE_TWO_WARPS_MIN_PROGRAMS else DECODE_FEW_PROGRAMS_NUM_WARPS
+
+
 # Triton's maxnreg for its INT2 tier kernel: at 2 warps it holds 161 registers uncapped (6 programs
 # per SM), 128 fits 8 at the price of 24 B of spills (NOTES v11). Pallas's Triton CompilerParams
 # have no register cap: its kernel gets the same effect from fewer live code planes (NOTES v12).

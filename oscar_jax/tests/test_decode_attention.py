@@ -502,21 +502,25 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
         assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
 
 
-@pytest.mark.parametrize("batch_rows", [1, 8])
-def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_rows):
-    """num_warps / num_stages None launch shared_math.tiling.DECODE_NUM_WARPS / DECODE_NUM_STAGES at
-    every batch; explicit values are kept."""
+@pytest.mark.parametrize("batch_rows,expected_warps", [(1, 4), (8, 2)])
+def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_rows, expected_warps):
+    """num_warps / num_stages None launch shared_math.tiling's choice: 2 warps once the INT2 tier has
+    DECODE_TWO_WARPS_MIN_PROGRAMS programs (here set between batch 1's and batch 8's), else 4, and
+    DECODE_NUM_STAGES; explicit values are kept."""
     from oscar_jax import attention_ops
-    from shared_math.tiling import DECODE_NUM_STAGES, DECODE_NUM_WARPS
+    from shared_math import tiling
 
     q, cache = small_cache
     seen = []
     monkeypatch.setattr(attention_ops, "_decode_attention",
                         lambda q, cache, **kw: seen.append((kw["num_warps"], kw["num_stages"])))
     arrays = list(cache.arrays)
+    kv_heads, slots = arrays[2].shape[1], arrays[11].shape[1]
+    splits = -(-slots // tiling.default_pages_per_split(slots, 1, arrays[0].shape[2]))
+    monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 4 * kv_heads * splits)  # b1 < it ≤ b8
     for i in (8, 9, 10, 11, 12):  # tables and lengths [B, …]: repeat row 0 to the batch
         arrays[i] = jnp.repeat(jnp.asarray(arrays[i])[:1], batch_rows, axis=0)
     qb = jnp.repeat(q[:1], batch_rows, axis=0)
     _call(qb, arrays)
     _call(qb, arrays, num_warps=8, num_stages=1)
-    assert seen == [(DECODE_NUM_WARPS, DECODE_NUM_STAGES), (8, 1)]
+    assert seen == [(expected_warps, tiling.DECODE_NUM_STAGES), (8, 1)]

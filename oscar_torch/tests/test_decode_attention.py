@@ -200,16 +200,21 @@ def test_bad_static_arguments_raise(small, overrides, message):
         ops.decode_attention(q, *arrays, **{**attention_kwargs(SMALL), **overrides})
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch):
-    """None launches both tier kernels with shared_math.tiling's DECODE_NUM_WARPS / DECODE_NUM_STAGES
-    at every batch and caps the INT2 one at TRITON_INT2_MAX_REGISTERS; explicit num_warps and
+@pytest.mark.parametrize("batch,warps", [(1, 4), (8, 2)])
+def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch, warps):
+    """None launches both tier kernels with shared_math.tiling's choice (2 warps once the INT2 tier
+    has DECODE_TWO_WARPS_MIN_PROGRAMS programs, here set between batch 1's and batch 8's, else 4;
+    DECODE_NUM_STAGES) and caps the INT2 one at TRITON_INT2_MAX_REGISTERS; explicit num_warps and
     num_stages reach both, max_registers the INT2 one, 0 lifting the cap."""
     from oscar_torch.kernels import decode_attention as kdecode
-    from shared_math.tiling import DECODE_NUM_STAGES, DECODE_NUM_WARPS, TRITON_INT2_MAX_REGISTERS
+    from shared_math import tiling
+    from shared_math.tiling import DECODE_NUM_STAGES, TRITON_INT2_MAX_REGISTERS
 
     q, arrays = small
     arrays = list(arrays)
+    kv_heads, slots = arrays[2].shape[1], arrays[11].shape[1]
+    splits = -(-slots // SMALL.pages_per_split)
+    monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 4 * kv_heads * splits)  # b1 < it ≤ b8
     for i in (8, 9, 10, 11, 12):  # tables and lengths [B, …]: repeat row 0 to the batch
         arrays[i] = arrays[i][:1].repeat_interleave(batch, dim=0).contiguous()
     qb = q[:1].repeat_interleave(batch, dim=0).contiguous()
@@ -221,7 +226,7 @@ def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch):
     ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL))
     ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), num_warps=8, num_stages=1, max_registers=96)
     ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), max_registers=0)
-    warps, stages = DECODE_NUM_WARPS, DECODE_NUM_STAGES
+    stages = DECODE_NUM_STAGES
     assert seen == [("bf16_tier_partials", warps, stages, None),
                     ("int2_tier_partials", warps, stages, TRITON_INT2_MAX_REGISTERS),
                     ("bf16_tier_partials", 8, 1, None), ("int2_tier_partials", 8, 1, 96),

@@ -28,6 +28,20 @@ def test_pages_per_split(history_slots, pages_per_block, page_size, expected):
     assert got & (got - 1) == 0 and got >= pages_per_block
 
 
+@pytest.mark.parametrize("batch,history_slots,pages_per_split,expected", [
+    (1, 123, 4, 4),     # 8K, b1: 8 × 31 = 248 programs, under 2 per SM
+    (8, 123, 4, 2),     # 8K, b8: 1984 programs
+    (1, 2043, 16, 2),   # 128K, b1: 8 × 128 = 1024 programs
+    (2, 31, 1, 4),      # 496 programs: one short of …
+    (2, 32, 1, 2),      # … 512
+    (1, 0, 4, 4),       # no history: one (empty) split per head
+])
+def test_decode_num_warps_follows_the_program_count(batch, history_slots, pages_per_split, expected):
+    from shared_math.tiling import default_decode_num_warps
+
+    assert default_decode_num_warps(batch, 8, history_slots, pages_per_split) == expected
+
+
 def test_decode_launch_fits_more_programs_per_sm():
     """The Triton register cap fits 8 decode programs in one sm_90 SM's 64K registers (NOTES v11:
     6 fit uncapped at 161 registers)."""
