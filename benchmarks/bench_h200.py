@@ -37,7 +37,7 @@ TUNING_128K = [
     dict(pages_per_split=ps, pages_per_block=pb, num_warps=nw, num_stages=ns, unpack_asm=asm)
     for ps, pb, nw, ns, asm in [(16, 1, 4, 2, False), (16, 1, 4, 2, True), (16, 1, 2, 2, True), (32, 1, 4, 2, True),
                                 (16, 2, 2, 2, True), (16, 1, 2, 3, True), (32, 1, 2, 2, True), (32, 1, 2, 3, True)]
-]
+] + [dict(num_warps=nw, num_stages=ns) for nw, ns in [(4, 2), (4, 3), (2, 2), (2, 3)]]  # the default split
 TRITON_TUNING_128K = (
     # the compiler's unpacking and longer splits, at the default launch
     [dict(pages_per_split=32, pages_per_block=1, unpack_asm=asm) for asm in (False, True)]
