@@ -36,7 +36,6 @@ import torch
 from oscar_torch import library
 from oscar_torch.kernels.codec import interpreting
 from oscar_torch.kernels.decode_attention import DEFAULT_NUM_STAGES, DEFAULT_NUM_WARPS, MIN_DOT_DIM
-from shared_math.tiling import DECODE_NUM_STAGES, TRITON_INT2_MAX_REGISTERS, default_decode_num_warps
 from oscar_torch.validation import (
     check_devices,
     check_positive_float,
@@ -44,7 +43,14 @@ from oscar_torch.validation import (
     check_tensor,
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
-from shared_math.tiling import default_pages_per_block, default_pages_per_split, next_power_of_two
+from shared_math.tiling import (
+    DECODE_NUM_STAGES,
+    TRITON_INT2_MAX_REGISTERS,
+    default_decode_num_warps,
+    default_pages_per_block,
+    default_pages_per_split,
+    next_power_of_two,
+)
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
 DEFAULT_PREFILL_BLOCK_M = 64
