@@ -259,8 +259,9 @@ def decode_attention(
     num_stages = DECODE_NUM_STAGES if num_stages is None else num_stages
     check_static_int("num_stages", num_stages, minimum=1)
     max_registers = TRITON_INT2_MAX_REGISTERS if max_registers is None else max_registers
-    if max_registers != 0:  # 0: uncapped
-        check_static_int("max_registers", max_registers, minimum=32)
+    if isinstance(max_registers, bool) or not isinstance(max_registers, int) or not (
+            max_registers == 0 or max_registers >= 32):
+        raise ValueError(f"max_registers={max_registers!r} must be 0 (the compiler's choice) or an integer >= 32")
     if unpack_asm is None:
         unpack_asm = not interpreting() and q.dtype == torch.bfloat16
     if unpack_asm not in (True, False):

@@ -191,7 +191,9 @@ def test_bad_cache_arrays_raise(small, name, transform, message):
         (dict(num_warps=0), "num_warps=0 must be an integer >= 1"),
         (dict(num_stages=0), "num_stages=0 must be an integer >= 1"),
         (dict(num_stages=2.0), "num_stages=2.0 must be an integer >= 1"),
-        (dict(max_registers=16), "max_registers=16 must be an integer >= 32"),
+        (dict(max_registers=16), r"max_registers=16 must be 0 \(the compiler's choice\) or an integer >= 32"),
+        (dict(max_registers=False), "max_registers=False must be 0"),
+        (dict(max_registers=-1), "max_registers=-1 must be 0"),
     ],
 )
 def test_bad_static_arguments_raise(small, overrides, message):
