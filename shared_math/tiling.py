@@ -73,17 +73,22 @@ DECODE_TWO_WARPS_MIN_PROGRAMS = 512  # ≈ 4 per SM on the H200's 132
 DECODE_NUM_STAGES = 3
 
 
+def num_splits(table_slots: int, pages_per_split: int) -> int:
+    """Splits a tier's page table is cut into (at least one, so every tier writes a partial)."""
+    return max(1, math.ceil(table_slots / pages_per_split))
+
+
 def default_decode_num_warps(batch: int, num_kv_heads: int, history_slots: int, pages_per_split: int) -> int:
     """Warps per decode program: DECODE_NUM_WARPS from DECODE_TWO_WARPS_MIN_PROGRAMS INT2-tier
     programs, else DECODE_FEW_PROGRAMS_NUM_WARPS (a small grid needs wider programs to fill the SMs)."""
-    splits = max(1, -(-history_slots // max(pages_per_split, 1)))
-    programs = batch * num_kv_heads * splits
+    programs = batch * num_kv_heads * num_splits(history_slots, pages_per_split)
     return DECODE_NUM_WARPS if programs >= DECODE_TWO_WARPS_MIN_PROGRAMS else DECODE_FEW_PROGRAMS_NUM_WARPS
 
 
 # Triton's maxnreg for its INT2 tier kernel: at 2 warps it holds 161 registers uncapped (6 programs
 # per SM), 128 fits 8 at the price of 24 B of spills (NOTES v11). Pallas's Triton CompilerParams
-# have no register cap: its kernel gets the same effect from fewer live code planes (NOTES v12).
+# have no register cap; its 2-warp kernel (152 registers, 6 programs per SM) gained instead from
+# the unpacking placed between its MMAs (NOTES v12).
 TRITON_INT2_MAX_REGISTERS = 128
 
 

@@ -40,7 +40,6 @@ D head dim, P pages of a pool, L page size, N tokens of one block, S splits, NB/
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +50,9 @@ from jax.experimental.pallas import triton as pl_triton
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.ptx import UNPACK_CONSTRAINTS, UNPACK_PACK, unpack_plane_ptx
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
-from shared_math.tiling import LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, next_power_of_two
+from shared_math.tiling import (
+    LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, next_power_of_two, num_splits,
+)
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
 # running maximum finite and exp(m_old − m_new) never becomes exp(−inf + inf) = NaN.
@@ -62,11 +63,6 @@ MIN_DOT_DIM = 16
 
 def cdiv(a, b):
     return (a + b - 1) // b
-
-
-def num_splits(table_slots: int, pages_per_split: int) -> int:
-    """Splits a tier's page table is cut into (at least one, so every tier writes a partial)."""
-    return max(1, math.ceil(table_slots / pages_per_split))
 
 
 def _precision(a, b):

@@ -44,7 +44,6 @@ D head dim, P pages of a pool, L page size, N tokens of one block, S splits, NB/
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
@@ -64,7 +63,7 @@ from oscar_torch.kernels.codec import (
 )
 from shared_math.ptx import UNPACK_CONSTRAINTS, UNPACK_PACK, unpack_plane_ptx
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODES_PER_BYTE
-from shared_math.tiling import LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale
+from shared_math.tiling import LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, num_splits
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
 # running maximum finite and exp(m_old − m_new) never becomes exp(−inf + inf) = NaN.
@@ -83,11 +82,6 @@ UNPACK_PACK_C = tl.constexpr(UNPACK_PACK)
 MIN_DOT_DIM = 16
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
-
-
-def num_splits(table_slots: int, pages_per_split: int) -> int:
-    """Splits a tier's page table is cut into (at least one, so every tier writes a partial)."""
-    return max(1, math.ceil(table_slots / pages_per_split))
 
 
 # --------------------------------------------------------------------------------------------
