@@ -46,7 +46,7 @@ from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    DECODE_NUM_STAGES, default_decode_num_warps, default_pages_per_block, default_pages_per_split, next_power_of_two,
+    default_decode_launch, default_pages_per_block, default_pages_per_split, next_power_of_two,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
@@ -218,10 +218,12 @@ def _page_size(k_bf16) -> int:
 
 def _cache_partials(
     q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, block_m, interpret,
-    num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES, layer=None, unpack_asm=False,
+    bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
+    layer=None, unpack_asm=False,
 ):
     """Partials of q_rows [B, Hkv, M, D], one (o, lse) per tier: the BF16 tier, then the INT2
-    tier when the history table has slots."""
+    tier when the history table has slots; each tier's kernel launched with its (num_warps,
+    num_stages)."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
     tiling = dict(
@@ -230,17 +232,17 @@ def _cache_partials(
         pages_per_block=pages_per_block,
         block_m=block_m,
         interpret=interpret,
-        num_warps=num_warps,
-        num_stages=num_stages,
         layer=layer,
     )
     tiers = [bf16_tier_partials(
-        q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots=sink_slots, **tiling
+        q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots=sink_slots,
+        num_warps=bf16_launch[0], num_stages=bf16_launch[1], **tiling,
     )]
     if history_page_table.shape[1] > 0:
         tiers.append(int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-            group_size=group_size, unpack_asm=unpack_asm, **tiling,
+            group_size=group_size, unpack_asm=unpack_asm, num_warps=int2_launch[0], num_stages=int2_launch[1],
+            **tiling,
         ))
     return tiers
 
@@ -248,10 +250,10 @@ def _cache_partials(
 _STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "pages_per_block", "interpret", "layer")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("num_warps", "num_stages", "unpack_asm"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("bf16_launch", "int2_launch", "unpack_asm"))
 def _decode_attention(
-    q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, interpret, num_warps,
-    num_stages, layer, unpack_asm,
+    q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, interpret, bf16_launch,
+    int2_launch, layer, unpack_asm,
 ):
     batch, q_heads, head_dim = q.shape
     num_kv_heads = cache[0].shape[-3]  # k_bf16 [(Y,) P, K, L, D]
@@ -262,7 +264,7 @@ def _decode_attention(
     tiers = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, interpret=interpret,
-        num_warps=num_warps, num_stages=num_stages, layer=layer, unpack_asm=unpack_asm,
+        bf16_launch=bf16_launch, int2_launch=int2_launch, layer=layer, unpack_asm=unpack_asm,
     )
     # One merge program per kept row reads both tiers in place (the padding rows are never read):
     # [B, Hkv, S_t, rows, D] per tier → o [B, Hkv, Gq, D]. It replaced a concatenation and ~8 XLA
@@ -311,9 +313,9 @@ def decode_attention(
         NH / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens (`shared_math.tiling`).
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
-      num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only); None →
-        `shared_math.tiling.default_decode_num_warps` (2 once the INT2 tier has ≥ 512 programs,
-        else 4) / `DECODE_NUM_STAGES` (3), the fastest on the H200 (benchmarks/NOTES.md v12).
+      num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only); None → each
+        tier's own, `shared_math.tiling.default_decode_launch`: 2 warps once the tier has ≥ 512
+        programs, else 4; 3 stages for the INT2 tier, 2 for the BF16 tier (benchmarks/NOTES.md v12).
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, GPU only): the same operand
         bits in fewer instructions (H200, 128K: 161 → 133 µs, benchmarks/NOTES.md v4); None → on
         where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
@@ -334,11 +336,14 @@ def decode_attention(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
-    if num_warps is None:
-        num_warps = default_decode_num_warps(batch, num_kv_heads, history_page_table.shape[1], pages_per_split)
-    num_stages = DECODE_NUM_STAGES if num_stages is None else num_stages
-    _check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
-    _check_static_int("num_stages", num_stages, minimum=1)
+    launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],
+                                     pages_per_split)
+    if num_warps is not None:
+        _check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
+        launches = tuple((int(num_warps), stages) for _, stages in launches)
+    if num_stages is not None:
+        _check_static_int("num_stages", num_stages, minimum=1)
+        launches = tuple((warps, int(num_stages)) for warps, _ in launches)
     interpret = resolve_interpret(interpret)
     if unpack_asm is None:
         unpack_asm = not interpret and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
@@ -350,7 +355,7 @@ def decode_attention(
     return _decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
         pages_per_split=int(pages_per_split), pages_per_block=int(pages_per_block),
-        num_warps=int(num_warps), num_stages=int(num_stages), layer=layer, interpret=interpret,
+        bf16_launch=launches[0], int2_launch=launches[1], layer=layer, interpret=interpret,
         unpack_asm=bool(unpack_asm),
     )
 

@@ -44,9 +44,8 @@ from oscar_torch.validation import (
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    DECODE_NUM_STAGES,
     TRITON_INT2_MAX_REGISTERS,
-    default_decode_num_warps,
+    default_decode_launch,
     default_pages_per_block,
     default_pages_per_split,
     next_power_of_two,
@@ -176,19 +175,20 @@ _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v
 
 
 def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block,
-                   block_m, unpack_asm=False, num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES,
-                   max_registers=0):
-    """The (outputs, lses) of q_rows [B, Hkv, M, D] over each tier: BF16, then INT2 (if it has slots)."""
+                   block_m, unpack_asm=False, bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
+                   int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), max_registers=0):
+    """The (outputs, lses) of q_rows [B, Hkv, M, D] over each tier: BF16, then INT2 (if it has slots);
+    each tier's kernel launched with its (num_warps, num_stages)."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
     tiers = [library.bf16_tier_partials(
         q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots,
-        softmax_scale, pages_per_split, pages_per_block, block_m, num_warps, num_stages,
+        softmax_scale, pages_per_split, pages_per_block, block_m, *bf16_launch,
     )]
     if history_page_table.shape[1] > 0:
         tiers.append(library.int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-            group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm, num_warps, num_stages,
+            group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm, *int2_launch,
             max_registers,
         ))
     return tiers
@@ -245,9 +245,9 @@ def decode_attention(
         the same operand bits in fewer instructions (H200, 128K: 211 → 192 µs, benchmarks/NOTES.md
         v4); None → on where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
       num_warps, num_stages: warps per program (a power of two) and software-pipelining depth of
-        the page loops (≥ 1) of both tier kernels; None → `shared_math.tiling.default_decode_num_warps`
-        (2 once the INT2 tier has ≥ 512 programs, else 4) / `DECODE_NUM_STAGES` (3): with the
-        register cap below, the fastest on the H200 (benchmarks/NOTES.md v12).
+        the page loops (≥ 1) of both tier kernels; None → each tier's own,
+        `shared_math.tiling.default_decode_launch`: 2 warps once the tier has ≥ 512 programs, else
+        4; 3 stages for the INT2 tier, 2 for the BF16 tier (benchmarks/NOTES.md v12).
       max_registers: registers per thread the compiled INT2 tier kernel may use (Triton's maxnreg,
         ≥ 32; spills beyond it), to fit more programs per SM; None →
         `shared_math.tiling.TRITON_INT2_MAX_REGISTERS` (128), 0 → the compiler's choice. No effect
@@ -256,8 +256,6 @@ def decode_attention(
       float32 [B, Hq, D].
     """
     check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
-    num_stages = DECODE_NUM_STAGES if num_stages is None else num_stages
-    check_static_int("num_stages", num_stages, minimum=1)
     max_registers = TRITON_INT2_MAX_REGISTERS if max_registers is None else max_registers
     if isinstance(max_registers, bool) or not isinstance(max_registers, int) or not (
             max_registers == 0 or max_registers >= 32):
@@ -277,9 +275,14 @@ def decode_attention(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
-    if num_warps is None:
-        num_warps = default_decode_num_warps(batch, num_kv_heads, history_page_table.shape[1], pages_per_split)
-    check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
+    launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],
+                                     pages_per_split)
+    if num_warps is not None:
+        check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
+        launches = tuple((int(num_warps), stages) for _, stages in launches)
+    if num_stages is not None:
+        check_static_int("num_stages", num_stages, minimum=1)
+        launches = tuple((warps, int(num_stages)) for warps, _ in launches)
     check_devices(q=q, **dict(zip(_CACHE_NAMES, cache)))
     heads_per_kv = q_heads // num_kv_heads
     rows = max(MIN_DOT_DIM, next_power_of_two(heads_per_kv))  # GQA group padded for dot's M ≥ 16
@@ -288,7 +291,7 @@ def decode_attention(
     tiers = _tier_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=float(softmax_scale),
         pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, unpack_asm=bool(unpack_asm),
-        num_warps=int(num_warps), num_stages=int(num_stages), max_registers=int(max_registers),
+        bf16_launch=launches[0], int2_launch=launches[1], max_registers=int(max_registers),
     )
     # One merge kernel over both tiers' splits, reading only the Gq kept rows of the padded ones
     # (the eager concatenate + merge took ~60 µs at 128K b1:

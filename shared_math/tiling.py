@@ -73,16 +73,31 @@ DECODE_TWO_WARPS_MIN_PROGRAMS = 512  # ≈ 4 per SM on the H200's 132
 DECODE_NUM_STAGES = 3
 
 
+# The BF16 tier's kernel streams bf16 pages at 0.7–0.9× copy bandwidth and loses at 3 stages:
+# whole-context BF16 tier (bf16_paged_pallas), 32K b1 58.9 µs at (4 warps, 2 stages) vs 66.1 at
+# (4, 3), b8 273.0 at (2, 2) vs 291.0 at (4, 3) (benchmarks/NOTES.md v12).
+BF16_TIER_NUM_STAGES = 2
+
+
 def num_splits(table_slots: int, pages_per_split: int) -> int:
     """Splits a tier's page table is cut into (at least one, so every tier writes a partial)."""
     return max(1, math.ceil(table_slots / pages_per_split))
 
 
-def default_decode_num_warps(batch: int, num_kv_heads: int, history_slots: int, pages_per_split: int) -> int:
-    """Warps per decode program: DECODE_NUM_WARPS from DECODE_TWO_WARPS_MIN_PROGRAMS INT2-tier
-    programs, else DECODE_FEW_PROGRAMS_NUM_WARPS (a small grid needs wider programs to fill the SMs)."""
-    programs = batch * num_kv_heads * num_splits(history_slots, pages_per_split)
+def default_decode_num_warps(batch: int, num_kv_heads: int, table_slots: int, pages_per_split: int) -> int:
+    """Warps per decode program of a tier with `table_slots` page slots per sequence: DECODE_NUM_WARPS
+    from DECODE_TWO_WARPS_MIN_PROGRAMS programs, else DECODE_FEW_PROGRAMS_NUM_WARPS (a small grid
+    needs wider programs to fill the SMs)."""
+    programs = batch * num_kv_heads * num_splits(table_slots, pages_per_split)
     return DECODE_NUM_WARPS if programs >= DECODE_TWO_WARPS_MIN_PROGRAMS else DECODE_FEW_PROGRAMS_NUM_WARPS
+
+
+def default_decode_launch(batch: int, num_kv_heads: int, bf16_slots: int, history_slots: int,
+                          pages_per_split: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(num_warps, num_stages) of the BF16 tier's kernel and of the INT2 tier's: each tier's warps
+    from its own program count, 3 stages for INT2 and BF16_TIER_NUM_STAGES for BF16."""
+    return ((default_decode_num_warps(batch, num_kv_heads, bf16_slots, pages_per_split), BF16_TIER_NUM_STAGES),
+            (default_decode_num_warps(batch, num_kv_heads, history_slots, pages_per_split), DECODE_NUM_STAGES))
 
 
 # Triton's maxnreg for its INT2 tier kernel: at 2 warps it holds 161 registers uncapped (6 programs

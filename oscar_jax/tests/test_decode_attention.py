@@ -504,23 +504,29 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
 
 @pytest.mark.parametrize("batch_rows,expected_warps", [(1, 4), (8, 2)])
 def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_rows, expected_warps):
-    """num_warps / num_stages None launch shared_math.tiling's choice: 2 warps once the INT2 tier has
-    DECODE_TWO_WARPS_MIN_PROGRAMS programs (here set between batch 1's and batch 8's), else 4, and
-    DECODE_NUM_STAGES; explicit values are kept."""
+    """num_warps / num_stages None launch each tier as shared_math.tiling.default_decode_launch says
+    for that tier's own table (2 warps once it has DECODE_TWO_WARPS_MIN_PROGRAMS programs, here set
+    between batch 1's and batch 8's counts, else 4; DECODE_NUM_STAGES for INT2,
+    BF16_TIER_NUM_STAGES for BF16). Explicit values reach both tiers."""
     from oscar_jax import attention_ops
     from shared_math import tiling
 
     q, cache = small_cache
     seen = []
     monkeypatch.setattr(attention_ops, "_decode_attention",
-                        lambda q, cache, **kw: seen.append((kw["num_warps"], kw["num_stages"])))
+                        lambda q, cache, **kw: seen.append((kw["bf16_launch"], kw["int2_launch"])))
     arrays = list(cache.arrays)
-    kv_heads, slots = arrays[2].shape[1], arrays[11].shape[1]
-    splits = -(-slots // tiling.default_pages_per_split(slots, 1, arrays[0].shape[2]))
-    monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 4 * kv_heads * splits)  # b1 < it ≤ b8
+    kv_heads, bf16_slots, slots = arrays[2].shape[1], arrays[8].shape[1], arrays[11].shape[1]
+    split = tiling.default_pages_per_split(slots, 1, arrays[0].shape[2])
+    programs_b1 = kv_heads * -(-slots // split)
+    monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 4 * programs_b1)  # b1 < it ≤ b8, both tiers
     for i in (8, 9, 10, 11, 12):  # tables and lengths [B, …]: repeat row 0 to the batch
         arrays[i] = jnp.repeat(jnp.asarray(arrays[i])[:1], batch_rows, axis=0)
     qb = jnp.repeat(q[:1], batch_rows, axis=0)
     _call(qb, arrays)
     _call(qb, arrays, num_warps=8, num_stages=1)
-    assert seen == [(expected_warps, tiling.DECODE_NUM_STAGES), (8, 1)]
+    _call(qb, arrays, num_stages=1)
+    bf16 = tiling.BF16_TIER_NUM_STAGES
+    assert -(-bf16_slots // split) == -(-slots // split)  # one split per tier: both switch at the threshold
+    assert seen == [((expected_warps, bf16), (expected_warps, tiling.DECODE_NUM_STAGES)),
+                    ((8, 1), (8, 1)), ((expected_warps, 1), (expected_warps, 1))]

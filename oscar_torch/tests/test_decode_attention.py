@@ -204,19 +204,22 @@ def test_bad_static_arguments_raise(small, overrides, message):
 
 @pytest.mark.parametrize("batch,warps", [(1, 4), (8, 2)])
 def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch, warps):
-    """None launches both tier kernels with shared_math.tiling's choice (2 warps once the INT2 tier
-    has DECODE_TWO_WARPS_MIN_PROGRAMS programs, here set between batch 1's and batch 8's, else 4;
-    DECODE_NUM_STAGES) and caps the INT2 one at TRITON_INT2_MAX_REGISTERS; explicit num_warps and
-    num_stages reach both, max_registers the INT2 one, 0 lifting the cap."""
+    """None launches each tier kernel as shared_math.tiling.default_decode_launch says (2 warps once
+    the tier has DECODE_TWO_WARPS_MIN_PROGRAMS programs, here set between the INT2 tier's batch-1
+    and batch-8 counts, else 4; DECODE_NUM_STAGES for INT2,
+    BF16_TIER_NUM_STAGES for BF16) and caps the INT2 one at TRITON_INT2_MAX_REGISTERS; explicit
+    num_warps and num_stages reach both, max_registers the INT2 one, 0 lifting the cap."""
     from oscar_torch.kernels import decode_attention as kdecode
     from shared_math import tiling
-    from shared_math.tiling import DECODE_NUM_STAGES, TRITON_INT2_MAX_REGISTERS
+    from shared_math.tiling import BF16_TIER_NUM_STAGES, DECODE_NUM_STAGES, TRITON_INT2_MAX_REGISTERS
 
     q, arrays = small
     arrays = list(arrays)
     kv_heads, slots = arrays[2].shape[1], arrays[11].shape[1]
     splits = -(-slots // SMALL.pages_per_split)
-    monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 4 * kv_heads * splits)  # b1 < it ≤ b8
+    monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 4 * kv_heads * splits)  # INT2 tier: b1 < it ≤ b8
+    (bf16_warps, bf16_stages), _ = tiling.default_decode_launch(batch, kv_heads, arrays[8].shape[1], slots,
+                                                                SMALL.pages_per_split)
     for i in (8, 9, 10, 11, 12):  # tables and lengths [B, …]: repeat row 0 to the batch
         arrays[i] = arrays[i][:1].repeat_interleave(batch, dim=0).contiguous()
     qb = q[:1].repeat_interleave(batch, dim=0).contiguous()
@@ -228,11 +231,11 @@ def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch, wa
     ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL))
     ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), num_warps=8, num_stages=1, max_registers=96)
     ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), max_registers=0)
-    stages = DECODE_NUM_STAGES
-    assert seen == [("bf16_tier_partials", warps, stages, None),
-                    ("int2_tier_partials", warps, stages, TRITON_INT2_MAX_REGISTERS),
+    assert bf16_stages == BF16_TIER_NUM_STAGES
+    bf16 = ("bf16_tier_partials", bf16_warps, BF16_TIER_NUM_STAGES, None)  # its own table's program count
+    assert seen == [bf16, ("int2_tier_partials", warps, DECODE_NUM_STAGES, TRITON_INT2_MAX_REGISTERS),
                     ("bf16_tier_partials", 8, 1, None), ("int2_tier_partials", 8, 1, 96),
-                    ("bf16_tier_partials", warps, stages, None), ("int2_tier_partials", warps, stages, None)]
+                    bf16, ("int2_tier_partials", warps, DECODE_NUM_STAGES, None)]
 
 
 def test_bad_query_raises(small):

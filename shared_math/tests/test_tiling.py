@@ -42,6 +42,17 @@ def test_decode_num_warps_follows_the_program_count(batch, history_slots, pages_
     assert default_decode_num_warps(batch, 8, history_slots, pages_per_split) == expected
 
 
+@pytest.mark.parametrize("batch,bf16_slots,history_slots,pages_per_split,expected", [
+    (1, 6, 2043, 16, ((4, 2), (2, 3))),   # 128K b1: 1024 INT2 programs, 8 BF16 ones
+    (1, 6, 123, 4, ((4, 2), (4, 3))),     # 8K b1: 248 INT2 programs
+    (8, 512, 0, 16, ((2, 2), (4, 3))),    # a BF16-only cache, 32K b8: 2048 BF16 programs
+])
+def test_decode_launch_is_per_tier(batch, bf16_slots, history_slots, pages_per_split, expected):
+    from shared_math.tiling import default_decode_launch
+
+    assert default_decode_launch(batch, 8, bf16_slots, history_slots, pages_per_split) == expected
+
+
 def test_decode_launch_fits_more_programs_per_sm():
     """The Triton register cap fits 8 decode programs in one sm_90 SM's 64K registers (NOTES v11:
     6 fit uncapped at 161 registers)."""
