@@ -10,11 +10,12 @@ fabricated directly, in the shape `OscarRuntime.step` gives it; see `plan_tables
   int2  the OSCAR tiers at context C (C counts the new token): sink 64 tokens BF16, history the
         largest multiple of the page size ≤ C − 64 − 256 in INT2 pages, recent = the rest
         (256 ≤ recent < 320) BF16. Pages scattered over the pools in random order.
-  bf16  the same OscarKVCache with everything in the BF16 tier (sink 64, recent C − 64, history
-        0; INT2 pools of one page) — the end-to-end analogue of `bf16_paged_pallas` in
-        bench_decode. Its history table is as wide as its BF16 table (all entries the scratch
-        page, history_tokens 0) so that the default split-K gives the BF16 tier the split
-        bench_decode uses (≈ pages / 32); the empty INT2 programs exit at once.
+  bf16  the same OscarKVCache with everything in the BF16 tier (sink 64, recent C − 64; INT2
+        pools of one page and a history table of no slots, so no INT2 kernel runs) — the
+        end-to-end analogue of `bf16_paged_pallas` in bench_decode. The default split-K comes
+        from the longer table, here the BF16 one (`shared_math.tiling.default_pages_per_split`).
+        Until v13 the history table was as wide as the BF16 table to size that split, and its
+        empty INT2 programs cost ~10 µs a layer at 100K (benchmarks/NOTES.md v13).
 Tables are sized for the largest context of the run (as the runtime sizes them for
 max_seq_len), so one compiled step serves every context of a cache kind at a given batch.
 
@@ -166,7 +167,7 @@ def plan_tables(kind: str, context: int, batch: int, oscar: OscarConfig, *, tabl
         sink = min(context, oscar.sink)
         history, recent = 0, context - sink
         bf16_slots = pages_per_sequence("bf16", table_context, oscar)["bf16"]
-        history_slots = bf16_slots  # sizes the default split-K of the BF16 tier (module docstring)
+        history_slots = 0  # no INT2 tier (module docstring)
         int2_pool = 1
     else:
         raise ValueError(f"{kind=} must be one of {CACHE_KINDS}")

@@ -1,7 +1,7 @@
 """The BF16-cache decode attention of the end-to-end benchmark, one layer, at each launch of its BF16 tier.
 
 The e2e BF16 cache (bench_e2e.step_tables, kind "bf16") holds the whole context in the BF16 tier and
-gives the INT2 tier as many (empty) slots, so that the default split-K is sized by the context. Its
+gave the INT2 tier as many (empty) slots until v13, to size the default split-K by the context. Its
 100K step took 9.82 ms at v11 (both tiers at 4 warps, 2 stages) and 10.35–10.38 ms since v12. This
 times that layer's attention at each (num_warps, num_stages) of the BF16 tier — alone (a history
 table of no slots, the same split) — and as the e2e step runs it (the default launch, the empty

@@ -180,14 +180,16 @@ def _validate_cache(
     return num_kv_heads, page_size
 
 
-def _resolve_tiling(pages_per_split, pages_per_block, history_page_table, page_size):
-    """(pages_per_split, pages_per_block) with the defaults filled in."""
+def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, page_size):
+    """(pages_per_split, pages_per_block) with the defaults filled in: the split from the longer
+    page table (shared_math.tiling.default_pages_per_split)."""
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(page_size)
     if pages_per_split is not None:
         return pages_per_split, pages_per_block
     _check_static_int("pages_per_block", pages_per_block, power_of_two=True, minimum=1)
-    slots = history_page_table.shape[1] if len(getattr(history_page_table, "shape", ())) == 2 else 0
+    slots = max(table.shape[1] if len(getattr(table, "shape", ())) == 2 else 0
+                for table in (bf16_page_table, history_page_table))
     return default_pages_per_split(slots, pages_per_block, page_size), pages_per_block
 
 
@@ -310,7 +312,8 @@ def decode_attention(
       group_size: G of the INT2 pages (format v1).
       softmax_scale: multiplies q·k (typically 1/√D).
       pages_per_split: pages of one split-K program (a power of two); None → about
-        NH / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens (`shared_math.tiling`).
+        (the longer page table's slots) / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens
+        (`shared_math.tiling`).
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
       num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only); None → each
@@ -331,7 +334,7 @@ def decode_attention(
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
     views = _layer_views(cache, layer)
     pages_per_split, pages_per_block = _resolve_tiling(
-        pages_per_split, pages_per_block, history_page_table, _page_size(views[0]))
+        pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]))
     num_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
@@ -457,7 +460,7 @@ def prefill_attention(
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
     views = _layer_views(cache, layer)
     pages_per_split, pages_per_block = _resolve_tiling(
-        pages_per_split, pages_per_block, history_page_table, _page_size(views[0]))
+        pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]))
     cache_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,

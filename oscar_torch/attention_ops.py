@@ -153,15 +153,17 @@ def _validate_cache(
     return num_kv_heads, page_size
 
 
-def _resolve_tiling(pages_per_split, pages_per_block, history_page_table, k_bf16):
-    """(pages_per_split, pages_per_block) with the shared defaults (shared_math.tiling) filled in."""
+def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16):
+    """(pages_per_split, pages_per_block) with the shared defaults (shared_math.tiling) filled in:
+    the split from the longer page table."""
     page_size = int(k_bf16.shape[2]) if isinstance(k_bf16, torch.Tensor) and k_bf16.dim() == 4 else 0
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(page_size)
     if pages_per_split is not None:
         return pages_per_split, pages_per_block
     check_static_int("pages_per_block", pages_per_block, power_of_two=True, minimum=1)
-    slots = history_page_table.shape[1] if isinstance(history_page_table, torch.Tensor) and history_page_table.dim() == 2 else 0
+    slots = max(table.shape[1] if isinstance(table, torch.Tensor) and table.dim() == 2 else 0
+                for table in (bf16_page_table, history_page_table))
     return default_pages_per_split(slots, pages_per_block, page_size), pages_per_block
 
 
@@ -238,7 +240,8 @@ def decode_attention(
       group_size: G of the INT2 pages (format v1).
       softmax_scale: multiplies q·k (typically 1/√D).
       pages_per_split: pages of one split-K program (a power of two); None → about
-        NH / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens (`shared_math.tiling`).
+        (the longer page table's slots) / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens
+        (`shared_math.tiling`).
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, compiled Triton on a GPU):
@@ -270,7 +273,7 @@ def decode_attention(
     batch, q_heads, head_dim = q.shape
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
-    pages_per_split, pages_per_block = _resolve_tiling(pages_per_split, pages_per_block, history_page_table, k_bf16)
+    pages_per_split, pages_per_block = _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16)
     num_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
@@ -353,7 +356,7 @@ def prefill_attention(
         raise ValueError(f"the chunk must hold at least one token, got q of shape {tuple(q.shape)}")
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
-    pages_per_split, pages_per_block = _resolve_tiling(pages_per_split, pages_per_block, history_page_table, k_bf16)
+    pages_per_split, pages_per_block = _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16)
     cache_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,

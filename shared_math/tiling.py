@@ -16,7 +16,7 @@ import math
 
 from shared_math.float_bits import FP16_MAX_BITS
 
-TARGET_SPLITS = 128  # splits of the history table, about
+TARGET_SPLITS = 128  # splits of the longer page table (INT2 history, or BF16 in a BF16-only cache), about
 MIN_TOKENS_PER_SPLIT = 256  # … but no split shorter than this
 MIN_DOT_DIM = 16  # M, N, K of a tensor-core dot tile: a block holds at least this many tokens
 MERGE_BLOCK_SPLITS = 32  # splits per load of the decode merge kernels …
@@ -46,11 +46,13 @@ def default_pages_per_block(page_size: int) -> int:
     return max(1, MIN_DOT_DIM // page_size) if isinstance(page_size, int) and page_size > 0 else 1
 
 
-def default_pages_per_split(history_slots: int, pages_per_block: int, page_size: int) -> int:
-    """≈ history_slots / TARGET_SPLITS and ≥ MIN_TOKENS_PER_SPLIT tokens: a power of two
-    ≥ pages_per_block."""
+def default_pages_per_split(table_slots: int, pages_per_block: int, page_size: int) -> int:
+    """≈ table_slots / TARGET_SPLITS and ≥ MIN_TOKENS_PER_SPLIT tokens: a power of two
+    ≥ pages_per_block. `table_slots` is the longer of a sequence's two page tables: the history
+    table in an OSCAR cache, the BF16 table in a cache with no INT2 tier (the BF16 baseline,
+    benchmarks/NOTES.md v13)."""
     floor = -(-MIN_TOKENS_PER_SPLIT // max(page_size, 1))
-    return max(pages_per_block, next_power_of_two(max(floor, -(-history_slots // TARGET_SPLITS))))
+    return max(pages_per_block, next_power_of_two(max(floor, -(-table_slots // TARGET_SPLITS))))
 
 
 # Tokens per program of the fused write when it rotates bfloat16 rows (three bf16 products per

@@ -84,7 +84,7 @@ def test_bf16_plan_puts_everything_in_the_bf16_tier():
     tables = bench_e2e.plan_tables("bf16", 700, 1, oscar, table_context=1000)
     assert (tables["sink_tokens"][0], tables["recent_tokens"][0], tables["history_tokens"][0]) == (64, 636, 0)
     assert tables["bf16_page_table"].shape == (1, 16) and tables["num_int2_pages"] == 1
-    assert tables["history_page_table"].shape == (1, 16) and not tables["history_page_table"].any()
+    assert tables["history_page_table"].shape == (1, 0)  # no INT2 tier: its kernel does not run
     assert tables["bf16_write_page"][0, 0] == tables["bf16_page_table"][0, 1 + 635 // 64]
     assert tables["bf16_write_slot"][0, 0] == 635 % 64
     with pytest.raises(ValueError, match="context"):

@@ -517,7 +517,7 @@ def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_row
                         lambda q, cache, **kw: seen.append((kw["bf16_launch"], kw["int2_launch"])))
     arrays = list(cache.arrays)
     kv_heads, bf16_slots, slots = arrays[2].shape[1], arrays[8].shape[1], arrays[11].shape[1]
-    split = tiling.default_pages_per_split(slots, 1, arrays[0].shape[2])
+    split = tiling.default_pages_per_split(max(bf16_slots, slots), 1, arrays[0].shape[2])
     programs_b1 = kv_heads * -(-slots // split)
     monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 4 * programs_b1)  # b1 < it ≤ b8, both tiers
     for i in (8, 9, 10, 11, 12):  # tables and lengths [B, …]: repeat row 0 to the batch
@@ -530,3 +530,25 @@ def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_row
     assert -(-bf16_slots // split) == -(-slots // split)  # one split per tier: both switch at the threshold
     assert seen == [((expected_warps, bf16), (expected_warps, tiling.DECODE_NUM_STAGES)),
                     ((8, 1), (8, 1)), ((expected_warps, 1), (expected_warps, 1))]
+
+
+@pytest.mark.parametrize("bf16_slots,history_slots", [(4096, 0), (SINK_SLOTS + 2, 4096), (SINK_SLOTS + 2, 0)])
+def test_default_split_follows_the_longer_table(small_cache, monkeypatch, bf16_slots, history_slots):
+    """pages_per_split None → shared_math.tiling.default_pages_per_split of the longer page table:
+    the history table of an OSCAR cache, the BF16 table of a cache with no INT2 tier (whose split
+    was once the floor's, however long its context)."""
+    from oscar_jax import attention_ops
+    from shared_math import tiling
+
+    q, cache = small_cache
+    seen = []
+    monkeypatch.setattr(attention_ops, "_decode_attention", lambda q, cache, **kw: seen.append(kw["pages_per_split"]))
+    arrays = list(cache.arrays)
+    batch = q.shape[0]
+    arrays[8] = jnp.zeros((batch, bf16_slots), jnp.int32)
+    arrays[11] = jnp.zeros((batch, history_slots), jnp.int32)
+    _call(q, arrays)
+    want = tiling.default_pages_per_split(max(bf16_slots, history_slots), 1, PAGE_SIZE)
+    assert seen == [want]
+    assert want == (4096 // tiling.TARGET_SPLITS if max(bf16_slots, history_slots) == 4096
+                    else tiling.MIN_TOKENS_PER_SPLIT // PAGE_SIZE)

@@ -238,6 +238,33 @@ def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch, wa
                     bf16, ("int2_tier_partials", warps, DECODE_NUM_STAGES, None)]
 
 
+@pytest.mark.parametrize("bf16_slots,history_slots", [(4096, 0), (SMALL.sink_slots + 2, 4096), (SMALL.sink_slots + 2, 0)])
+def test_default_split_follows_the_longer_table(small, monkeypatch, bf16_slots, history_slots):
+    """pages_per_split None → shared_math.tiling.default_pages_per_split of the longer page table:
+    the history table of an OSCAR cache, the BF16 table of a cache with no INT2 tier."""
+    from oscar_torch import attention_ops
+    from shared_math import tiling
+
+    class Seen(Exception):
+        pass
+
+    def capture(q_rows, cache, **kw):
+        raise Seen(kw["pages_per_split"])
+
+    monkeypatch.setattr(attention_ops, "_tier_partials", capture)
+    q, arrays = small
+    arrays = list(arrays)
+    arrays[8] = torch.zeros((q.shape[0], bf16_slots), dtype=torch.int32, device=q.device)
+    arrays[11] = torch.zeros((q.shape[0], history_slots), dtype=torch.int32, device=q.device)
+    kwargs = {**attention_kwargs(SMALL), "pages_per_split": None}
+    with pytest.raises(Seen) as seen:
+        ops.decode_attention(q, *arrays, **kwargs)
+    page_size = arrays[0].shape[2]
+    assert seen.value.args == (tiling.default_pages_per_split(max(bf16_slots, history_slots), 1, page_size),)
+    assert seen.value.args[0] == max(-(-tiling.MIN_TOKENS_PER_SPLIT // page_size),
+                                     -(-max(bf16_slots, history_slots) // tiling.TARGET_SPLITS))
+
+
 def test_bad_query_raises(small):
     q, arrays = small
     kwargs = attention_kwargs(SMALL)
