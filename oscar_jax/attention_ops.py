@@ -170,9 +170,11 @@ def _validate_cache(
     ):
         raise ValueError(f"{softmax_scale=} must be a finite positive number")
     _check_static_int("pages_per_block", pages_per_block, power_of_two=True, minimum=1)
-    _check_static_int("pages_per_split", pages_per_split, power_of_two=True, minimum=1)
+    _check_static_int("pages_per_split", pages_per_split, minimum=1)
     if pages_per_block > pages_per_split:
         raise ValueError(f"{pages_per_block=} must not exceed {pages_per_split=}")
+    if pages_per_split % pages_per_block:
+        raise ValueError(f"{pages_per_split=} must be a multiple of {pages_per_block=}")
     if pages_per_block * page_size < MIN_DOT_DIM:
         raise ValueError(
             f"{pages_per_block=} × page size {page_size} must be >= {MIN_DOT_DIM} tokens (dot tile)"
@@ -311,7 +313,7 @@ def decode_attention(
       sink_slots: the number of leading BF16 table slots that are sink pages (S0 / page size).
       group_size: G of the INT2 pages (format v1).
       softmax_scale: multiplies q·k (typically 1/√D).
-      pages_per_split: pages of one split-K program (a power of two); None → about
+      pages_per_split: pages of one split-K program (a multiple of pages_per_block); None → about
         (the longer page table's slots) / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens
         (`shared_math.tiling`).
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);

@@ -321,8 +321,9 @@ ATTENTION_CASES = (
     # Qwen3-8B: 8 KV heads, D = 128, GQA 4 (32 q heads); lengths: 1 token, S0 + 1 (empty
     # history), and one with INT2 history (64 sink + 11 history pages + 33 recent).
     AttentionCase("qwen3_8b", 128, 128, 8, 4, (1, 65, 273)),
-    # SmolLM2-135M: 3 KV heads, D = 64, GQA 3; odd lengths and many INT2 pages.
-    AttentionCase("smollm2", 64, 64, 3, 3, (337, 97), pages_per_split=8, pages_per_block=2),
+    # SmolLM2-135M: 3 KV heads, D = 64, GQA 3; odd lengths and many INT2 pages, in splits of 6
+    # pages (a split need not be a power of two).
+    AttentionCase("smollm2", 64, 64, 3, 3, (337, 97), pages_per_split=6, pages_per_block=2),
     # Edges: page − 1, page + 1, one page (all sink), many pages, G = 32, GQA 1, bfloat16 q.
     AttentionCase("edges_bf16", 64, 32, 2, 1, (15, 17, 16, 201), q_dtype="bfloat16"),
     AttentionCase("gqa8_moments_g16", 64, 16, 1, 8, (129, 63), levels="moments", pages_per_split=2),

@@ -209,7 +209,7 @@ def random_query(rng, batch, q_heads, head_dim, dtype, *, spread=3.0):
 DECODE_CASES = [
     (128, 128, 2, 4, (1, 63, 65, 321, 337), 32, jnp.float32, 16, 4),
     (64, 32, 3, 3, (337, 5, 65, 200), 32, jnp.float32, 4, 2),
-    (128, 32, 1, 1, (321, 64, 1), 32, jnp.float32, 2, 1),
+    (128, 32, 1, 1, (321, 64, 1), 32, jnp.float32, 3, 1),  # a split of 3 pages: not a power of two
     (128, 64, 2, 3, (337, 1, 100), 32, jnp.bfloat16, 16, 4),
     (64, 64, 1, 4, (63, 337), 256, jnp.bfloat16, 8, 8),
     (128, 16, 3, 4, (129, 401), 32, jnp.float32, 16, 4),
@@ -428,7 +428,7 @@ def test_bad_cache_arrays_raise(small_cache, index, transform, message):
         (dict(sink_slots=-1), "sink_slots=-1"),
         (dict(softmax_scale=float("nan")), "softmax_scale=nan"),
         (dict(softmax_scale=0.0), "softmax_scale=0.0"),
-        (dict(pages_per_split=3), "pages_per_split=3"),
+        (dict(pages_per_split=6, pages_per_block=4), "pages_per_split=6 must be a multiple of pages_per_block=4"),
         (dict(pages_per_block=8, pages_per_split=4), "pages_per_block=8"),
         (dict(num_warps=3), "num_warps=3"),
         (dict(num_stages=0), "num_stages=0"),

@@ -182,7 +182,7 @@ def test_bad_cache_arrays_raise(small, name, transform, message):
         (dict(group_size=16), r"k_scale must have shape \[\d+, 2, 16, 4\], got shape \(\d+, 2, 16, 2\)"),
         (dict(softmax_scale=0.0), "softmax_scale=0.0 must be a finite positive number"),
         (dict(softmax_scale=float("nan")), "softmax_scale=nan"),
-        (dict(pages_per_split=3), "pages_per_split=3 must be a power of two"),
+        (dict(pages_per_split=3, pages_per_block=2), "pages_per_split=3 must be a multiple of pages_per_block=2"),
         (dict(pages_per_block=4, pages_per_split=2), "pages_per_block=4 must not exceed pages_per_split=2"),
         (dict(pages_per_block=0), "pages_per_block=0 must be an integer >= 1"),
         (dict(sink_slots=-1), "sink_slots=-1 must be an integer >= 0"),
