@@ -66,7 +66,7 @@ def main(argv=None) -> None:
             variants = [("bf16_tier_only", dict(num_warps=w, num_stages=s)) for w, s in LAUNCHES]
             variants.append(("as_e2e", {}))
             config = {"context": context, "batch": batch, "pages_per_split": pps,
-                      "default_launch": default_decode_launch(batch, kv, slots, slots, pps), "variants": []}
+                      "default_launch": default_decode_launch(batch, kv, slots, slots, pps, pps), "variants": []}
             reference = None
             for table_name, launch in variants:
                 history_table = history_tables[table_name]

@@ -54,6 +54,18 @@ def summarize_kernels(events: list[tuple[str, int, int]], steps: int) -> dict:
         c["launches_per_step"] += len(durs) / steps
         c["us_per_step"] += sum(durs) / steps / 1e3
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:40]
+    # Idle gaps, keyed by the kernel that ended before each and the one that started after it
+    # (a Pallas kernel's per-layer copies, `name__12`, counted as one name).
+    gaps: dict[tuple[str, str], list[int]] = {}
+    ordered = sorted(events, key=lambda e: e[1])
+    previous, end = ordered[0][0], ordered[0][1] + ordered[0][2]
+    for name, start, dur in ordered[1:]:
+        if start > end:
+            key = tuple(re.sub(r"__\d+$", "", n)[:120] for n in (previous, name))
+            gaps.setdefault(key, []).append(start - end)
+        if start + dur >= end:
+            previous, end = name, start + dur
+    top_gaps = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:12]
     return {
         "kernels_per_step": len(events) / steps,
         "span_us_per_step": span / steps / 1e3,
@@ -62,6 +74,8 @@ def summarize_kernels(events: list[tuple[str, int, int]], steps: int) -> dict:
         "categories": categories,
         "top_kernels": [{"name": n[:160], "category": category(n), "launches_per_step": len(d) / steps,
                          "us_per_step": sum(d) / steps / 1e3, "mean_us": sum(d) / len(d) / 1e3} for n, d in top],
+        "top_idle_gaps": [{"after": a, "before": b, "gaps_per_step": len(d) / steps, "us_per_step": sum(d) / steps / 1e3,
+                           "mean_us": sum(d) / len(d) / 1e3} for (a, b), d in top_gaps],
     }
 
 

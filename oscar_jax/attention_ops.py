@@ -45,9 +45,7 @@ from oscar_jax.kernels.decode_attention import (
 from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
-from shared_math.tiling import (
-    default_decode_launch, default_pages_per_block, default_pages_per_split, next_power_of_two,
-)
+from shared_math.tiling import default_decode_launch, next_power_of_two, resolve_splits
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
 DEFAULT_NUM_WARPS = 4  # Triton launch parameters of prefill's cache partials (decode: shared_math.tiling)
@@ -183,16 +181,11 @@ def _validate_cache(
 
 
 def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, page_size):
-    """(pages_per_split, pages_per_block) with the defaults filled in: the split from the longer
-    page table (shared_math.tiling.default_pages_per_split)."""
-    if pages_per_block is None:
-        pages_per_block = default_pages_per_block(page_size)
-    if pages_per_split is not None:
-        return pages_per_split, pages_per_block
-    _check_static_int("pages_per_block", pages_per_block, power_of_two=True, minimum=1)
-    slots = max(table.shape[1] if len(getattr(table, "shape", ())) == 2 else 0
-                for table in (bf16_page_table, history_page_table))
-    return default_pages_per_split(slots, pages_per_block, page_size), pages_per_block
+    """(pages_per_split, bf16_pages_per_split, pages_per_block), defaults filled in
+    (shared_math.tiling.resolve_splits)."""
+    bf16_slots, history_slots = (table.shape[1] if len(getattr(table, "shape", ())) == 2 else 0
+                                 for table in (bf16_page_table, history_page_table))
+    return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size)
 
 
 POOL_ARGUMENTS = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
@@ -221,18 +214,17 @@ def _page_size(k_bf16) -> int:
 
 
 def _cache_partials(
-    q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, block_m, interpret,
-    bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
-    layer=None, unpack_asm=False,
+    q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split, pages_per_block,
+    block_m, interpret, bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
+    int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), layer=None, unpack_asm=False,
 ):
-    """Partials of q_rows [B, Hkv, M, D], one (o, lse) per tier: the BF16 tier, then the INT2
-    tier when the history table has slots; each tier's kernel launched with its (num_warps,
-    num_stages)."""
+    """Partials of q_rows [B, Hkv, M, D], one (o, lse) per tier: the BF16 tier (split by
+    bf16_pages_per_split), then the INT2 tier (pages_per_split) when the history table has slots;
+    each tier's kernel launched with its (num_warps, num_stages)."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
     tiling = dict(
         softmax_scale=softmax_scale,
-        pages_per_split=pages_per_split,
         pages_per_block=pages_per_block,
         block_m=block_m,
         interpret=interpret,
@@ -240,24 +232,25 @@ def _cache_partials(
     )
     tiers = [bf16_tier_partials(
         q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots=sink_slots,
-        num_warps=bf16_launch[0], num_stages=bf16_launch[1], **tiling,
+        pages_per_split=bf16_pages_per_split, num_warps=bf16_launch[0], num_stages=bf16_launch[1], **tiling,
     )]
     if history_page_table.shape[1] > 0:
         tiers.append(int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-            group_size=group_size, unpack_asm=unpack_asm, num_warps=int2_launch[0], num_stages=int2_launch[1],
-            **tiling,
+            group_size=group_size, unpack_asm=unpack_asm, pages_per_split=pages_per_split, num_warps=int2_launch[0],
+            num_stages=int2_launch[1], **tiling,
         ))
     return tiers
 
 
-_STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "pages_per_block", "interpret", "layer")
+_STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "bf16_pages_per_split", "pages_per_block",
+           "interpret", "layer")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("bf16_launch", "int2_launch", "unpack_asm"))
 def _decode_attention(
-    q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block, interpret, bf16_launch,
-    int2_launch, layer, unpack_asm,
+    q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split, pages_per_block,
+    interpret, bf16_launch, int2_launch, layer, unpack_asm,
 ):
     batch, q_heads, head_dim = q.shape
     num_kv_heads = cache[0].shape[-3]  # k_bf16 [(Y,) P, K, L, D]
@@ -267,8 +260,8 @@ def _decode_attention(
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - heads_per_kv), (0, 0)))
     tiers = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
-        pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, interpret=interpret,
-        bf16_launch=bf16_launch, int2_launch=int2_launch, layer=layer, unpack_asm=unpack_asm,
+        pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
+        block_m=rows, interpret=interpret, bf16_launch=bf16_launch, int2_launch=int2_launch, layer=layer, unpack_asm=unpack_asm,
     )
     # One merge program per kept row reads both tiers in place (the padding rows are never read):
     # [B, Hkv, S_t, rows, D] per tier → o [B, Hkv, Gq, D]. It replaced a concatenation and ~8 XLA
@@ -313,9 +306,11 @@ def decode_attention(
       sink_slots: the number of leading BF16 table slots that are sink pages (S0 / page size).
       group_size: G of the INT2 pages (format v1).
       softmax_scale: multiplies q·k (typically 1/√D).
-      pages_per_split: pages of one split-K program (a multiple of pages_per_block); None → about
-        (the longer page table's slots) / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens
-        (`shared_math.tiling`).
+      pages_per_split: pages of one split-K program (a multiple of pages_per_block) of the tier
+        that holds the context: the INT2 tier, or the BF16 tier of a cache without one; None →
+        about (the longer page table's slots) / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens. Beside
+        an INT2 tier the BF16 tier (sink + recent pages) takes its own, shorter split
+        (`shared_math.tiling.resolve_splits`).
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
       num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only); None → each
@@ -335,14 +330,14 @@ def decode_attention(
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
     views = _layer_views(cache, layer)
-    pages_per_split, pages_per_block = _resolve_tiling(
+    pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
         pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]))
     num_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
     launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],
-                                     pages_per_split)
+                                     bf16_pages_per_split, pages_per_split)
     if num_warps is not None:
         _check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
         launches = tuple((int(num_warps), stages) for _, stages in launches)
@@ -359,8 +354,8 @@ def decode_attention(
                          f"interpret={interpret} (interpret mode cannot run PTX)")
     return _decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
-        pages_per_split=int(pages_per_split), pages_per_block=int(pages_per_block),
-        bf16_launch=launches[0], int2_launch=launches[1], layer=layer, interpret=interpret,
+        pages_per_split=int(pages_per_split), bf16_pages_per_split=int(bf16_pages_per_split),
+        pages_per_block=int(pages_per_block), bf16_launch=launches[0], int2_launch=launches[1], layer=layer, interpret=interpret,
         unpack_asm=bool(unpack_asm),
     )
 
@@ -368,7 +363,7 @@ def decode_attention(
 @functools.partial(jax.jit, static_argnames=_STATIC + ("block_m", "block_n"))
 def _prefill_attention(
     q, k_new, v_new, cache, new_tokens, *, sink_slots, group_size, softmax_scale, pages_per_split,
-    pages_per_block, block_m, block_n, interpret, layer,
+    bf16_pages_per_split, pages_per_block, block_m, block_n, interpret, layer,
 ):
     batch, chunk, q_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[2]
@@ -385,8 +380,8 @@ def _prefill_attention(
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     prefix_tiers = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
-        pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=block_m,
-        interpret=interpret, layer=layer,
+        pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
+        block_m=block_m, interpret=interpret, layer=layer,
     )
 
     chunk_dtype = jnp.promote_types(q.dtype, k_new.dtype)  # the chunk stays in full precision
@@ -461,7 +456,7 @@ def prefill_attention(
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
     views = _layer_views(cache, layer)
-    pages_per_split, pages_per_block = _resolve_tiling(
+    pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
         pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]))
     cache_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
@@ -477,6 +472,6 @@ def prefill_attention(
     return _prefill_attention(
         q, k_new, v_new, cache, new_tokens, sink_slots=int(sink_slots), group_size=int(group_size),
         softmax_scale=float(softmax_scale), pages_per_split=int(pages_per_split),
-        pages_per_block=int(pages_per_block), block_m=int(block_m), block_n=int(block_n),
+        bf16_pages_per_split=int(bf16_pages_per_split), pages_per_block=int(pages_per_block), block_m=int(block_m), block_n=int(block_n),
         interpret=resolve_interpret(interpret), layer=layer,
     )

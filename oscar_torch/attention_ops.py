@@ -43,13 +43,7 @@ from oscar_torch.validation import (
     check_tensor,
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
-from shared_math.tiling import (
-    TRITON_INT2_MAX_REGISTERS,
-    default_decode_launch,
-    default_pages_per_block,
-    default_pages_per_split,
-    next_power_of_two,
-)
+from shared_math.tiling import TRITON_INT2_MAX_REGISTERS, default_decode_launch, next_power_of_two, resolve_splits
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
 DEFAULT_PREFILL_BLOCK_M = 64
@@ -156,17 +150,12 @@ def _validate_cache(
 
 
 def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16):
-    """(pages_per_split, pages_per_block) with the shared defaults (shared_math.tiling) filled in:
-    the split from the longer page table."""
+    """(pages_per_split, bf16_pages_per_split, pages_per_block), defaults filled in
+    (shared_math.tiling.resolve_splits)."""
     page_size = int(k_bf16.shape[2]) if isinstance(k_bf16, torch.Tensor) and k_bf16.dim() == 4 else 0
-    if pages_per_block is None:
-        pages_per_block = default_pages_per_block(page_size)
-    if pages_per_split is not None:
-        return pages_per_split, pages_per_block
-    check_static_int("pages_per_block", pages_per_block, power_of_two=True, minimum=1)
-    slots = max(table.shape[1] if isinstance(table, torch.Tensor) and table.dim() == 2 else 0
-                for table in (bf16_page_table, history_page_table))
-    return default_pages_per_split(slots, pages_per_block, page_size), pages_per_block
+    bf16_slots, history_slots = (table.shape[1] if isinstance(table, torch.Tensor) and table.dim() == 2 else 0
+                                 for table in (bf16_page_table, history_page_table))
+    return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size)
 
 
 _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min",
@@ -178,16 +167,17 @@ _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v
 # --------------------------------------------------------------------------------------------
 
 
-def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, pages_per_block,
-                   block_m, unpack_asm=False, bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
+def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split,
+                   pages_per_block, block_m, unpack_asm=False, bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
                    int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), max_registers=0):
-    """The (outputs, lses) of q_rows [B, Hkv, M, D] over each tier: BF16, then INT2 (if it has slots);
-    each tier's kernel launched with its (num_warps, num_stages)."""
+    """The (outputs, lses) of q_rows [B, Hkv, M, D] over each tier: BF16 (split by
+    bf16_pages_per_split), then INT2 (pages_per_split) if it has slots; each tier's kernel launched
+    with its (num_warps, num_stages)."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
     tiers = [library.bf16_tier_partials(
         q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots,
-        softmax_scale, pages_per_split, pages_per_block, block_m, *bf16_launch,
+        softmax_scale, bf16_pages_per_split, pages_per_block, block_m, *bf16_launch,
     )]
     if history_page_table.shape[1] > 0:
         tiers.append(library.int2_tier_partials(
@@ -241,9 +231,11 @@ def decode_attention(
       sink_slots: the number of leading BF16 table slots that are sink pages (S0 / page size).
       group_size: G of the INT2 pages (format v1).
       softmax_scale: multiplies q·k (typically 1/√D).
-      pages_per_split: pages of one split-K program (a multiple of pages_per_block); None → about
-        (the longer page table's slots) / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens
-        (`shared_math.tiling`).
+      pages_per_split: pages of one split-K program (a multiple of pages_per_block) of the tier
+        that holds the context: the INT2 tier, or the BF16 tier of a cache without one; None →
+        about (the longer page table's slots) / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens. Beside
+        an INT2 tier the BF16 tier (sink + recent pages) takes its own, shorter split
+        (`shared_math.tiling.resolve_splits`).
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, compiled Triton on a GPU):
@@ -275,13 +267,14 @@ def decode_attention(
     batch, q_heads, head_dim = q.shape
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
-    pages_per_split, pages_per_block = _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16)
+    pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
+        pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16)
     num_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
     launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],
-                                     pages_per_split)
+                                     bf16_pages_per_split, pages_per_split)
     if num_warps is not None:
         check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
         launches = tuple((int(num_warps), stages) for _, stages in launches)
@@ -295,7 +288,8 @@ def decode_attention(
     q_rows = torch.nn.functional.pad(q_rows, (0, 0, 0, rows - heads_per_kv)).contiguous()
     tiers = _tier_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=float(softmax_scale),
-        pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=rows, unpack_asm=bool(unpack_asm),
+        pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
+        block_m=rows, unpack_asm=bool(unpack_asm),
         bf16_launch=launches[0], int2_launch=launches[1], max_registers=int(max_registers),
     )
     # One merge kernel over both tiers' splits, reading only the Gq kept rows of the padded ones
@@ -358,7 +352,8 @@ def prefill_attention(
         raise ValueError(f"the chunk must hold at least one token, got q of shape {tuple(q.shape)}")
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
-    pages_per_split, pages_per_block = _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16)
+    pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
+        pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16)
     cache_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
@@ -386,7 +381,8 @@ def prefill_attention(
     q_rows = torch.nn.functional.pad(q_rows, (0, 0, 0, padded_rows - rows)).contiguous()
     prefix_outputs, prefix_lses = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
-        pages_per_split=pages_per_split, pages_per_block=pages_per_block, block_m=block_m,
+        pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
+        block_m=block_m,
     )
 
     chunk_dtype = torch.promote_types(q.dtype, k_new.dtype)  # the chunk stays in full precision

@@ -13,6 +13,7 @@ outputs to write and merge ([B, Hkv, S, 16, D] float32).
 from __future__ import annotations
 
 import math
+import numbers
 
 from shared_math.float_bits import FP16_MAX_BITS
 
@@ -55,6 +56,34 @@ def default_pages_per_split(table_slots: int, pages_per_block: int, page_size: i
     return max(pages_per_block, next_power_of_two(max(floor, -(-table_slots // TARGET_SPLITS))))
 
 
+def bf16_tier_pages_per_split(bf16_slots: int, history_slots: int, pages_per_split: int, pages_per_block: int) -> int:
+    """Pages per program of the BF16 tier. Without an INT2 tier it holds the context and takes the
+    cache's split (`pages_per_split`). Beside an INT2 tier its table holds only the sink and recent
+    pages (5 at the defaults with pages of 64): ≈ bf16_slots / TARGET_SPLITS with no token floor, so
+    those few pages are read by parallel programs instead of one serial chain of them (12.5 µs a
+    layer as one program in the 100K e2e step on the H200, benchmarks/NOTES.md v14)."""
+    if history_slots == 0:
+        return pages_per_split
+    return max(pages_per_block, next_power_of_two(-(-bf16_slots // TARGET_SPLITS)))
+
+
+def resolve_splits(pages_per_split, pages_per_block, bf16_slots: int, history_slots: int,
+                   page_size: int) -> tuple:
+    """(pages_per_split, bf16_pages_per_split, pages_per_block) of a decode / prefill call, the
+    defaults filled in for None: the block from the page size, the split from the longer page
+    table, the BF16 tier's split by bf16_tier_pages_per_split. Values that are not positive
+    integers are passed through untouched for the backend's validation to name."""
+    if pages_per_block is None:
+        pages_per_block = default_pages_per_block(page_size)
+    given = (pages_per_block,) if pages_per_split is None else (pages_per_block, pages_per_split)
+    if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 for x in given):
+        return pages_per_split, pages_per_split, pages_per_block
+    if pages_per_split is None:
+        pages_per_split = default_pages_per_split(max(bf16_slots, history_slots), pages_per_block, page_size)
+    return (pages_per_split, bf16_tier_pages_per_split(bf16_slots, history_slots, pages_per_split, pages_per_block),
+            pages_per_block)
+
+
 # Tokens per program of the fused write when it rotates bfloat16 rows (three bf16 products per
 # block, the parts read once per program): H200, 65,536 tokens × 8 heads × d 128, 4 warps, the
 # shipped kernel (results/profile_write_v9_product_h200.json): 16 / 32 / 64 / 128 tokens
@@ -95,10 +124,11 @@ def default_decode_num_warps(batch: int, num_kv_heads: int, table_slots: int, pa
 
 
 def default_decode_launch(batch: int, num_kv_heads: int, bf16_slots: int, history_slots: int,
-                          pages_per_split: int) -> tuple[tuple[int, int], tuple[int, int]]:
+                          bf16_pages_per_split: int, pages_per_split: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """(num_warps, num_stages) of the BF16 tier's kernel and of the INT2 tier's: each tier's warps
-    from its own program count, 3 stages for INT2 and BF16_TIER_NUM_STAGES for BF16."""
-    return ((default_decode_num_warps(batch, num_kv_heads, bf16_slots, pages_per_split), BF16_TIER_NUM_STAGES),
+    from its own program count (its slots over its split), 3 stages for INT2 and
+    BF16_TIER_NUM_STAGES for BF16."""
+    return ((default_decode_num_warps(batch, num_kv_heads, bf16_slots, bf16_pages_per_split), BF16_TIER_NUM_STAGES),
             (default_decode_num_warps(batch, num_kv_heads, history_slots, pages_per_split), DECODE_NUM_STAGES))
 
 

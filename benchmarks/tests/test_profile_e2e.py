@@ -21,6 +21,22 @@ def test_busy_span_and_idle_of_overlapping_and_gapped_kernels():
     assert cats["cache_write"]["us_per_step"] == pytest.approx(5 / 2 / 1e3)
     assert cats["other"]["us_per_step"] == pytest.approx(10 / 2 / 1e3)
     assert s["top_kernels"][0]["name"] == "cutlass_gemm"
+    # Gaps keyed by the kernel that ended last before each (bf16_tier_kernel, not the earlier-ending
+    # int2 one) and the next to start; their sum is the idle time.
+    gaps = {(g["after"], g["before"]): g["us_per_step"] * 2e3 for g in s["top_idle_gaps"]}
+    assert gaps == pytest.approx({("nvjet_gemm", "loop_fusion"): 70, ("write_bf16_pages", "cutlass_gemm"): 10,
+                                  ("bf16_tier_kernel", "nvjet_gemm"): 8, ("loop_fusion", "write_bf16_pages"): 5})
+    assert sum(gaps.values()) == pytest.approx(150 - busy)
+    assert [g["after"] for g in s["top_idle_gaps"]][0] == "nvjet_gemm"
+
+
+def test_idle_gaps_count_a_pallas_kernel_of_every_layer_as_one():
+    events = [("oscar_int2_tier__3", 0, 10), ("merge", 12, 1), ("oscar_int2_tier__4", 20, 10), ("merge", 32, 1)]
+    first, second = profile_e2e.summarize_kernels(events, steps=1)["top_idle_gaps"]
+    assert (first["after"], first["before"], first["gaps_per_step"]) == ("merge", "oscar_int2_tier", 1)
+    assert first["us_per_step"] == pytest.approx(7 / 1e3)
+    assert (second["after"], second["before"], second["gaps_per_step"]) == ("oscar_int2_tier", "merge", 2)
+    assert second["us_per_step"] == pytest.approx(4 / 1e3) and second["mean_us"] == pytest.approx(2 / 1e3)
 
 
 def test_no_events():

@@ -505,8 +505,8 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
 @pytest.mark.parametrize("batch_rows,expected_warps", [(1, 4), (8, 2)])
 def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_rows, expected_warps):
     """num_warps / num_stages None launch each tier as shared_math.tiling.default_decode_launch says
-    for that tier's own table (2 warps once it has DECODE_TWO_WARPS_MIN_PROGRAMS programs, here set
-    between batch 1's and batch 8's counts, else 4; DECODE_NUM_STAGES for INT2,
+    for that tier's own table and split (2 warps once it has DECODE_TWO_WARPS_MIN_PROGRAMS programs,
+    here set between the INT2 tier's batch-1 and batch-8 counts, else 4; DECODE_NUM_STAGES for INT2,
     BF16_TIER_NUM_STAGES for BF16). Explicit values reach both tiers."""
     from oscar_jax import attention_ops
     from shared_math import tiling
@@ -517,38 +517,39 @@ def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_row
                         lambda q, cache, **kw: seen.append((kw["bf16_launch"], kw["int2_launch"])))
     arrays = list(cache.arrays)
     kv_heads, bf16_slots, slots = arrays[2].shape[1], arrays[8].shape[1], arrays[11].shape[1]
-    split = tiling.default_pages_per_split(max(bf16_slots, slots), 1, arrays[0].shape[2])
-    programs_b1 = kv_heads * -(-slots // split)
-    monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 4 * programs_b1)  # b1 < it ≤ b8, both tiers
+    split, bf16_split, _ = tiling.resolve_splits(None, None, bf16_slots, slots, arrays[0].shape[2])
+    threshold = 4 * kv_heads * -(-slots // split)  # INT2 tier: b1 < it ≤ b8
+    monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", threshold)
     for i in (8, 9, 10, 11, 12):  # tables and lengths [B, …]: repeat row 0 to the batch
         arrays[i] = jnp.repeat(jnp.asarray(arrays[i])[:1], batch_rows, axis=0)
     qb = jnp.repeat(q[:1], batch_rows, axis=0)
     _call(qb, arrays)
     _call(qb, arrays, num_warps=8, num_stages=1)
     _call(qb, arrays, num_stages=1)
-    bf16 = tiling.BF16_TIER_NUM_STAGES
-    assert -(-bf16_slots // split) == -(-slots // split)  # one split per tier: both switch at the threshold
-    assert seen == [((expected_warps, bf16), (expected_warps, tiling.DECODE_NUM_STAGES)),
-                    ((8, 1), (8, 1)), ((expected_warps, 1), (expected_warps, 1))]
+    bf16_warps = 2 if batch_rows * kv_heads * -(-bf16_slots // bf16_split) >= threshold else 4  # its own count
+    assert seen == [((bf16_warps, tiling.BF16_TIER_NUM_STAGES), (expected_warps, tiling.DECODE_NUM_STAGES)),
+                    ((8, 1), (8, 1)), ((bf16_warps, 1), (expected_warps, 1))]
 
 
 @pytest.mark.parametrize("bf16_slots,history_slots", [(4096, 0), (SINK_SLOTS + 2, 4096), (SINK_SLOTS + 2, 0)])
 def test_default_split_follows_the_longer_table(small_cache, monkeypatch, bf16_slots, history_slots):
     """pages_per_split None → shared_math.tiling.default_pages_per_split of the longer page table:
     the history table of an OSCAR cache, the BF16 table of a cache with no INT2 tier (whose split
-    was once the floor's, however long its context)."""
+    was once the floor's, however long its context). The BF16 tier takes that split when it holds
+    the context, and beside an INT2 tier one page a program (its few sink + recent pages)."""
     from oscar_jax import attention_ops
     from shared_math import tiling
 
     q, cache = small_cache
     seen = []
-    monkeypatch.setattr(attention_ops, "_decode_attention", lambda q, cache, **kw: seen.append(kw["pages_per_split"]))
+    monkeypatch.setattr(attention_ops, "_decode_attention",
+                        lambda q, cache, **kw: seen.append((kw["pages_per_split"], kw["bf16_pages_per_split"])))
     arrays = list(cache.arrays)
     batch = q.shape[0]
     arrays[8] = jnp.zeros((batch, bf16_slots), jnp.int32)
     arrays[11] = jnp.zeros((batch, history_slots), jnp.int32)
     _call(q, arrays)
     want = tiling.default_pages_per_split(max(bf16_slots, history_slots), 1, PAGE_SIZE)
-    assert seen == [want]
+    assert seen == [(want, want if history_slots == 0 else 1)]
     assert want == (4096 // tiling.TARGET_SPLITS if max(bf16_slots, history_slots) == 4096
                     else tiling.MIN_TOKENS_PER_SPLIT // PAGE_SIZE)

@@ -218,8 +218,10 @@ def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch, wa
     kv_heads, slots = arrays[2].shape[1], arrays[11].shape[1]
     splits = -(-slots // SMALL.pages_per_split)
     monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 4 * kv_heads * splits)  # INT2 tier: b1 < it ≤ b8
+    _, bf16_split, _ = tiling.resolve_splits(SMALL.pages_per_split, SMALL.pages_per_block, arrays[8].shape[1], slots,
+                                             arrays[0].shape[2])
     (bf16_warps, bf16_stages), _ = tiling.default_decode_launch(batch, kv_heads, arrays[8].shape[1], slots,
-                                                                SMALL.pages_per_split)
+                                                                bf16_split, SMALL.pages_per_split)
     for i in (8, 9, 10, 11, 12):  # tables and lengths [B, …]: repeat row 0 to the batch
         arrays[i] = arrays[i][:1].repeat_interleave(batch, dim=0).contiguous()
     qb = q[:1].repeat_interleave(batch, dim=0).contiguous()
@@ -241,7 +243,8 @@ def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch, wa
 @pytest.mark.parametrize("bf16_slots,history_slots", [(4096, 0), (SMALL.sink_slots + 2, 4096), (SMALL.sink_slots + 2, 0)])
 def test_default_split_follows_the_longer_table(small, monkeypatch, bf16_slots, history_slots):
     """pages_per_split None → shared_math.tiling.default_pages_per_split of the longer page table:
-    the history table of an OSCAR cache, the BF16 table of a cache with no INT2 tier."""
+    the history table of an OSCAR cache, the BF16 table of a cache with no INT2 tier. The BF16 tier
+    takes that split when it holds the context, and beside an INT2 tier one page a program."""
     from oscar_torch import attention_ops
     from shared_math import tiling
 
@@ -249,7 +252,7 @@ def test_default_split_follows_the_longer_table(small, monkeypatch, bf16_slots, 
         pass
 
     def capture(q_rows, cache, **kw):
-        raise Seen(kw["pages_per_split"])
+        raise Seen(kw["pages_per_split"], kw["bf16_pages_per_split"])
 
     monkeypatch.setattr(attention_ops, "_tier_partials", capture)
     q, arrays = small
@@ -260,7 +263,8 @@ def test_default_split_follows_the_longer_table(small, monkeypatch, bf16_slots, 
     with pytest.raises(Seen) as seen:
         ops.decode_attention(q, *arrays, **kwargs)
     page_size = arrays[0].shape[2]
-    assert seen.value.args == (tiling.default_pages_per_split(max(bf16_slots, history_slots), 1, page_size),)
+    want = tiling.default_pages_per_split(max(bf16_slots, history_slots), 1, page_size)
+    assert seen.value.args == (want, want if history_slots == 0 else 1)
     assert seen.value.args[0] == max(-(-tiling.MIN_TOKENS_PER_SPLIT // page_size),
                                      -(-max(bf16_slots, history_slots) // tiling.TARGET_SPLITS))
 

@@ -42,15 +42,43 @@ def test_decode_num_warps_follows_the_program_count(batch, history_slots, pages_
     assert default_decode_num_warps(batch, 8, history_slots, pages_per_split) == expected
 
 
-@pytest.mark.parametrize("batch,bf16_slots,history_slots,pages_per_split,expected", [
-    (1, 6, 2043, 16, ((4, 2), (2, 3))),   # 128K b1: 1024 INT2 programs, 8 BF16 ones
-    (1, 6, 123, 4, ((4, 2), (4, 3))),     # 8K b1: 248 INT2 programs
-    (8, 512, 0, 16, ((2, 2), (4, 3))),    # a BF16-only cache, 32K b8: 2048 BF16 programs
+@pytest.mark.parametrize("batch,bf16_slots,history_slots,bf16_split,pages_per_split,expected", [
+    (1, 6, 2043, 1, 16, ((4, 2), (2, 3))),     # 128K b1: 1024 INT2 programs, 48 BF16 ones
+    (1, 6, 123, 1, 4, ((4, 2), (4, 3))),       # 8K b1: 248 INT2 programs
+    (8, 512, 0, 16, 16, ((2, 2), (4, 3))),     # a BF16-only cache, 32K b8: 256 BF16 programs…
+    (8, 512, 0, 4, 4, ((2, 2), (4, 3))),       # … at 4 pages a split, 1024
+    (16, 6, 2043, 1, 16, ((2, 2), (2, 3))),    # b16: 768 BF16 programs of one page
 ])
-def test_decode_launch_is_per_tier(batch, bf16_slots, history_slots, pages_per_split, expected):
+def test_decode_launch_is_per_tier(batch, bf16_slots, history_slots, bf16_split, pages_per_split, expected):
     from shared_math.tiling import default_decode_launch
 
-    assert default_decode_launch(batch, 8, bf16_slots, history_slots, pages_per_split) == expected
+    assert default_decode_launch(batch, 8, bf16_slots, history_slots, bf16_split, pages_per_split) == expected
+
+
+@pytest.mark.parametrize("given,bf16_slots,history_slots,page_size,expected", [
+    ((None, None), 6, 2043, 64, (16, 1, 1)),       # 128K: the sink + recent pages one per program
+    ((None, None), 5, 1558, 64, (16, 1, 1)),       # the e2e step's 100K
+    ((None, None), 1563, 0, 64, (16, 16, 1)),      # a BF16-only cache: its table holds the context
+    ((None, None), 300, 4000, 64, (32, 4, 1)),     # a long recent window: ≈ 300 / TARGET_SPLITS, power of two
+    ((None, None), 21, 60, 8, (32, 2, 2)),         # pages of 8: blocks of 2 pages (the dot tile), 256 tokens a split
+    ((8, None), 6, 2043, 64, (8, 1, 1)),           # an explicit split is the INT2 tier's
+    ((6, 2), 21, 60, 32, (6, 2, 2)),               # … of any multiple of the block
+    ((8, None), 130, 0, 64, (8, 8, 1)),            # … or the BF16-only cache's
+])
+def test_resolve_splits(given, bf16_slots, history_slots, page_size, expected):
+    from shared_math.tiling import resolve_splits
+
+    assert resolve_splits(*given, bf16_slots, history_slots, page_size) == expected
+
+
+@pytest.mark.parametrize("pages_per_split,pages_per_block", [(0, 1), (-4, 1), (True, 1), (2.0, 1), (None, 0),
+                                                             (None, "1")])
+def test_resolve_splits_passes_bad_values_through(pages_per_split, pages_per_block):
+    """A bad value reaches the backend's validation unchanged, so that its error names it."""
+    from shared_math.tiling import resolve_splits
+
+    split, bf16_split, block = resolve_splits(pages_per_split, pages_per_block, 6, 2043, 64)
+    assert (split, bf16_split, block) == (pages_per_split, pages_per_split, pages_per_block)
 
 
 def test_decode_launch_fits_more_programs_per_sm():
