@@ -58,6 +58,7 @@ from shared_math.tiers import bf16_kv_bytes_per_layer, bf16_row_bytes, int2_row_
 
 CONTEXTS = (30000, 60000, 100000)
 CAPACITY_CONTEXT = 100_000
+STEPS = 10  # donated steps per timed loop (time_steps)
 WORKSPACE_RESERVE_BYTES = 4 * 2**30
 CACHE_KINDS = ("int2", "bf16")
 CLIP_RATIO = 0.96
@@ -352,7 +353,7 @@ def _device_memory_bytes() -> tuple[int | None, str]:
 
 def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar: OscarConfig | None = None,
         batch: int = 1, capacity_context: int | None = CAPACITY_CONTEXT, memory_bytes: int | None = None,
-        reserve_bytes: int = WORKSPACE_RESERVE_BYTES, steps: int = 10, trials: int = 5, interpret=None,
+        reserve_bytes: int = WORKSPACE_RESERVE_BYTES, steps: int = STEPS, trials: int = 5, interpret=None,
         seed: int = 0, on_progress=None) -> dict:
     """End-to-end decode steps per (cache, context), and capacity at `capacity_context`.
 

@@ -67,6 +67,8 @@ def main(argv=None) -> None:
                         help="keep the (context, batch) configs of an existing <out>/decode_h200.json that this "
                              "run does not re-measure (a sweep split over several device calls)")
     parser.add_argument("--e2e-contexts", type=_ints, default=None, help="end-to-end contexts (default 30000,60000,100000)")
+    parser.add_argument("--e2e-steps", type=int, default=None,
+                        help="end-to-end: donated steps per timed loop (default bench_e2e.STEPS)")
     parser.add_argument("--no-capacity", action="store_true", help="end-to-end: skip the capacity search at 100K")
     parser.add_argument("--capacity-only", action="store_true",
                         help="end-to-end: only the capacity search, merged into an existing <out>/e2e_h200.json "
@@ -161,7 +163,8 @@ def main(argv=None) -> None:
             if not args.no_capacity and not preallocated:
                 print(f"e2e: capacity search skipped (the allocator grows on demand); run: {capacity_command}",
                       flush=True)
-            save("e2e", bench_e2e.run(contexts=args.e2e_contexts, copy_gb_per_s=copy["gb_per_s"], **capacity,
+            steps = {} if args.e2e_steps is None else {"steps": args.e2e_steps}
+            save("e2e", bench_e2e.run(contexts=args.e2e_contexts, copy_gb_per_s=copy["gb_per_s"], **capacity, **steps,
                                       on_progress=lambda partial: save("e2e", partial)))
 
 
