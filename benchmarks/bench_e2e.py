@@ -58,7 +58,10 @@ from shared_math.tiers import bf16_kv_bytes_per_layer, bf16_row_bytes, int2_row_
 
 CONTEXTS = (30000, 60000, 100000)
 CAPACITY_CONTEXT = 100_000
-STEPS = 10  # donated steps per timed loop (time_steps)
+# Donated steps per timed loop (time_steps). A loop carries a fixed cost (its first dispatch, the
+# final sync) of ~3 ms on the H200: at 100K, 10 steps gave 8.11 / 9.90 ms a step (INT2 / BF16),
+# 40 steps 7.83 / 9.54, against a traced GPU span of 7.64 / 9.21 (benchmarks/NOTES.md v14).
+STEPS = 40
 WORKSPACE_RESERVE_BYTES = 4 * 2**30
 CACHE_KINDS = ("int2", "bf16")
 CLIP_RATIO = 0.96
