@@ -20,7 +20,9 @@ Tables are sized for the largest context of the run (as the runtime sizes them f
 max_seq_len), so one compiled step serves every context of a cache kind at a given batch.
 
 Timing: the step is compiled ahead of time; a Python loop dispatches `steps` donated steps
-(dispatch is asynchronous, so host time overlaps the device) and blocks once at the end;
+(dispatch is asynchronous, so host time overlaps the device) and blocks once at the end —
+the time until the last step is handed over is kept as `dispatch_median_s` (≈ the step time when
+the host is the bound);
 per-step time = loop time / steps; median over `trials` loops after two warm-up steps. Every
 step writes the new token to the same slot, so the cache state is a fixed point.
 
@@ -304,11 +306,13 @@ def time_steps(step, params, tokens, cache, positions, *, steps: int, trials: in
     after = _pool_pointers(cache)
     logits, cache = step(params, tokens, cache, positions)
     second = np.asarray(logits)
-    times = []
+    times, dispatch = [], []
     for _ in range(trials):
         t0 = time.perf_counter()
         for _ in range(steps):
             logits, cache = step(params, tokens, cache, positions)
+        # Host time to hand the steps over; ≈ the loop's time when the host, not the GPU, is the bound.
+        dispatch.append((time.perf_counter() - t0) / steps)
         jax.block_until_ready((logits, cache))
         times.append((time.perf_counter() - t0) / steps)
     checks = {"logits_finite": bool(np.all(np.isfinite(first)) and np.all(np.isfinite(second))),
@@ -317,7 +321,7 @@ def time_steps(step, params, tokens, cache, positions, *, steps: int, trials: in
               # a donated step must update the pools in place; a moved pool is a whole-pool copy
               "pools_moved": sorted(n for n in before if before[n] is not None and before[n] != after[n])}
     timing = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "steps": steps,
-              "trials": trials}
+              "trials": trials, "dispatch_median_s": statistics.median(dispatch)}
     return timing, checks, cache
 
 
@@ -357,13 +361,13 @@ def _device_memory_bytes() -> tuple[int | None, str]:
 def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar: OscarConfig | None = None,
         batch: int = 1, capacity_context: int | None = CAPACITY_CONTEXT, memory_bytes: int | None = None,
         reserve_bytes: int = WORKSPACE_RESERVE_BYTES, steps: int = STEPS, trials: int = 5, interpret=None,
-        seed: int = 0, on_progress=None) -> dict:
+        seed: int = 0, on_progress=None, kinds=CACHE_KINDS) -> dict:
     """End-to-end decode steps per (cache, context), and capacity at `capacity_context`.
 
     `model` defaults to Qwen3-8B (`qwen3_8b_config`), `oscar` to page 64 / sink 64 / recent 256 /
     G 128. `copy_gb_per_s` (the caller's measured copy bandwidth) sets the floors (None: no
-    floors). `memory_bytes` overrides the device memory used for capacity; `capacity_context=None`
-    skips the capacity part. `on_progress(result)` is called with the partial result after every
+    floors). `kinds`: the caches to step (a subset of CACHE_KINDS). `memory_bytes` overrides the
+    device memory used for capacity; `capacity_context=None` skips the capacity part. `on_progress(result)` is called with the partial result after every
     measurement, so a run cut off by a time limit still leaves what it measured.
     """
     import jax
@@ -372,6 +376,8 @@ def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar:
     model = model or qwen3_8b_config()
     oscar = oscar or oscar_config(model.head_dim)
     contexts = CONTEXTS if contexts is None else tuple(contexts)  # () → capacity only
+    if unknown := set(kinds) - set(CACHE_KINDS):
+        raise ValueError(f"kinds {sorted(unknown)} are not among {CACHE_KINDS}")
     t_start = time.perf_counter()
 
     def log(msg):
@@ -422,7 +428,7 @@ def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar:
                                "median over `trials` loops after 2 warm-up steps",
               "runs": [], "compile": {}}
     table_context = max(contexts, default=0)
-    for kind in CACHE_KINDS if contexts else ():
+    for kind in kinds if contexts else ():
         compiled = None
         for context in contexts:
             entry, compiled, info = measure(kind, context, batch, table_context, compiled)

@@ -117,6 +117,7 @@ def test_tiny_run_end_to_end(tiny_model):
         assert r["kv_bytes_read"] == kv
         assert r["floor_s"] == pytest.approx((r["weight_bytes_read"] + kv) / 100e9)
         assert r["step_over_floor"] == pytest.approx(r["median_s"] / r["floor_s"])
+        assert 0 < r["dispatch_median_s"] <= r["max_s"]  # handing the steps over ends before they finish
     assert result["runs"][1]["tiers"] == {"sink_tokens": 64, "history_tokens": 320, "recent_tokens": 316}
     cap = result["capacity"]
     assert cap["int2"]["max_concurrent_100k"] == 3 and cap["int2"]["built_batch"] == 3
@@ -127,3 +128,12 @@ def test_tiny_run_end_to_end(tiny_model):
         if entry["built_batch"]:
             assert entry["tokens_per_s_at_capacity"] == pytest.approx(entry["built_batch"] / entry["step"]["median_s"])
             assert entry["step"]["logits_finite"]
+
+
+def test_run_steps_only_the_named_caches(tiny_model):
+    oscar = bench_e2e.oscar_config(64)
+    result = bench_e2e.run(contexts=(500,), model=tiny_model, oscar=oscar, capacity_context=None, steps=1,
+                           trials=1, interpret=True, kinds=("bf16",))
+    assert [(r["cache"], r["context"]) for r in result["runs"]] == [("bf16", 500)]
+    with pytest.raises(ValueError, match="fp8"):
+        bench_e2e.run(contexts=(500,), model=tiny_model, oscar=oscar, capacity_context=None, kinds=("fp8",))
