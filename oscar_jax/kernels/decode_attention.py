@@ -84,6 +84,12 @@ def dot_nn(a, b):
                            preferred_element_type=jnp.float32)
 
 
+def dot_tn(a, b):
+    """a [C, M]ᵀ · b [C, N] → [M, N] float32 accumulation."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_precision(a, b),
+                           preferred_element_type=jnp.float32)
+
+
 def online_softmax_step(scores, valid, m_prev, l_prev):
     """One online-softmax step on a [M, N] score tile in base-2 units (`shared_math.tiling.base2_score_scale`); `valid`
     broadcasts to [M, N].
@@ -316,19 +322,32 @@ def _code_planes(load_chunk, pieces, compute_dtype, unpack_asm=False):
     return [functools.partial(plane_operand, chunks[byte_start], plane) for byte_start, _, plane, _, _ in pieces]
 
 
-def _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias):
-    """Σ_g s_g·(q_g · c_g) + m_g·Σ q_g → [BLOCK_M, N]; k_scale / k_min per group, each [N].
+def _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias, tokens_on_m=False):
+    """Σ_g s_g·(q_g · c_g) + m_g·Σ q_g → [BLOCK_M, N] ([N, BLOCK_M] with `tokens_on_m`: the codes
+    are the dot's A operand and the query rows its N); k_scale / k_min per group, each [N].
     The planes hold c + code_bias, so the minimum term uses m − code_bias·s."""
     code_dots = [None] * len(k_scale)
     for q_piece, plane, (_, _, _, _, group) in zip(q_pieces, k_planes, pieces):
-        d = dot_nt(q_piece, plane())
+        d = dot_nt(plane(), q_piece) if tokens_on_m else dot_nt(q_piece, plane())
         code_dots[group] = d if code_dots[group] is None else code_dots[group] + d
     scores = None
     for group, (scale, minimum) in enumerate(zip(k_scale, k_min)):
         shifted_min = minimum - code_bias * scale if code_bias else minimum
-        term = code_dots[group] * scale[None, :] + q_group_sums[group][:, None] * shifted_min[None, :]
+        if tokens_on_m:
+            term = code_dots[group] * scale[:, None] + shifted_min[:, None] * q_group_sums[group][None, :]
+        else:
+            term = code_dots[group] * scale[None, :] + q_group_sums[group][:, None] * shifted_min[None, :]
         scores = term if scores is None else scores + term
     return scores
+
+
+def _int2_output_terms_tokens_on_m(p_t, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias):
+    """`_int2_output_terms` of pᵀ [N, BLOCK_M] (scores computed with tokens on M)."""
+    p_scaled = [(p_t * scale[:, None]).astype(compute_dtype) for scale in v_scale]
+    p_min = [jnp.sum(p_t * minimum[:, None], axis=0) for minimum in v_min]
+    if code_bias:
+        p_min = [m - code_bias * jnp.sum(ps.astype(jnp.float32), axis=0) for m, ps in zip(p_min, p_scaled)]
+    return [dot_tn(p_scaled[group], plane()) for plane, (_, _, _, _, group) in zip(v_planes, pieces)], p_min
 
 
 def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias):
@@ -383,10 +402,12 @@ def _int2_tier_kernel(
     PAGES_PER_BLOCK: int,
     SCORE_SCALE: float,
     UNPACK_ASM: bool = False,
+    TOKENS_ON_M: bool = False,
 ):
     """One iteration = PAGES_PER_BLOCK pages, each read as a whole page through a scalar page id
     (contiguous [L, D/4] codes, no per-token addresses), one online-softmax update for all of them.
-    Needs L ≥ 16 (dot tile); `_int2_tier_gather_kernel` serves smaller pages."""
+    Needs L ≥ 16 (dot tile); `_int2_tier_gather_kernel` serves smaller pages. TOKENS_ON_M: the
+    scores as [L, BLOCK_M] (codes as the dot's A operand), the softmax along axis 0."""
     b, split = pl.program_id(0), pl.program_id(3)
     block_m, head_dim = q_ref.shape
     compute_dtype = q_ref.dtype
@@ -410,22 +431,27 @@ def _int2_tier_kernel(
                                      UNPACK_ASM)
             k_scale = _int2_metadata(k_scale_ref, (page, slice(None)), valid, num_groups)
             k_min = _int2_metadata(k_min_ref, (page, slice(None)), valid, num_groups)
-            scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias) * SCORE_SCALE
-            pages.append((page, valid, jnp.where(valid[None, :], scores, MASK_VALUE)))
+            scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias,
+                                  TOKENS_ON_M) * SCORE_SCALE
+            mask = valid[:, None] if TOKENS_ON_M else valid[None, :]
+            pages.append((page, valid, mask, jnp.where(mask, scores, MASK_VALUE)))
+        token_axis = 0 if TOKENS_ON_M else 1
         m_new = m
-        for _, _, scores in pages:
-            m_new = jnp.maximum(m_new, jnp.max(scores, axis=1))
+        for _, _, _, scores in pages:
+            m_new = jnp.maximum(m_new, jnp.max(scores, axis=token_axis))
         correction = jnp.exp2(m - m_new)
         l = l * correction
         o_pieces = [o_piece * correction[:, None] for o_piece in o_pieces]
-        for page, valid, scores in pages:
-            p = jnp.where(valid[None, :], jnp.exp2(scores - m_new[:, None]), 0.0)  # [BLOCK_M, L]
-            l = l + jnp.sum(p, axis=1)
+        for page, valid, mask, scores in pages:
+            row_max = m_new[None, :] if TOKENS_ON_M else m_new[:, None]
+            p = jnp.where(mask, jnp.exp2(scores - row_max), 0.0)  # [BLOCK_M, L] ([L, BLOCK_M])
+            l = l + jnp.sum(p, axis=token_axis)
             v_planes = _code_planes(lambda c0, w: v_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype,
                                      UNPACK_ASM)
             v_scale = _int2_metadata(v_scale_ref, (page, slice(None)), valid, num_groups)
             v_min = _int2_metadata(v_min_ref, (page, slice(None)), valid, num_groups)
-            dots, p_min = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
+            output_terms = _int2_output_terms_tokens_on_m if TOKENS_ON_M else _int2_output_terms
+            dots, p_min = output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
             o_pieces = _accumulate_output(o_pieces, dots, p_min, pieces)
         return tuple(o_pieces), m_new, l
 
@@ -512,6 +538,7 @@ def int2_tier_partials(
     num_stages: int = 2,
     layer: int | None = None,
     unpack_asm: bool = False,
+    tokens_on_m: bool = False,
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
     With `layer`, the pools are stacked [Y, P, K, L, ·] and layer `layer` is read.
@@ -533,6 +560,7 @@ def int2_tier_partials(
         PAGES_PER_BLOCK=pages_per_block,
         SCORE_SCALE=base2_score_scale(softmax_scale),
         UNPACK_ASM=bool(unpack_asm),
+        **({"TOKENS_ON_M": True} if tokens_on_m else {}),
     )
     codes_spec = layer_block_spec((num_pages, None, page_size, packed), lambda b, h, r, s: (0, h, 0, 0), layer)
     meta_spec = layer_block_spec((num_pages, None, page_size, num_groups), lambda b, h, r, s: (0, h, 0, 0), layer)
