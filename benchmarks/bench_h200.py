@@ -29,22 +29,24 @@ from benchmarks.harness import JAX_TIMING_MODES
 
 SECTIONS = ("copy", "decode", "write", "e2e")
 # Tilings timed as extra variants at 128K, batch 1 and 8 (or everywhere with --sweep-all; NOTES.md:
-# why these). `unpack_asm=False` keeps the compiler's unpacking in the sweep as the reference the
-# inline-PTX default replaced (v3 → v4). Each launch is spelled out in full, so that a variant's name
-# means the same launch whatever the defaults (`shared_math.tiling`: since v12 3 stages, and 2 warps
-# once the INT2 tier has ≥ 512 programs).
+# why these). Each launch is spelled out in full, so that a variant's name means the same launch
+# whatever the defaults (`shared_math.tiling`: since v15 the INT2 tier's scores run with tokens on M
+# in one-warp programs, 3 stages; explicit warps and stages apply to both tiers).
+# `unpack_asm=False` keeps the compiler's unpacking in the sweep as the reference the inline-PTX
+# default replaced (v3 → v4).
 TUNING_128K = [
     dict(pages_per_split=ps, pages_per_block=pb, num_warps=nw, num_stages=ns, unpack_asm=asm)
-    for ps, pb, nw, ns, asm in [(16, 1, 4, 2, False), (16, 1, 4, 2, True), (16, 1, 2, 2, True), (32, 1, 4, 2, True),
-                                (16, 2, 2, 2, True), (16, 1, 2, 3, True), (32, 1, 2, 2, True), (32, 1, 2, 3, True)]
-] + [dict(num_warps=nw, num_stages=ns) for nw, ns in [(4, 2), (4, 3), (2, 2), (2, 3)]]  # the default split
+    for ps, pb, nw, ns, asm in [(16, 1, 1, 3, False), (16, 1, 1, 2, True), (16, 1, 1, 4, True), (8, 1, 1, 3, True),
+                                (32, 1, 1, 3, True), (16, 2, 1, 3, True), (16, 1, 2, 3, True)]
+]
 TRITON_TUNING_128K = (
-    # the compiler's unpacking and longer splits, at the default launch
-    [dict(pages_per_split=32, pages_per_block=1, unpack_asm=asm) for asm in (False, True)]
-    # the launches around the default (2 warps at ≥ 512 programs, 3 stages, maxnreg 128): 4 warps
-    # (the default until v12), uncapped registers (max_registers=0), deeper or shallower pipelining (NOTES v7, v11)
+    # the compiler's unpacking and other splits, at the default launch
+    [dict(pages_per_split=16, pages_per_block=1, unpack_asm=False)]
+    + [dict(pages_per_split=ps) for ps in (8, 32)]
+    # the launches around the default (1 warp, 3 stages, no register cap): shallower or deeper
+    # pipelining, a register cap, 2 warps (the rows-on-M kernel's launch until v14)
     + [dict(num_warps=nw, num_stages=ns, max_registers=mr)
-       for nw, ns, mr in [(4, 2, 0), (4, 3, 0), (4, 2, 80), (2, 2, 0), (2, 3, 0), (2, 2, 128), (2, 4, 128)]]
+       for nw, ns, mr in [(1, 2, 0), (1, 4, 0), (1, 3, 192), (2, 3, 0)]]
 )
 
 

@@ -161,6 +161,8 @@ TRITON_POINTERS = {
 TRITON_QWEN3_8B = dict(NUM_HEADS=8, ROWS=16, D=128, PAGE_SIZE=64, PAGES_PER_SPLIT=16, NUM_SPLITS=4,
                        SCORE_SCALE=base2_score_scale(128**-0.5), BLOCK_M=16, TENSOR_CORES=True, GROUP_SIZE=128,
                        PAGES_PER_BLOCK=1, Q_BF16=True, SINK_SLOTS=1)
+# The decode INT2 tier as oscar_torch.attention_ops launches it (scores with tokens on M, 8 rows).
+TRITON_QWEN3_8B_DECODE_INT2 = dict(TRITON_QWEN3_8B, ROWS=8, BLOCK_M=8, TOKENS_ON_M=True)
 
 
 def compile_triton_source(kernel, constants: dict, num_warps: int, num_stages: int, pointers: dict | None = None):
@@ -205,9 +207,10 @@ def triton_kernel_usage(kernel, constants: dict, num_warps: int, num_stages: int
     return usage
 
 
-def qwen3_decode_case(num_warps: int, pages_per_block: int = 1, unpack_asm: bool = False):
+def qwen3_decode_case(num_warps: int | None, pages_per_block: int = 1, unpack_asm: bool = False):
     """(fn, args) of the production decode call at Qwen3-8B head shapes (d 128, G 128, GQA 4,
-    pages of 64, bf16 queries) over a small random cache (the kernels do not depend on its size)."""
+    pages of 64, bf16 queries) over a small random cache (the kernels do not depend on its size);
+    num_warps None: each tier's default launch."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -237,7 +240,8 @@ def qwen3_decode_case(num_warps: int, pages_per_block: int = 1, unpack_asm: bool
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-warps", default="1,2,4", help="comma-separated num_warps to compile")
+    parser.add_argument("--num-warps", default="default,2",
+                        help="comma-separated num_warps to compile; 'default': each tier's default launch")
     parser.add_argument("--unpack", default="jnp,asm", help="comma-separated: jnp (default kernel), asm (unpack_asm)")
     parser.add_argument("--sass", default=None, help="directory to keep the IR, PTX and SASS in")
     args = parser.parse_args(argv)
@@ -247,14 +251,15 @@ def main(argv=None) -> None:
           "| warp-instr per (token, head) |")
     print("|---|---|---|---|---|---|---|")
     top = {}
-    variants = [(u, int(w)) for u in args.unpack.split(",") for w in args.num_warps.split(",")]
-    for unpack, num_warps in variants:
-        fn, call_args = qwen3_decode_case(num_warps, unpack_asm=unpack == "asm")
+    warps = [None if w == "default" else int(w) for w in args.num_warps.split(",")]
+    variants = [(u, w) for u in args.unpack.split(",") for w in warps]
+    for unpack, requested_warps in variants:
+        fn, call_args = qwen3_decode_case(requested_warps, unpack_asm=unpack == "asm")
         for name, usage in compile_pallas_for_h200(fn, *call_args).items():
             kind = name.split("_tier")[0]
             if kind == "oscar_merge" or (kind == "oscar_bf16" and unpack == "asm"):
                 continue  # the merge has no page loop; the BF16 tier has no codes (the same kernel as with jnp)
-            compiled = usage["compiled"]
+            compiled, num_warps = usage["compiled"], usage["num_warps"]
             text = sass(compiled.asm["cubin"])
             loop = loop_profile(text)
             per_token = loop["instructions"] * num_warps / page
@@ -272,10 +277,13 @@ def main(argv=None) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":  # the torch backend's kernel, compiled from source
         from oscar_torch.kernels import decode_attention as torch_kernels
 
+        from shared_math.tiling import DECODE_NUM_STAGES, INT2_DECODE_NUM_WARPS
+
         for unpack in args.unpack.split(","):
-            for num_warps in (int(w) for w in args.num_warps.split(",")):
-                constants = dict(TRITON_QWEN3_8B, UNPACK_ASM=unpack == "asm")
-                usage = triton_kernel_usage(torch_kernels._int2_tier_kernel, constants, num_warps, 2, loop=True)
+            for num_warps in (INT2_DECODE_NUM_WARPS if w is None else w for w in warps):
+                constants = dict(TRITON_QWEN3_8B_DECODE_INT2, UNPACK_ASM=unpack == "asm")
+                usage = triton_kernel_usage(torch_kernels._int2_tier_kernel, constants, num_warps, DECODE_NUM_STAGES,
+                                            loop=True)
                 loop = usage["loop"]
                 print(f"| torch int2 (Triton) | {unpack} | {num_warps} | {usage['registers']} | {usage['spills']} "
                       f"| {loop['instructions']} | {loop['instructions'] * num_warps / page:.0f} |")

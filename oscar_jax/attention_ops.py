@@ -45,7 +45,7 @@ from oscar_jax.kernels.decode_attention import (
 from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
-from shared_math.tiling import default_decode_launch, next_power_of_two, resolve_splits
+from shared_math.tiling import default_decode_launch, int2_decode_rows, next_power_of_two, resolve_splits
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
 DEFAULT_NUM_WARPS = 4  # Triton launch parameters of prefill's cache partials (decode: shared_math.tiling)
@@ -216,11 +216,13 @@ def _page_size(k_bf16) -> int:
 def _cache_partials(
     q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split, pages_per_block,
     block_m, interpret, bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
-    int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), layer=None, unpack_asm=False,
+    int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), layer=None, unpack_asm=False, int2_rows=None,
 ):
     """Partials of q_rows [B, Hkv, M, D], one (o, lse) per tier: the BF16 tier (split by
     bf16_pages_per_split), then the INT2 tier (pages_per_split) when the history table has slots;
-    each tier's kernel launched with its (num_warps, num_stages)."""
+    each tier's kernel launched with its (num_warps, num_stages). `int2_rows` (decode): the INT2
+    tier reads the first int2_rows rows in one block, its scores with tokens on M
+    (`shared_math.tiling.int2_decode_rows`); its partials then have int2_rows rows."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
     tiling = dict(
@@ -235,6 +237,9 @@ def _cache_partials(
         pages_per_split=bf16_pages_per_split, num_warps=bf16_launch[0], num_stages=bf16_launch[1], **tiling,
     )]
     if history_page_table.shape[1] > 0:
+        if int2_rows is not None:
+            q_rows = q_rows[:, :, :int2_rows]
+            tiling.update(block_m=int2_rows, tokens_on_m=True)
         tiers.append(int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
             group_size=group_size, unpack_asm=unpack_asm, pages_per_split=pages_per_split, num_warps=int2_launch[0],
@@ -247,10 +252,10 @@ _STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "bf16
            "interpret", "layer")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("bf16_launch", "int2_launch", "unpack_asm"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("bf16_launch", "int2_launch", "unpack_asm", "int2_tokens_on_m"))
 def _decode_attention(
     q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split, pages_per_block,
-    interpret, bf16_launch, int2_launch, layer, unpack_asm,
+    interpret, bf16_launch, int2_launch, layer, unpack_asm, int2_tokens_on_m,
 ):
     batch, q_heads, head_dim = q.shape
     num_kv_heads = cache[0].shape[-3]  # k_bf16 [(Y,) P, K, L, D]
@@ -262,6 +267,7 @@ def _decode_attention(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
         block_m=rows, interpret=interpret, bf16_launch=bf16_launch, int2_launch=int2_launch, layer=layer, unpack_asm=unpack_asm,
+        int2_rows=int2_decode_rows(heads_per_kv) if int2_tokens_on_m else None,
     )
     # One merge program per kept row reads both tiers in place (the padding rows are never read):
     # [B, Hkv, S_t, rows, D] per tier → o [B, Hkv, Gq, D]. It replaced a concatenation and ~8 XLA
@@ -314,8 +320,9 @@ def decode_attention(
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
       num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only); None → each
-        tier's own, `shared_math.tiling.default_decode_launch`: 2 warps once the tier has ≥ 512
-        programs, else 4; 3 stages for the INT2 tier, 2 for the BF16 tier (benchmarks/NOTES.md v12).
+        tier's own, `shared_math.tiling.default_decode_launch`: the INT2 tier 1 warp and 3 stages
+        (its scores as [page tokens, 8 query rows], benchmarks/NOTES.md v15), the BF16 tier 2 warps
+        once it has ≥ 512 programs, else 4, and 2 stages (NOTES v12–v13).
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, GPU only): the same operand
         bits in fewer instructions (H200, 128K: 161 → 133 µs, benchmarks/NOTES.md v4); None → on
         where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
@@ -336,8 +343,11 @@ def decode_attention(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
+    # The INT2 tier's scores with tokens on M need whole pages of ≥ 16 tokens (the gather kernel
+    # for smaller pages keeps rows on M).
+    int2_tokens_on_m = _page_size(views[0]) >= MIN_DOT_DIM
     launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],
-                                     bf16_pages_per_split, pages_per_split)
+                                     bf16_pages_per_split, pages_per_split, int2_tokens_on_m=int2_tokens_on_m)
     if num_warps is not None:
         _check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
         launches = tuple((int(num_warps), stages) for _, stages in launches)
@@ -356,7 +366,7 @@ def decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
         pages_per_split=int(pages_per_split), bf16_pages_per_split=int(bf16_pages_per_split),
         pages_per_block=int(pages_per_block), bf16_launch=launches[0], int2_launch=launches[1], layer=layer, interpret=interpret,
-        unpack_asm=bool(unpack_asm),
+        unpack_asm=bool(unpack_asm), int2_tokens_on_m=int2_tokens_on_m,
     )
 
 

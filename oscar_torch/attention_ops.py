@@ -43,7 +43,9 @@ from oscar_torch.validation import (
     check_tensor,
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
-from shared_math.tiling import TRITON_INT2_MAX_REGISTERS, default_decode_launch, next_power_of_two, resolve_splits
+from shared_math.tiling import (
+    TRITON_INT2_MAX_REGISTERS, default_decode_launch, int2_decode_rows, next_power_of_two, resolve_splits,
+)
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
 DEFAULT_PREFILL_BLOCK_M = 64
@@ -169,10 +171,11 @@ _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v
 
 def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split,
                    pages_per_block, block_m, unpack_asm=False, bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
-                   int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), max_registers=0):
+                   int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), max_registers=0, int2_rows=None):
     """The (outputs, lses) of q_rows [B, Hkv, M, D] over each tier: BF16 (split by
     bf16_pages_per_split), then INT2 (pages_per_split) if it has slots; each tier's kernel launched
-    with its (num_warps, num_stages)."""
+    with its (num_warps, num_stages). `int2_rows` (decode): the INT2 tier reads the first int2_rows
+    rows in one block, its scores with tokens on M (`shared_math.tiling.int2_decode_rows`)."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
     tiers = [library.bf16_tier_partials(
@@ -180,10 +183,12 @@ def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, page
         softmax_scale, bf16_pages_per_split, pages_per_block, block_m, *bf16_launch,
     )]
     if history_page_table.shape[1] > 0:
+        if int2_rows is not None:
+            q_rows, block_m = q_rows[:, :, :int2_rows].contiguous(), int2_rows
         tiers.append(library.int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
             group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm, *int2_launch,
-            max_registers,
+            max_registers, int2_rows is not None,
         ))
     return tiers
 
@@ -243,19 +248,21 @@ def decode_attention(
         v4); None → on where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
       num_warps, num_stages: warps per program (a power of two) and software-pipelining depth of
         the page loops (≥ 1) of both tier kernels; None → each tier's own,
-        `shared_math.tiling.default_decode_launch`: 2 warps once the tier has ≥ 512 programs, else
-        4; 3 stages for the INT2 tier, 2 for the BF16 tier (benchmarks/NOTES.md v12).
+        `shared_math.tiling.default_decode_launch`: the INT2 tier 1 warp and 3 stages when its
+        scores run with tokens on M (G ≥ D/4 and pages of ≥ 16 tokens; benchmarks/NOTES.md v15),
+        else 2 warps once it has ≥ 512 programs, else 4; the BF16 tier likewise by its own
+        programs, and 2 stages (NOTES v12–v13).
       max_registers: registers per thread the compiled INT2 tier kernel may use (Triton's maxnreg,
         ≥ 32; spills beyond it), to fit more programs per SM; None →
-        `shared_math.tiling.TRITON_INT2_MAX_REGISTERS` (128), 0 → the compiler's choice. No effect
+        `shared_math.tiling.TRITON_INT2_MAX_REGISTERS` (128) for its rows-on-M kernel and the
+        compiler's choice for the one-warp tokens-on-M kernel, 0 → the compiler's choice. No effect
         under the Triton interpreter.
     Returns:
       float32 [B, Hq, D].
     """
     check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
-    max_registers = TRITON_INT2_MAX_REGISTERS if max_registers is None else max_registers
-    if isinstance(max_registers, bool) or not isinstance(max_registers, int) or not (
-            max_registers == 0 or max_registers >= 32):
+    if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int) or not (
+            max_registers == 0 or max_registers >= 32)):
         raise ValueError(f"max_registers={max_registers!r} must be 0 (the compiler's choice) or an integer >= 32")
     if unpack_asm is None:
         unpack_asm = not interpreting() and q.dtype == torch.bfloat16
@@ -273,8 +280,12 @@ def decode_attention(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
+    # The INT2 tier's scores with tokens on M: the folded kernel (G ≥ D/4) over pages of ≥ 16 tokens.
+    int2_tokens_on_m = group_size >= head_dim // CODES_PER_BYTE and k_bf16.shape[2] >= MIN_DOT_DIM
+    if max_registers is None:
+        max_registers = 0 if int2_tokens_on_m else TRITON_INT2_MAX_REGISTERS
     launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],
-                                     bf16_pages_per_split, pages_per_split)
+                                     bf16_pages_per_split, pages_per_split, int2_tokens_on_m=int2_tokens_on_m)
     if num_warps is not None:
         check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
         launches = tuple((int(num_warps), stages) for _, stages in launches)
@@ -291,6 +302,7 @@ def decode_attention(
         pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
         block_m=rows, unpack_asm=bool(unpack_asm),
         bf16_launch=launches[0], int2_launch=launches[1], max_registers=int(max_registers),
+        int2_rows=int2_decode_rows(heads_per_kv) if int2_tokens_on_m else None,
     )
     # One merge kernel over both tiers' splits, reading only the Gq kept rows of the padded ones
     # (the eager concatenate + merge took ~60 µs at 128K b1:

@@ -104,6 +104,22 @@ DECODE_TWO_WARPS_MIN_PROGRAMS = 512  # ≈ 4 per SM on the H200's 132
 DECODE_NUM_STAGES = 3
 
 
+# The INT2 tier's decode scores with the tokens on the dot's M ([L, rows], the codes as its A
+# operand) and the GQA rows on its N, padded to INT2_DECODE_MIN_ROWS (mma's n8) instead of 16, in
+# one-warp programs: H200, 128K, Pallas (benchmarks/NOTES.md v15, results/probe_int2_layout_h200.json):
+# b1 93.2 → 74.3 µs, b8 550.9 → 431.4 µs against [16, L] scores at 2 warps; the same layout at 2
+# warps took 132.0 / 735.3 µs, [16, L] at 1 warp 92.8 / 617.0. Static sm_90: 34.2 → 22.2 warp
+# instructions per (token, KV head): no cross-warp reductions, q's fragments reused over 64 tokens.
+INT2_DECODE_MIN_ROWS = 8
+INT2_DECODE_NUM_WARPS = 1
+
+
+def int2_decode_rows(heads_per_kv: int) -> int:
+    """Query rows of the INT2 tier's decode programs: the GQA group padded to a power of two ≥
+    INT2_DECODE_MIN_ROWS (the rows of the other kernels pad to MIN_DOT_DIM)."""
+    return max(INT2_DECODE_MIN_ROWS, next_power_of_two(heads_per_kv))
+
+
 # The BF16 tier's kernel streams bf16 pages at 0.7–0.9× copy bandwidth and loses at 3 stages:
 # whole-context BF16 tier (bf16_paged_pallas), 32K b1 58.9 µs at (4 warps, 2 stages) vs 66.1 at
 # (4, 3), b8 273.0 at (2, 2) vs 291.0 at (4, 3) (benchmarks/NOTES.md v12).
@@ -124,12 +140,16 @@ def default_decode_num_warps(batch: int, num_kv_heads: int, table_slots: int, pa
 
 
 def default_decode_launch(batch: int, num_kv_heads: int, bf16_slots: int, history_slots: int,
-                          bf16_pages_per_split: int, pages_per_split: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(num_warps, num_stages) of the BF16 tier's kernel and of the INT2 tier's: each tier's warps
-    from its own program count (its slots over its split), 3 stages for INT2 and
-    BF16_TIER_NUM_STAGES for BF16."""
+                          bf16_pages_per_split: int, pages_per_split: int, *,
+                          int2_tokens_on_m: bool = True) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(num_warps, num_stages) of the BF16 tier's kernel and of the INT2 tier's: the BF16 tier's
+    warps from its program count (its slots over its split) and BF16_TIER_NUM_STAGES; the INT2
+    tier's DECODE_NUM_STAGES and, with its scores on tokens × rows (`int2_tokens_on_m`),
+    INT2_DECODE_NUM_WARPS, else warps from its own program count."""
+    int2_warps = (INT2_DECODE_NUM_WARPS if int2_tokens_on_m
+                  else default_decode_num_warps(batch, num_kv_heads, history_slots, pages_per_split))
     return ((default_decode_num_warps(batch, num_kv_heads, bf16_slots, bf16_pages_per_split), BF16_TIER_NUM_STAGES),
-            (default_decode_num_warps(batch, num_kv_heads, history_slots, pages_per_split), DECODE_NUM_STAGES))
+            (int2_warps, DECODE_NUM_STAGES))
 
 
 # Triton's maxnreg for its INT2 tier kernel: at 2 warps it holds 161 registers uncapped (6 programs

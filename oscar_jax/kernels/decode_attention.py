@@ -27,6 +27,8 @@ GPU has no `jnp.dot` and rejects 8-bit arithmetic (DESIGN.md §4). The kernels k
 lowering's rules even though interpret mode would not enforce them: power-of-two value shapes,
 dots with M, N, K ≥ 16, uint8 widened to int32 before shifts, static shapes with dynamic loop
 trip counts, scalar reads of lengths from refs, page gathers as integer-array indexing of refs.
+(The decode INT2 tier's scores with tokens on M have N = 8: XLA's Triton pads it to mma's n8 —
+compiled and checked on the H200, benchmarks/NOTES.md v15.)
 
 Robustness: a page-table entry that does not hold a valid token is never dereferenced (its page
 id is replaced by 0 before the gather), V rows and INT2 metadata of masked tokens are zeroed
@@ -542,6 +544,8 @@ def int2_tier_partials(
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
     With `layer`, the pools are stacked [Y, P, K, L, ·] and layer `layer` is read.
+    `tokens_on_m` (pages of ≥ 16 tokens): each page's scores as [L, block_m], the codes the dot's A
+    operand, so block_m may be 8 (mma's N) instead of 16; decode runs it at one warp (NOTES v15).
     `unpack_asm`: codes unpacked by inline PTX (bfloat16 q, GPU only; `_unpack_plane_asm`)."""
     batch, num_kv_heads, rows, head_dim = q.shape
     num_pages, _, page_size, packed = per_layer_shape(k_codes.shape, layer)
@@ -552,15 +556,18 @@ def int2_tier_partials(
     table_len = splits * pages_per_split
     page_table = jnp.pad(page_table, ((0, 0), (0, table_len - page_table.shape[1])))
     # Whole pages per dot when a page fills a dot tile; otherwise gather tokens into a block.
+    whole_pages = page_size >= MIN_DOT_DIM
+    if tokens_on_m and not whole_pages:
+        raise ValueError(f"tokens_on_m needs pages of >= {MIN_DOT_DIM} tokens (whole-page kernel), got {page_size}")
     kernel = functools.partial(
-        _int2_tier_kernel if page_size >= MIN_DOT_DIM else _int2_tier_gather_kernel,
+        _int2_tier_kernel if whole_pages else _int2_tier_gather_kernel,
         GROUP_SIZE=group_size,
         PAGE_SIZE=page_size,
         PAGES_PER_SPLIT=pages_per_split,
         PAGES_PER_BLOCK=pages_per_block,
         SCORE_SCALE=base2_score_scale(softmax_scale),
         UNPACK_ASM=bool(unpack_asm),
-        **({"TOKENS_ON_M": True} if tokens_on_m else {}),
+        **({"TOKENS_ON_M": bool(tokens_on_m)} if whole_pages else {}),
     )
     codes_spec = layer_block_spec((num_pages, None, page_size, packed), lambda b, h, r, s: (0, h, 0, 0), layer)
     meta_spec = layer_block_spec((num_pages, None, page_size, num_groups), lambda b, h, r, s: (0, h, 0, 0), layer)
@@ -649,17 +656,17 @@ def merge_tier_partials(
 ):
     """Merge the partials of several tiers into o float32[B, K, valid_rows, D].
 
-    tiers: (o float32[B, K, S_t, M, D], lse float32[B, K, S_t, M]) per tier, same B, K, M, D,
-    any S_t ≥ 1; rows [0, valid_rows) of M are kept (GQA padding rows are never read). Equals
-    `attention_ops.merge_partials` of the concatenation; rows every split left empty get 0.
+    tiers: (o float32[B, K, S_t, M_t, D], lse float32[B, K, S_t, M_t]) per tier, same B, K, D, any
+    S_t ≥ 1 and M_t ≥ valid_rows; rows [0, valid_rows) are kept (GQA padding rows are never read).
+    Equals `attention_ops.merge_partials` of the concatenation; rows every split left empty get 0.
     """
-    batch, num_kv_heads, _, rows, head_dim = tiers[0][0].shape
+    batch, num_kv_heads, _, _, head_dim = tiers[0][0].shape
     # None: MERGE_BLOCK_D columns per program on the GPU (parallelism); whole rows in interpret
     # mode, which runs programs one after another.
     block_d = min(block_d or (head_dim if interpret else MERGE_BLOCK_D), head_dim)
-    assert 0 < valid_rows <= rows and block_splits & (block_splits - 1) == 0 and head_dim % block_d == 0 and all(
-        o.shape[:2] == (batch, num_kv_heads) and o.shape[3:] == (rows, head_dim) and o.shape[2] >= 1
-        for o, _ in tiers)
+    assert 0 < valid_rows and block_splits & (block_splits - 1) == 0 and head_dim % block_d == 0 and all(
+        o.shape[:2] == (batch, num_kv_heads) and o.shape[3] >= valid_rows and o.shape[4] == head_dim
+        and o.shape[2] >= 1 for o, _ in tiers)
     in_specs, operands = [], []
     for o, lse in tiers:
         splits = o.shape[2]

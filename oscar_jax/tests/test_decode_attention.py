@@ -502,19 +502,21 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
         assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
 
 
-@pytest.mark.parametrize("batch_rows,expected_warps", [(1, 4), (8, 2)])
-def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_rows, expected_warps):
-    """num_warps / num_stages None launch each tier as shared_math.tiling.default_decode_launch says
-    for that tier's own table and split (2 warps once it has DECODE_TWO_WARPS_MIN_PROGRAMS programs,
-    here set between the INT2 tier's batch-1 and batch-8 counts, else 4; DECODE_NUM_STAGES for INT2,
-    BF16_TIER_NUM_STAGES for BF16). Explicit values reach both tiers."""
+@pytest.mark.parametrize("batch_rows", [1, 8])
+def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_rows):
+    """num_warps / num_stages None launch each tier as shared_math.tiling.default_decode_launch says:
+    the BF16 tier by its own table and split (2 warps once it has DECODE_TWO_WARPS_MIN_PROGRAMS
+    programs, here set between the INT2 tier's batch-1 and batch-8 counts, else 4;
+    BF16_TIER_NUM_STAGES), the INT2 tier (pages of 16: scores with tokens on M) at
+    INT2_DECODE_NUM_WARPS and DECODE_NUM_STAGES whatever its grid. Explicit values reach both tiers."""
     from oscar_jax import attention_ops
     from shared_math import tiling
 
     q, cache = small_cache
     seen = []
     monkeypatch.setattr(attention_ops, "_decode_attention",
-                        lambda q, cache, **kw: seen.append((kw["bf16_launch"], kw["int2_launch"])))
+                        lambda q, cache, **kw: seen.append((kw["bf16_launch"], kw["int2_launch"]))
+                        if kw["int2_tokens_on_m"] else pytest.fail("pages of 16 tokens take the tokens-on-M layout"))
     arrays = list(cache.arrays)
     kv_heads, bf16_slots, slots = arrays[2].shape[1], arrays[8].shape[1], arrays[11].shape[1]
     split, bf16_split, _ = tiling.resolve_splits(None, None, bf16_slots, slots, arrays[0].shape[2])
@@ -527,8 +529,9 @@ def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_row
     _call(qb, arrays, num_warps=8, num_stages=1)
     _call(qb, arrays, num_stages=1)
     bf16_warps = 2 if batch_rows * kv_heads * -(-bf16_slots // bf16_split) >= threshold else 4  # its own count
-    assert seen == [((bf16_warps, tiling.BF16_TIER_NUM_STAGES), (expected_warps, tiling.DECODE_NUM_STAGES)),
-                    ((8, 1), (8, 1)), ((bf16_warps, 1), (expected_warps, 1))]
+    int2_warps = tiling.INT2_DECODE_NUM_WARPS
+    assert seen == [((bf16_warps, tiling.BF16_TIER_NUM_STAGES), (int2_warps, tiling.DECODE_NUM_STAGES)),
+                    ((8, 1), (8, 1)), ((bf16_warps, 1), (int2_warps, 1))]
 
 
 @pytest.mark.parametrize("bf16_slots,history_slots", [(4096, 0), (SINK_SLOTS + 2, 4096), (SINK_SLOTS + 2, 0)])

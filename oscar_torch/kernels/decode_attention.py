@@ -127,6 +127,18 @@ def online_softmax_step(scores, valid, m_prev, l_prev):
 
 
 @triton.jit
+def online_softmax_step_tokens_on_m(scores, valid, m_prev, l_prev):
+    """`online_softmax_step` of a transposed [N, M] score tile (tokens on axis 0); `valid` broadcasts
+    to [N, M]. Returns (pᵀ [N, M], correction, m_new, l_new)."""
+    scores = tl.where(valid, scores, MASK_VALUE_C)
+    m_new = tl.maximum(m_prev, tl.max(scores, axis=0))
+    correction = tl.exp2(m_prev - m_new)
+    p = tl.where(valid, tl.exp2(scores - m_new[None, :]), 0.0)
+    l_new = l_prev * correction + tl.sum(p, axis=0)
+    return p, correction, m_new, l_new
+
+
+@triton.jit
 def natural_lse(m, l, nonempty):
     """log Σ exp(score) of rows whose running maximum m is in base-2 units; −inf where empty."""
     return tl.where(nonempty, (m + tl.log2(tl.where(nonempty, l, 1.0))) * LN2_C, float("-inf"))
@@ -381,6 +393,15 @@ def _value_minimum_term(p, minimum, p_scaled, BF16_DOTS: tl.constexpr):
 
 
 @triton.jit
+def _value_minimum_term_tokens_on_m(p, minimum, p_scaled, BF16_DOTS: tl.constexpr):
+    """`_value_minimum_term` of pᵀ [N, BLOCK_M] (tokens on axis 0)."""
+    term = tl.sum(p * minimum[:, None], axis=0)
+    if BF16_DOTS:
+        term -= BF16_CODE_BIAS_C * tl.sum(p_scaled.to(tl.float32), axis=0)
+    return term
+
+
+@triton.jit
 def _plane_metadata(ptr, row, valid, PLANE: tl.constexpr, QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr,
                     NUM_GROUPS: tl.constexpr):
     """The fp16 scale or minimum [N] (float32) of the group holding bit plane PLANE; masked → 0."""
@@ -391,26 +412,39 @@ def _plane_metadata(ptr, row, valid, PLANE: tl.constexpr, QUARTER: tl.constexpr,
 @triton.jit
 def _plane_scores(q_plane, q_plane_sum, packed, scale_ptr, minimum_ptr, row, valid, PLANE: tl.constexpr,
                   QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr):
-    """One bit plane's share of q·k̂: s·(q_plane · c_plane) + m·Σ q_plane  → [BLOCK_M, N]."""
+                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr,
+                  TOKENS_ON_M: tl.constexpr = False):
+    """One bit plane's share of q·k̂: s·(q_plane · c_plane) + m·Σ q_plane  → [BLOCK_M, N]
+    ([N, BLOCK_M] with TOKENS_ON_M: the codes as the dot's A operand)."""
     codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES, UNPACK_ASM)  # [N, QUARTER]
     scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
-    dots = dot_f32(q_plane, tl.trans(codes), BF16_DOTS, TENSOR_CORES)
     shifted_min = minimum - _code_bias(BF16_DOTS) * scale  # the planes hold c + bias
-    return dots * scale[None, :] + q_plane_sum[:, None] * shifted_min[None, :]
+    if TOKENS_ON_M:
+        dots = dot_f32(codes, tl.trans(q_plane), BF16_DOTS, TENSOR_CORES)
+        return dots * scale[:, None] + shifted_min[:, None] * q_plane_sum[None, :]
+    else:
+        dots = dot_f32(q_plane, tl.trans(codes), BF16_DOTS, TENSOR_CORES)
+        return dots * scale[None, :] + q_plane_sum[:, None] * shifted_min[None, :]
 
 
 @triton.jit
 def _plane_update(o_plane, correction, p, packed, scale_ptr, minimum_ptr, row, valid, PLANE: tl.constexpr,
                   QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr):
-    """o_plane [BLOCK_M, D/4] of channels [PLANE·D/4, …): rescaled, plus Σ_n (p·s)·c + Σ_n p·m."""
+                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr,
+                  TOKENS_ON_M: tl.constexpr = False):
+    """o_plane [BLOCK_M, D/4] of channels [PLANE·D/4, …): rescaled, plus Σ_n (p·s)·c + Σ_n p·m
+    (p [BLOCK_M, N], or pᵀ [N, BLOCK_M] with TOKENS_ON_M)."""
     codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES, UNPACK_ASM)  # [N, QUARTER]
     scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
-    p_scaled = dot_operand(p * scale[None, :], BF16_DOTS, TENSOR_CORES)
-    p_min = _value_minimum_term(p, minimum, p_scaled, BF16_DOTS)
+    if TOKENS_ON_M:
+        p_scaled = dot_operand(p * scale[:, None], BF16_DOTS, TENSOR_CORES)
+        p_min = _value_minimum_term_tokens_on_m(p, minimum, p_scaled, BF16_DOTS)
+        p_scaled = tl.trans(p_scaled)
+    else:
+        p_scaled = dot_operand(p * scale[None, :], BF16_DOTS, TENSOR_CORES)
+        p_min = _value_minimum_term(p, minimum, p_scaled, BF16_DOTS)
     return (o_plane * correction[:, None] + p_min[:, None]) + dot_f32(p_scaled, codes, BF16_DOTS, TENSOR_CORES)
 
 
@@ -435,27 +469,39 @@ def _store_plane(o_ptr, o_plane, inv_l, out_row, PLANE: tl.constexpr, D: tl.cons
 def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
                           v_min_ptr, row, valid, columns, q0, q1, q2, q3, q_sum, QUARTER: tl.constexpr,
                           SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
-                          UNPACK_ASM: tl.constexpr):
+                          UNPACK_ASM: tl.constexpr, TOKENS_ON_M: tl.constexpr = False):
     """`_int2_block` when G = D: the metadata is loaded, and p·s_v and Σ p·m_v are formed, once per
     token instead of once per plane (the per-plane form cost ~25 % more instructions, sm_90 SASS).
     Each plane is summed as (o·correction + Σ p·m_v) + dot: Triton folds the last add into the dot's
     accumulator, and the code bias the dot carries cancels within the page (as in the Pallas
-    kernel's `_accumulate_output`)."""
+    kernel's `_accumulate_output`). TOKENS_ON_M: scores and p as [N, BLOCK_M], the codes the dots'
+    A operand (one-warp decode programs, 8 query rows: benchmarks/NOTES.md v15)."""
     packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
-    dots = dot_f32(q0, tl.trans(_plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
-    dots += dot_f32(q1, tl.trans(_plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
-    dots += dot_f32(q2, tl.trans(_plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
-    dots += dot_f32(q3, tl.trans(_plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
     k_scale = tl.where(valid, tl.load(k_scale_ptr + row).to(tl.float32), 0.0)  # masked rows may be NaN
     k_min = tl.where(valid, tl.load(k_min_ptr + row).to(tl.float32), 0.0)
     k_min -= _code_bias(Q_BF16) * k_scale  # the planes hold c + bias
-    scores = dots * k_scale[None, :] + q_sum[:, None] * k_min[None, :]
-    p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
-    packed = _load_packed(v_codes_ptr, row, columns, QUARTER, UNPACK_ASM)
     v_scale = tl.where(valid, tl.load(v_scale_ptr + row).to(tl.float32), 0.0)
     v_min = tl.where(valid, tl.load(v_min_ptr + row).to(tl.float32), 0.0)
-    p_scaled = dot_operand(p * v_scale[None, :], Q_BF16, TENSOR_CORES)
-    p_min = _value_minimum_term(p, v_min, p_scaled, Q_BF16)[:, None]
+    if TOKENS_ON_M:
+        dots = dot_f32(_plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q0), Q_BF16, TENSOR_CORES)
+        dots += dot_f32(_plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q1), Q_BF16, TENSOR_CORES)
+        dots += dot_f32(_plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q2), Q_BF16, TENSOR_CORES)
+        dots += dot_f32(_plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q3), Q_BF16, TENSOR_CORES)
+        scores = dots * k_scale[:, None] + k_min[:, None] * q_sum[None, :]  # [N, BLOCK_M]
+        p, correction, m, l = online_softmax_step_tokens_on_m(scores * SCORE_SCALE, valid[:, None], m, l)
+        p_scaled = dot_operand(p * v_scale[:, None], Q_BF16, TENSOR_CORES)
+        p_min = _value_minimum_term_tokens_on_m(p, v_min, p_scaled, Q_BF16)[:, None]
+        p_scaled = tl.trans(p_scaled)  # [BLOCK_M, N]
+    else:
+        dots = dot_f32(q0, tl.trans(_plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
+        dots += dot_f32(q1, tl.trans(_plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
+        dots += dot_f32(q2, tl.trans(_plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
+        dots += dot_f32(q3, tl.trans(_plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
+        scores = dots * k_scale[None, :] + q_sum[:, None] * k_min[None, :]
+        p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
+        p_scaled = dot_operand(p * v_scale[None, :], Q_BF16, TENSOR_CORES)
+        p_min = _value_minimum_term(p, v_min, p_scaled, Q_BF16)[:, None]
+    packed = _load_packed(v_codes_ptr, row, columns, QUARTER, UNPACK_ASM)
     o0 = (o0 * correction[:, None] + p_min) + dot_f32(
         p_scaled, _plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
     o1 = (o1 * correction[:, None] + p_min) + dot_f32(
@@ -473,7 +519,7 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
                 q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS: tl.constexpr, D: tl.constexpr,
                 GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr,
                 SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
-                UNPACK_ASM: tl.constexpr):
+                UNPACK_ASM: tl.constexpr, TOKENS_ON_M: tl.constexpr):
     """One block of PAGES_PER_BLOCK history pages: scores, online softmax, the four output planes."""
     QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
     NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
@@ -493,27 +539,30 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
         o0, o1, o2, o3, m, l = _int2_block_one_group(
             o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr,
             row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, QUARTER, SCORE_SCALE, Q_BF16, TENSOR_CORES,
-            UNPACK_ASM)
+            UNPACK_ASM, TOKENS_ON_M)
     else:
         packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
         scores = _plane_scores(q0, s0, packed, k_scale_ptr, k_min_ptr, row, valid, 0,
-                               QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+                               QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
         scores += _plane_scores(q1, s1, packed, k_scale_ptr, k_min_ptr, row, valid, 1,
-                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
         scores += _plane_scores(q2, s2, packed, k_scale_ptr, k_min_ptr, row, valid, 2,
-                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
         scores += _plane_scores(q3, s3, packed, k_scale_ptr, k_min_ptr, row, valid, 3,
-                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
-        p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
+                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+        if TOKENS_ON_M:
+            p, correction, m, l = online_softmax_step_tokens_on_m(scores * SCORE_SCALE, valid[:, None], m, l)
+        else:
+            p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
         packed = _load_packed(v_codes_ptr, row, columns, QUARTER, UNPACK_ASM)
         o0 = _plane_update(o0, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 0,
-                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
         o1 = _plane_update(o1, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 1,
-                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
         o2 = _plane_update(o2, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 2,
-                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
         o3 = _plane_update(o3, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 3,
-                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
     return o0, o1, o2, o3, m, l
 
 
@@ -544,6 +593,7 @@ def _int2_tier_kernel(
     Q_BF16: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
     UNPACK_ASM: tl.constexpr = False,
+    TOKENS_ON_M: tl.constexpr = False,
 ):
     """Folded form (as the Pallas kernel): the dots run on the raw 2-bit codes, one per bit plane
     (quartered packing: plane p of byte j is channel p·D/4 + j, and a plane lies inside one group
@@ -585,14 +635,14 @@ def _int2_tier_kernel(
             o0, o1, o2, o3, m, l = _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                     v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                     q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
-                    SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+                    SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
     else:  # interpreter: a static trip count with a guard (see the BF16 kernel)
         for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
             if i < num_blocks:
                 o0, o1, o2, o3, m, l = _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                         v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                         q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
-                        SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+                        SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
 
     out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
     nonempty = l > 0.0
@@ -679,8 +729,11 @@ def int2_tier_partials(
     num_stages: int = DEFAULT_NUM_STAGES,
     unpack_asm: bool = False,
     max_registers: int | None = None,
+    tokens_on_m: bool = False,
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
+    `tokens_on_m` (the folded kernel, G ≥ D/4): scores and probabilities as [N, block_m], the codes
+    the dots' A operand, so block_m may be 8; decode runs it at one warp (benchmarks/NOTES.md v15).
     `max_registers`: Triton's maxnreg for the compiled kernel (more programs per SM, at the price of
     spills); None → the compiler's choice, and always under the interpreter.
     `unpack_asm`: the folded kernel unpacks codes by inline PTX (bfloat16 q on the GPU; the G < D/4
@@ -694,7 +747,12 @@ def int2_tier_partials(
     lse = torch.empty((batch, num_kv_heads, splits, rows), dtype=torch.float32, device=q.device)
     folded = group_size >= head_dim // CODES_PER_BYTE
     kernel = _int2_tier_kernel if folded else _int2_tier_dequantizing_kernel
+    if tokens_on_m and not folded:
+        raise ValueError(f"tokens_on_m needs the folded kernel (group_size >= D/4 = {head_dim // CODES_PER_BYTE}), "
+                         f"got group_size={group_size}")
     extra = dict(UNPACK_ASM=bool(unpack_asm)) if folded and unpack_asm else {}
+    if tokens_on_m:
+        extra["TOKENS_ON_M"] = True
     if max_registers is not None and not interpreting():
         extra["maxnreg"] = int(max_registers)
     kernel[(batch, num_kv_heads, (rows // block_m) * splits)](
@@ -750,8 +808,9 @@ def _merge_tiers_kernel(
     SPLITS_A: tl.constexpr,  # static like the tier kernels' NUM_SPLITS (and a loop bound the
     SPLITS_B: tl.constexpr,  # interpreter accepts)
     NUM_HEADS: tl.constexpr,
-    ROWS: tl.constexpr,  # M, the padded rows of the partials
-    VALID_ROWS: tl.constexpr,  # R ≤ M, the rows kept
+    ROWS_A: tl.constexpr,  # M_a, M_b: the padded rows of each tier's partials
+    ROWS_B: tl.constexpr,
+    VALID_ROWS: tl.constexpr,  # R ≤ M_a, M_b: the rows kept
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,  # columns of one program
@@ -762,33 +821,35 @@ def _merge_tiers_kernel(
     row, column_block = tl.program_id(2) // (D // BLOCK_D), tl.program_id(2) % (D // BLOCK_D)
     column = column_block * BLOCK_D + tl.arange(0, BLOCK_D)
     lse_max = tl.max(tl.full((BLOCK_S,), float("-inf"), tl.float32), axis=0)  # a scalar tensor: loop-carried
-    lse_max = _tier_max_lse(lse_a_ptr, b, h, row, SPLITS_A, lse_max, NUM_HEADS, ROWS, BLOCK_S)
-    lse_max = _tier_max_lse(lse_b_ptr, b, h, row, SPLITS_B, lse_max, NUM_HEADS, ROWS, BLOCK_S)
+    lse_max = _tier_max_lse(lse_a_ptr, b, h, row, SPLITS_A, lse_max, NUM_HEADS, ROWS_A, BLOCK_S)
+    lse_max = _tier_max_lse(lse_b_ptr, b, h, row, SPLITS_B, lse_max, NUM_HEADS, ROWS_B, BLOCK_S)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     total = tl.sum(tl.zeros((BLOCK_S,), tl.float32), axis=0)
     acc, total = _tier_weighted_sum(o_a_ptr, lse_a_ptr, b, h, row, column, SPLITS_A, lse_max, acc, total,
-                                    NUM_HEADS, ROWS, D, BLOCK_S)
+                                    NUM_HEADS, ROWS_A, D, BLOCK_S)
     acc, total = _tier_weighted_sum(o_b_ptr, lse_b_ptr, b, h, row, column, SPLITS_B, lse_max, acc, total,
-                                    NUM_HEADS, ROWS, D, BLOCK_S)
+                                    NUM_HEADS, ROWS_B, D, BLOCK_S)
     out = acc / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + ((b * NUM_HEADS + h) * VALID_ROWS + row).to(tl.int64) * D + column, out)
 
 
 def merge_tier_partials(o_a, lse_a, o_b, lse_b, valid_rows: int, block_splits: int = MERGE_BLOCK_SPLITS,
                         block_d: int | None = None):
-    """Merge the partials of two tiers (same B, K, M, D; any split counts) into o float32[B, K,
-    valid_rows, D], keeping rows [0, valid_rows) of M. Inputs are validated by the public op."""
+    """Merge the partials of two tiers (same B, K, D; any split counts and padded rows M_a, M_b ≥
+    valid_rows) into o float32[B, K, valid_rows, D], keeping rows [0, valid_rows). Inputs are
+    validated by the public op."""
     batch, num_kv_heads, splits_a, rows, head_dim = o_a.shape
     # None: MERGE_BLOCK_D columns per program on the GPU (parallelism); whole rows under the
     # interpreter, which runs programs one after another.
     block_d = min(block_d or (head_dim if interpreting() else MERGE_BLOCK_D), head_dim)
-    assert o_b.shape[:2] == (batch, num_kv_heads) and o_b.shape[3:] == (rows, head_dim) and valid_rows <= rows
+    assert o_b.shape[:2] == (batch, num_kv_heads) and o_b.shape[4] == head_dim
+    assert valid_rows <= min(rows, o_b.shape[3])
     assert head_dim % block_d == 0
     out = torch.empty((batch, num_kv_heads, valid_rows, head_dim), dtype=torch.float32, device=o_a.device)
     _merge_tiers_kernel[(batch, num_kv_heads, valid_rows * (head_dim // block_d))](
         o_a, lse_a, o_b, lse_b, out, SPLITS_A=splits_a, SPLITS_B=o_b.shape[2],
-        NUM_HEADS=num_kv_heads, ROWS=rows, VALID_ROWS=valid_rows, D=head_dim, BLOCK_S=block_splits,
+        NUM_HEADS=num_kv_heads, ROWS_A=rows, ROWS_B=o_b.shape[3], VALID_ROWS=valid_rows, D=head_dim, BLOCK_S=block_splits,
         BLOCK_D=block_d, num_warps=DEFAULT_NUM_WARPS,
     )
     return out

@@ -202,16 +202,16 @@ def test_bad_static_arguments_raise(small, overrides, message):
         ops.decode_attention(q, *arrays, **{**attention_kwargs(SMALL), **overrides})
 
 
-@pytest.mark.parametrize("batch,warps", [(1, 4), (8, 2)])
-def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch, warps):
-    """None launches each tier kernel as shared_math.tiling.default_decode_launch says (2 warps once
-    the tier has DECODE_TWO_WARPS_MIN_PROGRAMS programs, here set between the INT2 tier's batch-1
-    and batch-8 counts, else 4; DECODE_NUM_STAGES for INT2,
-    BF16_TIER_NUM_STAGES for BF16) and caps the INT2 one at TRITON_INT2_MAX_REGISTERS; explicit
-    num_warps and num_stages reach both, max_registers the INT2 one, 0 lifting the cap."""
+@pytest.mark.parametrize("batch", [1, 8])
+def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch):
+    """None launches each tier kernel as shared_math.tiling.default_decode_launch says: the BF16 tier
+    by its own program count (2 warps once it has DECODE_TWO_WARPS_MIN_PROGRAMS, here set between the
+    INT2 tier's batch-1 and batch-8 counts, else 4; BF16_TIER_NUM_STAGES), the INT2 tier (G ≥ D/4,
+    pages of 16: scores with tokens on M) at INT2_DECODE_NUM_WARPS, DECODE_NUM_STAGES and no register
+    cap whatever its grid; explicit num_warps and num_stages reach both, max_registers the INT2 one."""
     from oscar_torch.kernels import decode_attention as kdecode
     from shared_math import tiling
-    from shared_math.tiling import BF16_TIER_NUM_STAGES, DECODE_NUM_STAGES, TRITON_INT2_MAX_REGISTERS
+    from shared_math.tiling import BF16_TIER_NUM_STAGES, DECODE_NUM_STAGES, INT2_DECODE_NUM_WARPS
 
     q, arrays = small
     arrays = list(arrays)
@@ -229,15 +229,34 @@ def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch, wa
     for tier in ("bf16_tier_partials", "int2_tier_partials"):
         real = getattr(kdecode, tier)
         monkeypatch.setattr(kdecode, tier, lambda *a, real=real, tier=tier, **kw: (
-            seen.append((tier, kw["num_warps"], kw["num_stages"], kw.get("max_registers"))), real(*a, **kw))[1])
+            seen.append((tier, kw["num_warps"], kw["num_stages"], kw.get("max_registers"), kw.get("tokens_on_m"))),
+            real(*a, **kw))[1])
     ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL))
     ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), num_warps=8, num_stages=1, max_registers=96)
     ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), max_registers=0)
     assert bf16_stages == BF16_TIER_NUM_STAGES
-    bf16 = ("bf16_tier_partials", bf16_warps, BF16_TIER_NUM_STAGES, None)  # its own table's program count
-    assert seen == [bf16, ("int2_tier_partials", warps, DECODE_NUM_STAGES, TRITON_INT2_MAX_REGISTERS),
-                    ("bf16_tier_partials", 8, 1, None), ("int2_tier_partials", 8, 1, 96),
-                    bf16, ("int2_tier_partials", warps, DECODE_NUM_STAGES, None)]
+    bf16 = ("bf16_tier_partials", bf16_warps, BF16_TIER_NUM_STAGES, None, None)  # its own table's program count
+    int2 = ("int2_tier_partials", INT2_DECODE_NUM_WARPS, DECODE_NUM_STAGES, None, True)
+    assert seen == [bf16, int2, ("bf16_tier_partials", 8, 1, None, None), ("int2_tier_partials", 8, 1, 96, True),
+                    bf16, int2]
+
+
+def test_rows_on_m_int2_tier_keeps_its_launch_policy_and_register_cap(monkeypatch):
+    """G < D/4 (the dequantizing kernel: no code planes) keeps the INT2 tier's rows-on-M layout, its
+    warps from its program count and the TRITON_INT2_MAX_REGISTERS cap."""
+    from oscar_torch.kernels import decode_attention as kdecode
+    from shared_math.tiling import DECODE_NUM_STAGES, TRITON_INT2_MAX_REGISTERS, default_decode_num_warps
+
+    case = AttentionCase("g16", 128, 16, 2, 2, (70, 5), pages_per_split=2, pages_per_block=1)  # G 16 < D/4 = 32
+    q, arrays = query(case), list(cache_arrays(build_cache(case)))
+    seen = []
+    real = kdecode.int2_tier_partials
+    monkeypatch.setattr(kdecode, "int2_tier_partials", lambda *a, **kw: (
+        seen.append((kw["num_warps"], kw["num_stages"], kw.get("max_registers"), kw.get("tokens_on_m"))),
+        real(*a, **kw))[1])
+    ops.decode_attention(q, *arrays, **attention_kwargs(case))
+    warps = default_decode_num_warps(q.shape[0], arrays[2].shape[1], arrays[11].shape[1], case.pages_per_split)
+    assert seen == [(warps, DECODE_NUM_STAGES, TRITON_INT2_MAX_REGISTERS, False)]
 
 
 @pytest.mark.parametrize("bf16_slots,history_slots", [(4096, 0), (SMALL.sink_slots + 2, 4096), (SMALL.sink_slots + 2, 0)])

@@ -74,6 +74,17 @@ def test_decode_kernel_compiles_for_h200_without_spills(kernel, group_size, page
     assert 0 < usage["registers"] <= 255
 
 
+@pytest.mark.parametrize("unpack_asm", [False, True])
+def test_tokens_on_m_decode_kernel_compiles_for_h200_without_spills(unpack_asm):
+    """The decode INT2 tier as launched at Qwen3-8B shapes: scores with tokens on M, 8 query rows,
+    one warp, 3 stages, no register cap (benchmarks/NOTES.md v15)."""
+    constants = dict(QWEN3_8B, GROUP_SIZE=128, PAGES_PER_BLOCK=1, Q_BF16=True, SINK_SLOTS=1, ROWS=8, BLOCK_M=8,
+                     TOKENS_ON_M=True, UNPACK_ASM=unpack_asm)
+    usage = _compile_in_fresh_process("_int2_tier_kernel", constants, 1, 3)
+    assert usage["spills"] == 0, f"spills {usage['spills']} bytes: {usage}"
+    assert 0 < usage["registers"] <= 255
+
+
 WRITE_POINTERS = {"rotation_ptr": "*fp32", "page_ids_ptr": "*i32", "slots_ptr": "*i32", "codes_ptr": "*u8",
                   "packed_ptr": "*u8", "scale_ptr": "*fp16", "minimum_ptr": "*fp16", "num_tokens": "i32",
                   "num_pages": "i32"}
@@ -107,8 +118,8 @@ def test_write_kernel_compiles_for_h200_without_spills(kernel, rows_bf16, rotate
 
 
 def test_merge_kernel_compiles_for_h200_without_spills():
-    """The decode merge at 128K (1 BF16 split, 128 INT2 splits, GQA 4 of 16 padded rows)."""
-    constants = dict(SPLITS_A=1, SPLITS_B=128, NUM_HEADS=8, ROWS=16, VALID_ROWS=4, D=128,
+    """The decode merge at 128K (1 BF16 split of 16 padded rows, 128 INT2 splits of 8, GQA 4)."""
+    constants = dict(SPLITS_A=1, SPLITS_B=128, NUM_HEADS=8, ROWS_A=16, ROWS_B=8, VALID_ROWS=4, D=128,
                      BLOCK_S=kernels.MERGE_BLOCK_SPLITS, BLOCK_D=kernels.MERGE_BLOCK_D)
     usage = _compile_in_fresh_process("_merge_tiers_kernel", constants, kernels.DEFAULT_NUM_WARPS, 1)
     assert usage["spills"] == 0 and 0 < usage["registers"] <= 255, usage

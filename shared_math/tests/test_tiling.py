@@ -50,9 +50,27 @@ def test_decode_num_warps_follows_the_program_count(batch, history_slots, pages_
     (16, 6, 2043, 1, 16, ((2, 2), (2, 3))),    # b16: 768 BF16 programs of one page
 ])
 def test_decode_launch_is_per_tier(batch, bf16_slots, history_slots, bf16_split, pages_per_split, expected):
+    """Rows on M (the INT2 layout of prefill, and of decode before v15): each tier's warps from its grid."""
     from shared_math.tiling import default_decode_launch
 
-    assert default_decode_launch(batch, 8, bf16_slots, history_slots, bf16_split, pages_per_split) == expected
+    assert default_decode_launch(batch, 8, bf16_slots, history_slots, bf16_split, pages_per_split,
+                                 int2_tokens_on_m=False) == expected
+
+
+@pytest.mark.parametrize("batch,history_slots,pages_per_split", [(1, 2043, 16), (1, 123, 4), (8, 2043, 16)])
+def test_decode_launch_of_the_tokens_on_m_int2_tier_is_one_warp(batch, history_slots, pages_per_split):
+    from shared_math.tiling import DECODE_NUM_STAGES, INT2_DECODE_NUM_WARPS, default_decode_launch, default_decode_num_warps
+
+    bf16, int2 = default_decode_launch(batch, 8, 6, history_slots, 1, pages_per_split)
+    assert int2 == (INT2_DECODE_NUM_WARPS, DECODE_NUM_STAGES) == (1, 3)
+    assert bf16[0] == default_decode_num_warps(batch, 8, 6, 1)  # the BF16 tier keeps its own
+
+
+@pytest.mark.parametrize("heads_per_kv,rows", [(1, 8), (3, 8), (4, 8), (8, 8), (9, 16), (16, 16)])
+def test_int2_decode_rows_pad_the_group_to_mma_n(heads_per_kv, rows):
+    from shared_math.tiling import int2_decode_rows
+
+    assert int2_decode_rows(heads_per_kv) == rows
 
 
 @pytest.mark.parametrize("given,bf16_slots,history_slots,page_size,expected", [
