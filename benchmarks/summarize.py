@@ -473,6 +473,11 @@ def _capacity_provenance(cap: dict) -> str:
     return f" Measured at {' with '.join(parts)}." if parts else ""
 
 
+def _short_sha(config: dict) -> str:
+    """The first 7 hex digits of a decode config's git sha ("—" when the file predates per-config shas)."""
+    return f"`{config['git_sha'][:7]}`" if config.get("git_sha") else "—"
+
+
 def _table(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -544,7 +549,8 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
         lines += ["## Decode attention", "",
                   "Median time per call; GB/s = bytes the variant must read / time; × copy = that over the copy "
                   "bandwidth; speedups are the cuDNN BF16 (or FlashAttention-2 BF16) median over this variant's. "
-                  "A variant that failed its accuracy check is not timed.", ""]
+                  "A variant that failed its accuracy check is not timed. `git`: the code each (context, batch) "
+                  "was measured at (`bench_h200 --merge` keeps configs of earlier runs).", ""]
         copy = decode["copy_bandwidth"]["gb_per_s"]
         rows = []
         for c in sorted(decode["configs"], key=lambda c: (c["context"], c["batch"])):
@@ -552,7 +558,7 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
             for name, v in c["variants"].items():
                 if "error" in v:
                     rows.append([c["context"], c["batch"], f"`{name}`", "error", "", "", "", "", "",
-                                 v["error"][:80].replace("|", "/")])
+                                 v["error"][:80].replace("|", "/"), _short_sha(c)])
                     continue
                 timed = _timed(c, name)
                 t = timed["median_s"] if timed else None
@@ -560,9 +566,10 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
                              _f(timed and timed["gb_per_s"], "{:.0f}"), _f(timed and timed["gb_per_s"] / copy, "{:.2f}"),
                              _f(_ratio(cudnn and cudnn["median_s"], t), "{:.2f}"),
                              _f(_ratio(fa2 and fa2["median_s"], t), "{:.2f}"),
-                             _f(v.get("rel_error"), "{:.1e}"), "passed" if v.get("passed") else "**failed**"])
+                             _f(v.get("rel_error"), "{:.1e}"), "passed" if v.get("passed") else "**failed**",
+                             _short_sha(c)])
         lines += _table(["context", "batch", "variant", "µs", "GB/s", "× copy", "vs cuDNN", "vs FA2", "rel. error",
-                         "check"], rows)
+                         "check", "git"], rows)
 
     # ---- write
     if write is not None:

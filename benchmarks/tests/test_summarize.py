@@ -104,6 +104,17 @@ def test_summary_keys_and_values(tmp_path):
     assert "(this run: batch 8)" in text
 
 
+def test_decode_rows_name_the_sha_of_their_config(tmp_path):
+    """`bench_h200 --merge` keeps configs of earlier runs: each decode row names its own code."""
+    results = fake_results()
+    results["decode"]["configs"][0]["git_sha"] = "1111111aaaa"
+    results["decode"]["configs"][1]["git_sha"] = "2222222bbbb"
+    md = tmp_path / "BENCHMARKS.md"
+    S.summarize(write_files(tmp_path, results), md, plots=False)
+    rows = [line for line in md.read_text().splitlines() if "`oscar_int2_pallas` |" in line]
+    assert [row.rsplit("|", 2)[1].strip() for row in rows] == ["`1111111`", "`2222222`", "—"]
+
+
 def test_concurrency_counts_built_batches_not_the_accounting(tmp_path):
     results = fake_results()
     results["e2e"]["capacity"]["int2"]["built_batch"] = 30  # 40 by the byte accounting
