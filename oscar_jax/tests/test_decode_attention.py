@@ -556,3 +556,26 @@ def test_default_split_follows_the_longer_table(small_cache, monkeypatch, bf16_s
     assert seen == [(want, want if history_slots == 0 else 1)]
     assert want == (4096 // tiling.TARGET_SPLITS if max(bf16_slots, history_slots) == 4096
                     else tiling.MIN_TOKENS_PER_SPLIT // PAGE_SIZE)
+
+
+def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_whole_pages():
+    """The INT2 tier's two score layouts give the same partials (interpret mode: float32 dots, so
+    they differ by summation order only), 8 rows with tokens on M as 16 with rows on M; pages of
+    fewer than 16 tokens (the gather kernel) have no tokens-on-M form."""
+    from oscar_jax.kernels.decode_attention import int2_tier_partials
+
+    rng = np.random.default_rng(11)
+    cache = build_cache(rng, (330, 200), num_kv_heads=2, head_dim=64, group_size=32)
+    pools, tables = cache.arrays[2:8], cache.arrays[11:13]
+    q = jnp.asarray(rng.standard_normal((2, 2, 16, 64)), jnp.float32)
+    common = dict(group_size=32, softmax_scale=0.125, pages_per_split=2, pages_per_block=1, interpret=True)
+    o16, lse16 = int2_tier_partials(q, *pools, *tables, block_m=16, **common)
+    o8, lse8 = int2_tier_partials(q[:, :, :8], *pools, *tables, block_m=8, tokens_on_m=True, **common)
+    nonempty = np.isfinite(np.asarray(lse16[:, :, :, :8]))
+    assert nonempty.any() and (np.isfinite(np.asarray(lse8)) == nonempty).all()
+    np.testing.assert_allclose(np.asarray(lse8)[nonempty], np.asarray(lse16[:, :, :, :8])[nonempty], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(o8), np.asarray(o16[:, :, :, :8]), rtol=1e-5, atol=1e-6)
+    small = build_cache(rng, (100,), num_kv_heads=1, head_dim=64, group_size=32, page_size=8)
+    with pytest.raises(ValueError, match="tokens_on_m needs pages of >= 16 tokens"):
+        int2_tier_partials(q[:1, :1, :8], *small.arrays[2:8], *small.arrays[11:13], block_m=8, tokens_on_m=True,
+                           **common)

@@ -337,3 +337,30 @@ def test_unpack_asm_on_the_gpu_matches_the_compiler_unpacking(case):
                                       **kwargs).cpu().numpy()
     assert_close(four_warps, reference_decode(case, cache, case.query()), case.q_dtype)
     assert_close(unpacked, reference_decode(case, cache, case.query()), case.q_dtype)
+
+
+def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_the_folded_kernel():
+    """The INT2 tier's two score layouts give the same partials (interpreter: float32 dots, so they
+    differ by summation order only), 8 rows with tokens on M as 16 with rows on M; G < D/4 (the
+    dequantizing kernel, no code planes) has no tokens-on-M form."""
+    from oscar_torch.kernels import decode_attention as kdecode
+
+    case = AttentionCase("history", 64, 32, 2, 2, (330, 200), pages_per_split=2, pages_per_block=1)
+    arrays = list(cache_arrays(build_cache(case)))
+    pools, tables = arrays[2:8], arrays[11:13]
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn((2, 2, 16, 64), generator=gen).to(DEVICE)
+    common = dict(group_size=32, softmax_scale=0.125, pages_per_split=2, pages_per_block=1)
+    o16, lse16 = kdecode.int2_tier_partials(q, *pools, *tables, block_m=16, **common)
+    o8, lse8 = kdecode.int2_tier_partials(q[:, :, :8].contiguous(), *pools, *tables, block_m=8, tokens_on_m=True,
+                                          **common)
+    nonempty = torch.isfinite(lse16[:, :, :, :8])
+    assert nonempty.any() and torch.equal(torch.isfinite(lse8), nonempty)
+    torch.testing.assert_close(lse8[nonempty], lse16[:, :, :, :8][nonempty], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(o8, o16[:, :, :, :8], rtol=1e-5, atol=1e-6)
+    g16 = AttentionCase("g16_rows", 128, 16, 1, 1, (70,), pages_per_split=2, pages_per_block=1)
+    small = list(cache_arrays(build_cache(g16)))
+    with pytest.raises(ValueError, match="tokens_on_m needs the folded kernel"):
+        kdecode.int2_tier_partials(torch.zeros((1, 1, 8, 128), device=DEVICE), *small[2:8], *small[11:13],
+                                   block_m=8, tokens_on_m=True, group_size=16, softmax_scale=0.1, pages_per_split=2,
+                                   pages_per_block=1)
