@@ -90,8 +90,9 @@ def resolve_splits(pages_per_split, pages_per_block, bf16_slots: int, history_sl
 # 923.6 / 636.0 / 371.8 / 392.6 µs.
 SPLIT_ROTATION_BLOCK_TOKENS = 64
 
-# Launch of the decode tier kernels, both backends: 3 pipeline stages, and 2 warps per program once
-# the INT2 tier has enough programs (B × Hkv × splits) to fill the SMs with them, else 4.
+# Launch of the decode tier kernels, both backends, with rows on the dots' M (the BF16 tier; the INT2
+# tier before v15, and where it cannot take tokens on M): 3 pipeline stages, and 2 warps per program
+# once the tier has enough programs (B × Hkv × splits) to fill the SMs with them, else 4.
 # H200, Qwen3-8B shapes (benchmarks/NOTES.md v12, results/decode_h200.json). 128K (1024 programs at
 # b1): Pallas b1 / b8 / b32 103.0 / 583.4 / 2132.4 µs at (2 warps, 3 stages) vs 143.2 / 725.4 /
 # 2696.3 at (4, 2); Triton, its INT2 kernel capped at TRITON_INT2_MAX_REGISTERS, 106.8 / 636.3 /
