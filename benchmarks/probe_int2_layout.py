@@ -23,7 +23,7 @@ VARIANTS = [(16, False, 2, 3), (16, False, 1, 3), (16, False, 1, 2), (16, True, 
 CONFIGS = [(131072, 1), (131072, 8)]
 KV_HEADS, Q_PER_KV, HEAD_DIM, PAGE, GROUP = 8, 4, 128, 64, 128
 PAGES_PER_SPLIT = 16
-REL_TOL = 5e-3  # against the shipped launch (itself 2–3e-3 from float64, bench_decode): both round p·s_v to bf16
+REL_TOL = 1e-3  # against the shipped launch (itself 2–3e-3 from float64, bench_decode); the H200 run: ≤ 4e-5
 
 
 def main(argv=None) -> None:

@@ -249,7 +249,7 @@ def decode_attention(
       num_warps, num_stages: warps per program (a power of two) and software-pipelining depth of
         the page loops (≥ 1) of both tier kernels; None → each tier's own,
         `shared_math.tiling.default_decode_launch`: the INT2 tier 1 warp and 3 stages when its
-        scores run with tokens on M (G ≥ D/4 and pages of ≥ 16 tokens; benchmarks/NOTES.md v15),
+        scores run with tokens on M (G ≥ D and pages of ≥ 16 tokens; benchmarks/NOTES.md v15),
         else 2 warps once it has ≥ 512 programs, else 4; the BF16 tier likewise by its own
         programs, and 2 stages (NOTES v12–v13).
       max_registers: registers per thread the compiled INT2 tier kernel may use (Triton's maxnreg,
@@ -280,8 +280,9 @@ def decode_attention(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
-    # The INT2 tier's scores with tokens on M: the folded kernel (G ≥ D/4) over pages of ≥ 16 tokens.
-    int2_tokens_on_m = group_size >= head_dim // CODES_PER_BYTE and k_bf16.shape[2] >= MIN_DOT_DIM
+    # The INT2 tier's scores with tokens on M: one group per row (G ≥ D, the form measured on the
+    # H200; the Pallas kernel also takes G < D) over pages of ≥ 16 tokens.
+    int2_tokens_on_m = group_size >= head_dim and k_bf16.shape[2] >= MIN_DOT_DIM
     if max_registers is None:
         max_registers = 0 if int2_tokens_on_m else TRITON_INT2_MAX_REGISTERS
     launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],

@@ -343,25 +343,19 @@ def _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_
     return scores
 
 
-def _int2_output_terms_tokens_on_m(p_t, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias):
-    """`_int2_output_terms` of pᵀ [N, BLOCK_M] (scores computed with tokens on M)."""
-    p_scaled = [(p_t * scale[:, None]).astype(compute_dtype) for scale in v_scale]
-    p_min = [jnp.sum(p_t * minimum[:, None], axis=0) for minimum in v_min]
-    if code_bias:
-        p_min = [m - code_bias * jnp.sum(ps.astype(jnp.float32), axis=0) for m, ps in zip(p_min, p_scaled)]
-    return [dot_tn(p_scaled[group], plane()) for plane, (_, _, _, _, group) in zip(v_planes, pieces)], p_min
-
-
-def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias):
+def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias, token_axis=1):
     """(Σ_n (p·s_v)·c_v per piece [BLOCK_M, W], Σ_n p·m_v per group [BLOCK_M]); p [BLOCK_M, N]
-    unnormalised. The planes hold c + code_bias: the minimum term subtracts code_bias·Σ_n (p·s_v)
-    of the *rounded* operand, so the bias cancels exactly up to float32 accumulation. Callers add
-    the minimum term to the rescaled output *before* the dot (`_accumulate_output`)."""
-    p_scaled = [(p * scale[None, :]).astype(compute_dtype) for scale in v_scale]
-    p_min = [jnp.sum(p * minimum[None, :], axis=1) for minimum in v_min]
+    unnormalised (pᵀ [N, BLOCK_M] with token_axis 0: scores with tokens on M). The planes hold
+    c + code_bias: the minimum term subtracts code_bias·Σ_n (p·s_v) of the *rounded* operand, so
+    the bias cancels exactly up to float32 accumulation. Callers add the minimum term to the
+    rescaled output *before* the dot (`_accumulate_output`)."""
+    per_token = functools.partial(jnp.expand_dims, axis=1 - token_axis)  # [N] → p's layout
+    p_scaled = [(p * per_token(scale)).astype(compute_dtype) for scale in v_scale]
+    p_min = [jnp.sum(p * per_token(minimum), axis=token_axis) for minimum in v_min]
     if code_bias:
-        p_min = [m - code_bias * jnp.sum(ps.astype(jnp.float32), axis=1) for m, ps in zip(p_min, p_scaled)]
-    return [dot_nn(p_scaled[group], plane()) for plane, (_, _, _, _, group) in zip(v_planes, pieces)], p_min
+        p_min = [m - code_bias * jnp.sum(ps.astype(jnp.float32), axis=token_axis) for m, ps in zip(p_min, p_scaled)]
+    dot = dot_tn if token_axis == 0 else dot_nn
+    return [dot(p_scaled[group], plane()) for plane, (_, _, _, _, group) in zip(v_planes, pieces)], p_min
 
 
 def _accumulate_output(o_pieces, dots, p_min, pieces):
@@ -452,8 +446,8 @@ def _int2_tier_kernel(
                                      UNPACK_ASM)
             v_scale = _int2_metadata(v_scale_ref, (page, slice(None)), valid, num_groups)
             v_min = _int2_metadata(v_min_ref, (page, slice(None)), valid, num_groups)
-            output_terms = _int2_output_terms_tokens_on_m if TOKENS_ON_M else _int2_output_terms
-            dots, p_min = output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
+            dots, p_min = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias,
+                                             token_axis)
             o_pieces = _accumulate_output(o_pieces, dots, p_min, pieces)
         return tuple(o_pieces), m_new, l
 

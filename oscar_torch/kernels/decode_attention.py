@@ -111,30 +111,18 @@ def dot_f32(a, b, BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(scores, valid, m_prev, l_prev):
-    """One online-softmax step on a [M, N] score tile in base-2 units
-    (`shared_math.tiling.base2_score_scale`); `valid` broadcasts to [M, N].
+def online_softmax_step(scores, valid, m_prev, l_prev, TOKEN_AXIS: tl.constexpr = 1):
+    """One online-softmax step on a [M, N] score tile (or [N, M] with TOKEN_AXIS 0: tokens on the
+    dots' M) in base-2 units (`shared_math.tiling.base2_score_scale`); `valid` broadcasts to it.
 
     Returns (p, correction, m_new, l_new). Masked entries get p = 0 exactly, even while a row
     has seen no valid score yet (then m stays MASK_VALUE and exp2(scores − m) would be 1).
     """
     scores = tl.where(valid, scores, MASK_VALUE_C)
-    m_new = tl.maximum(m_prev, tl.max(scores, axis=1))
+    m_new = tl.maximum(m_prev, tl.max(scores, axis=TOKEN_AXIS))
     correction = tl.exp2(m_prev - m_new)
-    p = tl.where(valid, tl.exp2(scores - m_new[:, None]), 0.0)
-    l_new = l_prev * correction + tl.sum(p, axis=1)
-    return p, correction, m_new, l_new
-
-
-@triton.jit
-def online_softmax_step_tokens_on_m(scores, valid, m_prev, l_prev):
-    """`online_softmax_step` of a transposed [N, M] score tile (tokens on axis 0); `valid` broadcasts
-    to [N, M]. Returns (pᵀ [N, M], correction, m_new, l_new)."""
-    scores = tl.where(valid, scores, MASK_VALUE_C)
-    m_new = tl.maximum(m_prev, tl.max(scores, axis=0))
-    correction = tl.exp2(m_prev - m_new)
-    p = tl.where(valid, tl.exp2(scores - m_new[None, :]), 0.0)
-    l_new = l_prev * correction + tl.sum(p, axis=0)
+    p = tl.where(valid, tl.exp2(scores - tl.expand_dims(m_new, TOKEN_AXIS)), 0.0)
+    l_new = l_prev * correction + tl.sum(p, axis=TOKEN_AXIS)
     return p, correction, m_new, l_new
 
 
@@ -383,21 +371,13 @@ def _code_bias(BF16_DOTS: tl.constexpr):
 
 
 @triton.jit
-def _value_minimum_term(p, minimum, p_scaled, BF16_DOTS: tl.constexpr):
+def _value_minimum_term(p, minimum, p_scaled, BF16_DOTS: tl.constexpr, TOKEN_AXIS: tl.constexpr = 1):
     """Σ_n p·m_v as [BLOCK_M], less bias·Σ_n of the *rounded* p·s_v operand, so that the bias
-    the planes carry cancels exactly up to float32 accumulation."""
-    term = tl.sum(p * minimum[None, :], axis=1)
+    the planes carry cancels exactly up to float32 accumulation (p [BLOCK_M, N], or [N, BLOCK_M]
+    with TOKEN_AXIS 0)."""
+    term = tl.sum(p * tl.expand_dims(minimum, 1 - TOKEN_AXIS), axis=TOKEN_AXIS)
     if BF16_DOTS:
-        term -= BF16_CODE_BIAS_C * tl.sum(p_scaled.to(tl.float32), axis=1)
-    return term
-
-
-@triton.jit
-def _value_minimum_term_tokens_on_m(p, minimum, p_scaled, BF16_DOTS: tl.constexpr):
-    """`_value_minimum_term` of pᵀ [N, BLOCK_M] (tokens on axis 0)."""
-    term = tl.sum(p * minimum[:, None], axis=0)
-    if BF16_DOTS:
-        term -= BF16_CODE_BIAS_C * tl.sum(p_scaled.to(tl.float32), axis=0)
+        term -= BF16_CODE_BIAS_C * tl.sum(p_scaled.to(tl.float32), axis=TOKEN_AXIS)
     return term
 
 
@@ -412,39 +392,26 @@ def _plane_metadata(ptr, row, valid, PLANE: tl.constexpr, QUARTER: tl.constexpr,
 @triton.jit
 def _plane_scores(q_plane, q_plane_sum, packed, scale_ptr, minimum_ptr, row, valid, PLANE: tl.constexpr,
                   QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr,
-                  TOKENS_ON_M: tl.constexpr = False):
-    """One bit plane's share of q·k̂: s·(q_plane · c_plane) + m·Σ q_plane  → [BLOCK_M, N]
-    ([N, BLOCK_M] with TOKENS_ON_M: the codes as the dot's A operand)."""
+                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr):
+    """One bit plane's share of q·k̂: s·(q_plane · c_plane) + m·Σ q_plane  → [BLOCK_M, N]."""
     codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES, UNPACK_ASM)  # [N, QUARTER]
     scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
+    dots = dot_f32(q_plane, tl.trans(codes), BF16_DOTS, TENSOR_CORES)
     shifted_min = minimum - _code_bias(BF16_DOTS) * scale  # the planes hold c + bias
-    if TOKENS_ON_M:
-        dots = dot_f32(codes, tl.trans(q_plane), BF16_DOTS, TENSOR_CORES)
-        return dots * scale[:, None] + shifted_min[:, None] * q_plane_sum[None, :]
-    else:
-        dots = dot_f32(q_plane, tl.trans(codes), BF16_DOTS, TENSOR_CORES)
-        return dots * scale[None, :] + q_plane_sum[:, None] * shifted_min[None, :]
+    return dots * scale[None, :] + q_plane_sum[:, None] * shifted_min[None, :]
 
 
 @triton.jit
 def _plane_update(o_plane, correction, p, packed, scale_ptr, minimum_ptr, row, valid, PLANE: tl.constexpr,
                   QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr,
-                  TOKENS_ON_M: tl.constexpr = False):
-    """o_plane [BLOCK_M, D/4] of channels [PLANE·D/4, …): rescaled, plus Σ_n (p·s)·c + Σ_n p·m
-    (p [BLOCK_M, N], or pᵀ [N, BLOCK_M] with TOKENS_ON_M)."""
+                  BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr):
+    """o_plane [BLOCK_M, D/4] of channels [PLANE·D/4, …): rescaled, plus Σ_n (p·s)·c + Σ_n p·m."""
     codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES, UNPACK_ASM)  # [N, QUARTER]
     scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
-    if TOKENS_ON_M:
-        p_scaled = dot_operand(p * scale[:, None], BF16_DOTS, TENSOR_CORES)
-        p_min = _value_minimum_term_tokens_on_m(p, minimum, p_scaled, BF16_DOTS)
-        p_scaled = tl.trans(p_scaled)
-    else:
-        p_scaled = dot_operand(p * scale[None, :], BF16_DOTS, TENSOR_CORES)
-        p_min = _value_minimum_term(p, minimum, p_scaled, BF16_DOTS)
+    p_scaled = dot_operand(p * scale[None, :], BF16_DOTS, TENSOR_CORES)
+    p_min = _value_minimum_term(p, minimum, p_scaled, BF16_DOTS)
     return (o_plane * correction[:, None] + p_min[:, None]) + dot_f32(p_scaled, codes, BF16_DOTS, TENSOR_CORES)
 
 
@@ -488,9 +455,9 @@ def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_
         dots += dot_f32(_plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q2), Q_BF16, TENSOR_CORES)
         dots += dot_f32(_plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q3), Q_BF16, TENSOR_CORES)
         scores = dots * k_scale[:, None] + k_min[:, None] * q_sum[None, :]  # [N, BLOCK_M]
-        p, correction, m, l = online_softmax_step_tokens_on_m(scores * SCORE_SCALE, valid[:, None], m, l)
+        p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[:, None], m, l, TOKEN_AXIS=0)
         p_scaled = dot_operand(p * v_scale[:, None], Q_BF16, TENSOR_CORES)
-        p_min = _value_minimum_term_tokens_on_m(p, v_min, p_scaled, Q_BF16)[:, None]
+        p_min = _value_minimum_term(p, v_min, p_scaled, Q_BF16, TOKEN_AXIS=0)[:, None]
         p_scaled = tl.trans(p_scaled)  # [BLOCK_M, N]
     else:
         dots = dot_f32(q0, tl.trans(_plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
@@ -520,7 +487,9 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
                 GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr,
                 SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
                 UNPACK_ASM: tl.constexpr, TOKENS_ON_M: tl.constexpr):
-    """One block of PAGES_PER_BLOCK history pages: scores, online softmax, the four output planes."""
+    """One block of PAGES_PER_BLOCK history pages: scores, online softmax, the four output planes.
+    TOKENS_ON_M: G ≥ D only (`_int2_block_one_group`, the form measured on the H200; the launcher
+    refuses it otherwise)."""
     QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
     NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
     if PAGES_PER_BLOCK == 1:  # one whole page through a scalar page id: contiguous, vectorised loads
@@ -543,26 +512,23 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
     else:
         packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
         scores = _plane_scores(q0, s0, packed, k_scale_ptr, k_min_ptr, row, valid, 0,
-                               QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+                               QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         scores += _plane_scores(q1, s1, packed, k_scale_ptr, k_min_ptr, row, valid, 1,
-                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         scores += _plane_scores(q2, s2, packed, k_scale_ptr, k_min_ptr, row, valid, 2,
-                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         scores += _plane_scores(q3, s3, packed, k_scale_ptr, k_min_ptr, row, valid, 3,
-                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
-        if TOKENS_ON_M:
-            p, correction, m, l = online_softmax_step_tokens_on_m(scores * SCORE_SCALE, valid[:, None], m, l)
-        else:
-            p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
+                                QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+        p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
         packed = _load_packed(v_codes_ptr, row, columns, QUARTER, UNPACK_ASM)
         o0 = _plane_update(o0, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 0,
-                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         o1 = _plane_update(o1, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 1,
-                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         o2 = _plane_update(o2, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 2,
-                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         o3 = _plane_update(o3, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 3,
-                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+                           QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
     return o0, o1, o2, o3, m, l
 
 
@@ -732,8 +698,9 @@ def int2_tier_partials(
     tokens_on_m: bool = False,
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
-    `tokens_on_m` (the folded kernel, G ≥ D/4): scores and probabilities as [N, block_m], the codes
-    the dots' A operand, so block_m may be 8; decode runs it at one warp (benchmarks/NOTES.md v15).
+    `tokens_on_m` (G ≥ D: one group per row, the form measured on the H200): scores and probabilities
+    as [N, block_m], the codes the dots' A operand, so block_m may be 8; decode runs it at one warp
+    (benchmarks/NOTES.md v15).
     `max_registers`: Triton's maxnreg for the compiled kernel (more programs per SM, at the price of
     spills); None → the compiler's choice, and always under the interpreter.
     `unpack_asm`: the folded kernel unpacks codes by inline PTX (bfloat16 q on the GPU; the G < D/4
@@ -747,8 +714,8 @@ def int2_tier_partials(
     lse = torch.empty((batch, num_kv_heads, splits, rows), dtype=torch.float32, device=q.device)
     folded = group_size >= head_dim // CODES_PER_BYTE
     kernel = _int2_tier_kernel if folded else _int2_tier_dequantizing_kernel
-    if tokens_on_m and not folded:
-        raise ValueError(f"tokens_on_m needs the folded kernel (group_size >= D/4 = {head_dim // CODES_PER_BYTE}), "
+    if tokens_on_m and group_size < head_dim:
+        raise ValueError(f"tokens_on_m needs one group per row (group_size >= head_dim = {head_dim}), "
                          f"got group_size={group_size}")
     extra = dict(UNPACK_ASM=bool(unpack_asm)) if folded and unpack_asm else {}
     if tokens_on_m:

@@ -203,25 +203,25 @@ def test_bad_static_arguments_raise(small, overrides, message):
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch):
+def test_launch_parameters_reach_both_tier_kernels(monkeypatch, batch):
     """None launches each tier kernel as shared_math.tiling.default_decode_launch says: the BF16 tier
     by its own program count (2 warps once it has DECODE_TWO_WARPS_MIN_PROGRAMS, here set between the
-    INT2 tier's batch-1 and batch-8 counts, else 4; BF16_TIER_NUM_STAGES), the INT2 tier (G ≥ D/4,
+    INT2 tier's batch-1 and batch-8 counts, else 4; BF16_TIER_NUM_STAGES), the INT2 tier (G = D,
     pages of 16: scores with tokens on M) at INT2_DECODE_NUM_WARPS, DECODE_NUM_STAGES and no register
     cap whatever its grid; explicit num_warps and num_stages reach both, max_registers the INT2 one."""
     from oscar_torch.kernels import decode_attention as kdecode
     from shared_math import tiling
     from shared_math.tiling import BF16_TIER_NUM_STAGES, DECODE_NUM_STAGES, INT2_DECODE_NUM_WARPS
 
-    q, arrays = small
-    arrays = list(arrays)
+    case = dataclasses.replace(SMALL, name="small_one_group", group_size=SMALL.head_dim)  # G = D
+    q, arrays = query(case), list(cache_arrays(build_cache(case)))
     kv_heads, slots = arrays[2].shape[1], arrays[11].shape[1]
-    splits = -(-slots // SMALL.pages_per_split)
+    splits = -(-slots // case.pages_per_split)
     monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 4 * kv_heads * splits)  # INT2 tier: b1 < it ≤ b8
-    _, bf16_split, _ = tiling.resolve_splits(SMALL.pages_per_split, SMALL.pages_per_block, arrays[8].shape[1], slots,
+    _, bf16_split, _ = tiling.resolve_splits(case.pages_per_split, case.pages_per_block, arrays[8].shape[1], slots,
                                              arrays[0].shape[2])
     (bf16_warps, bf16_stages), _ = tiling.default_decode_launch(batch, kv_heads, arrays[8].shape[1], slots,
-                                                                bf16_split, SMALL.pages_per_split)
+                                                                bf16_split, case.pages_per_split)
     for i in (8, 9, 10, 11, 12):  # tables and lengths [B, …]: repeat row 0 to the batch
         arrays[i] = arrays[i][:1].repeat_interleave(batch, dim=0).contiguous()
     qb = q[:1].repeat_interleave(batch, dim=0).contiguous()
@@ -231,9 +231,9 @@ def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch):
         monkeypatch.setattr(kdecode, tier, lambda *a, real=real, tier=tier, **kw: (
             seen.append((tier, kw["num_warps"], kw["num_stages"], kw.get("max_registers"), kw.get("tokens_on_m"))),
             real(*a, **kw))[1])
-    ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL))
-    ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), num_warps=8, num_stages=1, max_registers=96)
-    ops.decode_attention(qb, *arrays, **attention_kwargs(SMALL), max_registers=0)
+    ops.decode_attention(qb, *arrays, **attention_kwargs(case))
+    ops.decode_attention(qb, *arrays, **attention_kwargs(case), num_warps=8, num_stages=1, max_registers=96)
+    ops.decode_attention(qb, *arrays, **attention_kwargs(case), max_registers=0)
     assert bf16_stages == BF16_TIER_NUM_STAGES
     bf16 = ("bf16_tier_partials", bf16_warps, BF16_TIER_NUM_STAGES, None, None)  # its own table's program count
     int2 = ("int2_tier_partials", INT2_DECODE_NUM_WARPS, DECODE_NUM_STAGES, None, True)
@@ -242,7 +242,7 @@ def test_launch_parameters_reach_both_tier_kernels(small, monkeypatch, batch):
 
 
 def test_rows_on_m_int2_tier_keeps_its_launch_policy_and_register_cap(monkeypatch):
-    """G < D/4 (the dequantizing kernel: no code planes) keeps the INT2 tier's rows-on-M layout, its
+    """G < D (here the dequantizing kernel, G < D/4) keeps the INT2 tier's rows-on-M layout, its
     warps from its program count and the TRITON_INT2_MAX_REGISTERS cap."""
     from oscar_torch.kernels import decode_attention as kdecode
     from shared_math.tiling import DECODE_NUM_STAGES, TRITON_INT2_MAX_REGISTERS, default_decode_num_warps
@@ -339,18 +339,18 @@ def test_unpack_asm_on_the_gpu_matches_the_compiler_unpacking(case):
     assert_close(unpacked, reference_decode(case, cache, case.query()), case.q_dtype)
 
 
-def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_the_folded_kernel():
+def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_one_group():
     """The INT2 tier's two score layouts give the same partials (interpreter: float32 dots, so they
-    differ by summation order only), 8 rows with tokens on M as 16 with rows on M; G < D/4 (the
-    dequantizing kernel, no code planes) has no tokens-on-M form."""
+    differ by summation order only), 8 rows with tokens on M as 16 with rows on M; G < D has no
+    tokens-on-M form in this backend."""
     from oscar_torch.kernels import decode_attention as kdecode
 
-    case = AttentionCase("history", 64, 32, 2, 2, (330, 200), pages_per_split=2, pages_per_block=1)
+    case = AttentionCase("history", 64, 64, 2, 2, (330, 200), pages_per_split=2, pages_per_block=1)
     arrays = list(cache_arrays(build_cache(case)))
     pools, tables = arrays[2:8], arrays[11:13]
     gen = torch.Generator().manual_seed(3)
     q = torch.randn((2, 2, 16, 64), generator=gen).to(DEVICE)
-    common = dict(group_size=32, softmax_scale=0.125, pages_per_split=2, pages_per_block=1)
+    common = dict(group_size=64, softmax_scale=0.125, pages_per_split=2, pages_per_block=1)
     o16, lse16 = kdecode.int2_tier_partials(q, *pools, *tables, block_m=16, **common)
     o8, lse8 = kdecode.int2_tier_partials(q[:, :, :8].contiguous(), *pools, *tables, block_m=8, tokens_on_m=True,
                                           **common)
@@ -358,9 +358,9 @@ def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_the_folded_kernel():
     assert nonempty.any() and torch.equal(torch.isfinite(lse8), nonempty)
     torch.testing.assert_close(lse8[nonempty], lse16[:, :, :, :8][nonempty], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(o8, o16[:, :, :, :8], rtol=1e-5, atol=1e-6)
-    g16 = AttentionCase("g16_rows", 128, 16, 1, 1, (70,), pages_per_split=2, pages_per_block=1)
-    small = list(cache_arrays(build_cache(g16)))
-    with pytest.raises(ValueError, match="tokens_on_m needs the folded kernel"):
-        kdecode.int2_tier_partials(torch.zeros((1, 1, 8, 128), device=DEVICE), *small[2:8], *small[11:13],
-                                   block_m=8, tokens_on_m=True, group_size=16, softmax_scale=0.1, pages_per_split=2,
+    g32 = AttentionCase("g32_rows", 64, 32, 1, 1, (70,), pages_per_split=2, pages_per_block=1)
+    small = list(cache_arrays(build_cache(g32)))
+    with pytest.raises(ValueError, match="tokens_on_m needs one group per row"):
+        kdecode.int2_tier_partials(torch.zeros((1, 1, 8, 64), device=DEVICE), *small[2:8], *small[11:13],
+                                   block_m=8, tokens_on_m=True, group_size=32, softmax_scale=0.1, pages_per_split=2,
                                    pages_per_block=1)
