@@ -44,9 +44,10 @@ TRITON_TUNING_128K = (
     [dict(pages_per_split=16, pages_per_block=1, unpack_asm=False)]
     + [dict(pages_per_split=ps) for ps in (8, 32)]
     # the launches around the default (1 warp, 3 stages, no register cap): shallower or deeper
-    # pipelining, a register cap, 2 warps (the rows-on-M kernel's launch until v14)
+    # pipelining, register caps (occupancy: 241 registers hold 8 one-warp programs per SM, 168 hold
+    # 12, 128 hold 16), 2 warps (the rows-on-M kernel's launch until v14)
     + [dict(num_warps=nw, num_stages=ns, max_registers=mr)
-       for nw, ns, mr in [(1, 2, 0), (1, 4, 0), (1, 3, 192), (2, 3, 0)]]
+       for nw, ns, mr in [(1, 2, 0), (1, 4, 0), (1, 3, 192), (1, 3, 168), (1, 3, 128), (2, 3, 0)]]
 )
 
 

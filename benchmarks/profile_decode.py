@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -44,6 +45,10 @@ def main(argv=None) -> None:
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--breakdown", type=Path, default=None, help="write a per-kernel breakdown JSON here")
     parser.add_argument("--calls", type=int, default=20, help="calls traced per backend with --breakdown")
+    parser.add_argument("--unrolled", action="store_true",
+                        help="with --breakdown, trace the Pallas calls as bench_decode times them: one jitted "
+                             "program of --calls calls written out (harness.time_jax_loop's default), not one "
+                             "dispatch per call")
     parser.add_argument("--num-warps", type=int, default=None,
                         help="warps of both backends' tier kernels (default: each backend's own default)")
     args = parser.parse_args(argv)
@@ -79,11 +84,21 @@ def main(argv=None) -> None:
 
     from benchmarks import harness, profile_e2e
 
-    pallas = jax.jit(lambda q_, pools_, tables_: ops.decode_attention(q_, *pools_, *tables_, **common))
+    def attend(q_, pools_, tables_):
+        return ops.decode_attention(q_, *pools_, *tables_, **common)
+
+    if args.unrolled:
+        def calls(q_, pools_, tables_):
+            for _ in range(args.calls):  # the bench's step: a serial dependency, the same values
+                q_ = (q_.astype(jnp.float32) + 0.0 * attend(q_, pools_, tables_)).astype(q_.dtype)
+            return q_
+        pallas, dispatches = jax.jit(calls), 1
+    else:
+        pallas, dispatches = jax.jit(attend), args.calls
     jax.block_until_ready(pallas(q, pool_args, tables))
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
-            for _ in range(args.calls):
+            for _ in range(dispatches):
                 out = pallas(q, pool_args, tables)
             jax.block_until_ready(out)
         jax_events, _ = profile_e2e.device_kernels(trace_dir)
@@ -94,7 +109,8 @@ def main(argv=None) -> None:
     torch_events = [(e.name, int(e.time_range.start * 1e3), int(e.time_range.elapsed_us() * 1e3))
                     for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     result = {"environment": harness.environment(), "context": args.context, "batch": args.batch,
-              "group_size": args.group_size, "calls": args.calls,
+              "group_size": args.group_size, "calls": args.calls, "unrolled": args.unrolled,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "pallas": profile_e2e.summarize_kernels(jax_events, args.calls),
               "triton": profile_e2e.summarize_kernels(torch_events, args.calls),
               "triton_compiled": _compiled_triton_kernels()}
