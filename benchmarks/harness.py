@@ -4,7 +4,8 @@ Timing rules (../shared METHOD): warm up first, median of repeated measurements,
 among copies so that a call never finds its data in the 50 MB L2, and many launches per timed
 region so that host dispatch stays out of the kernel time:
   * JAX: `time_jax_loop` runs the step `reps` times inside one jitted program (the step chooses
-    its input copy from the call index) and divides its wall time by `reps`. JAX_TIMING picks how:
+    its input copy from the call index) and takes the wall time that a second program queued
+    behind the first adds, divided by `reps` (JAX_TIMING_METHOD: why). JAX_TIMING picks how:
     "unrolled" (the default) writes the reps out as straight-line code, so the host enqueues every
     launch ahead of the GPU, as a model step does and as a replayed CUDA graph does for torch;
     "loop" runs them in a `fori_loop`, whose while loop reads its predicate back to the host each
@@ -76,6 +77,13 @@ def relative_error(got, want) -> float:
 
 
 JAX_TIMING_MODES = ("unrolled", "loop")
+# One program's wall time also holds a fixed cost (its dispatch until the first kernel runs, the
+# final sync), which torch's event-timed graph replays do not: 10–18 µs a call at 128K b1, 32 calls a
+# program (benchmarks/NOTES.md v16). The per-call time is therefore the *difference* between two
+# programs queued back to back (the second fed the first's output) and one, over reps: the fixed cost
+# cancels, as a model's steps queued behind each other see it. `wall_median_s` keeps one program's
+# wall time per call.
+JAX_TIMING_METHOD = "(wall of 2 chained programs - wall of 1) / reps"
 JAX_TIMING = "unrolled"  # bench_h200 --jax-timing sets it
 
 
@@ -100,14 +108,20 @@ def time_jax_loop(step, carry, reps: int, trials: int = 5, operands=(), mode: st
         return carry
 
     jax.block_until_ready(loop(carry, operands))  # compile + warm up
-    jax.block_until_ready(loop(carry, operands))
-    times = []
+    jax.block_until_ready(loop(loop(carry, operands), operands))
+    walls, steady = [], []
     for _ in range(trials):
         t0 = time.perf_counter()
         jax.block_until_ready(loop(carry, operands))
-        times.append((time.perf_counter() - t0) / reps)
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "reps": reps,
-            "trials": trials, "mode": mode}
+        one = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(loop(carry, operands), operands))  # the second queued behind the first
+        two = time.perf_counter() - t0
+        walls.append(one / reps)
+        steady.append((two - one) / reps)
+    return {"median_s": statistics.median(steady), "min_s": min(steady), "max_s": max(steady),
+            "wall_median_s": statistics.median(walls), "reps": reps, "trials": trials, "mode": mode,
+            "method": JAX_TIMING_METHOD}
 
 
 def time_torch_graph(calls, trials: int = 10) -> dict:
