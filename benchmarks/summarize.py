@@ -83,6 +83,18 @@ def _get(obj, key, types, where: str, *, optional: bool = False):
 NUM = (int, float)
 
 
+def _decode_timing_line(decode: dict) -> str:
+    """How the decode rows were timed: torch by CUDA events over graph replays; JAX by the method its
+    entries name (harness.JAX_TIMING_METHOD), or one program's wall time for configs measured before."""
+    methods = {v.get("method") for c in decode["configs"] for name, v in c["variants"].items()
+               if name.endswith("pallas") or name.startswith("oscar_int2_pallas[")}
+    jax_text = "; ".join(sorted(f"`{m}`" if m else "one program's wall time / reps (configs measured before v16)"
+                                for m in methods)) or "—"
+    return ("Timing: torch variants (Triton, cuDNN, FlashAttention-2) by CUDA events over replays of one CUDA graph; "
+            f"JAX variants (Pallas) per call: {jax_text}. Medians of repeated trials; inputs rotated among copies "
+            "so that no call finds its data in L2.")
+
+
 def _check_timing(entry, where: str, positive=("median_s",)) -> None:
     for key in positive:
         if _get(entry, key, NUM, where) <= 0:
@@ -527,6 +539,7 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
                   f"head dim {c.get('head_dim')}, page size {c.get('page_size')}, INT2 group size G = "
                   f"{c.get('group_size')}, sink {c.get('sink')} + recent {c.get('recent')} tokens in BF16, the rest "
                   "of the context in INT2 pages.", ""]
+        lines += [_decode_timing_line(decode), ""]
     if e2e is not None:
         m, o = e2e.get("model", {}), e2e.get("oscar", {})
         lines += [f"End-to-end: {e2e.get('model_name', 'model')}: {m.get('num_layers')} layers, hidden "

@@ -115,6 +115,19 @@ def test_decode_rows_name_the_sha_of_their_config(tmp_path):
     assert [row.rsplit("|", 2)[1].strip() for row in rows] == ["`1111111`", "`2222222`", "—"]
 
 
+def test_benchmarks_md_says_how_each_jax_row_was_timed(tmp_path):
+    """Configs timed by one program's wall time (before v16) and by the chained-program difference may
+    sit in one merged file: the conditions name both."""
+    from benchmarks import harness
+
+    results = fake_results()
+    results["decode"]["configs"][1]["variants"]["oscar_int2_pallas"]["method"] = harness.JAX_TIMING_METHOD
+    md = tmp_path / "BENCHMARKS.md"
+    S.summarize(write_files(tmp_path, results), md, plots=False)
+    line = next(x for x in md.read_text().splitlines() if x.startswith("Timing: torch"))
+    assert f"`{harness.JAX_TIMING_METHOD}`" in line and "before v16" in line
+
+
 def test_concurrency_counts_built_batches_not_the_accounting(tmp_path):
     results = fake_results()
     results["e2e"]["capacity"]["int2"]["built_batch"] = 30  # 40 by the byte accounting
