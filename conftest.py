@@ -39,3 +39,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["rows_on_m", "tokens_on_m"])
+def int2_layout(request, monkeypatch):
+    """Both layouts of the decode INT2 tier by the default launch (both backends): test-sized grids
+    take rows on M, unless the program count from which tokens go on M
+    (shared_math.tiling.int2_decode_tokens_on_m) is set to 1."""
+    from shared_math import tiling
+
+    if request.param == "tokens_on_m":
+        monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 1)
+    return request.param

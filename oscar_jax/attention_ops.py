@@ -45,7 +45,9 @@ from oscar_jax.kernels.decode_attention import (
 from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
-from shared_math.tiling import default_decode_launch, int2_decode_rows, next_power_of_two, resolve_splits
+from shared_math.tiling import (
+    default_decode_launch, int2_decode_rows, int2_decode_tokens_on_m, next_power_of_two, resolve_splits,
+)
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
 DEFAULT_NUM_WARPS = 4  # Triton launch parameters of prefill's cache partials (decode: shared_math.tiling)
@@ -321,8 +323,10 @@ def decode_attention(
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
       num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only); None → each
         tier's own, `shared_math.tiling.default_decode_launch`: the INT2 tier 1 warp and 3 stages
-        (its scores as [page tokens, 8 query rows], benchmarks/NOTES.md v15), the BF16 tier 2 warps
-        once it has ≥ 512 programs, else 4, and 2 stages (NOTES v12–v13).
+        with its scores as [page tokens, 8 query rows] (pages of ≥ 16 tokens and ≥ 512 programs:
+        `shared_math.tiling.int2_decode_tokens_on_m`, benchmarks/NOTES.md v15–v16), else rows on M
+        and warps as the BF16 tier's; the BF16 tier 2 warps once it has ≥ 512 programs, else 4,
+        and 2 stages (NOTES v12–v13).
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, GPU only): the same operand
         bits in fewer instructions (H200, 128K: 161 → 133 µs, benchmarks/NOTES.md v4); None → on
         where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
@@ -343,9 +347,10 @@ def decode_attention(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
-    # The INT2 tier's scores with tokens on M need whole pages of ≥ 16 tokens (the gather kernel
-    # for smaller pages keeps rows on M).
-    int2_tokens_on_m = _page_size(views[0]) >= MIN_DOT_DIM
+    # The INT2 tier's scores with tokens on M: whole pages of ≥ 16 tokens (the gather kernel for
+    # smaller pages keeps rows on M) and a grid large enough for one-warp programs.
+    int2_tokens_on_m = int2_decode_tokens_on_m(batch, num_kv_heads, history_page_table.shape[1], pages_per_split,
+                                               _page_size(views[0]))
     launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],
                                      bf16_pages_per_split, pages_per_split, int2_tokens_on_m=int2_tokens_on_m)
     if num_warps is not None:

@@ -44,7 +44,8 @@ from oscar_torch.validation import (
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    TRITON_INT2_MAX_REGISTERS, default_decode_launch, int2_decode_rows, next_power_of_two, resolve_splits,
+    TRITON_INT2_MAX_REGISTERS, default_decode_launch, int2_decode_rows, int2_decode_tokens_on_m, next_power_of_two,
+    resolve_splits,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
@@ -249,8 +250,9 @@ def decode_attention(
       num_warps, num_stages: warps per program (a power of two) and software-pipelining depth of
         the page loops (≥ 1) of both tier kernels; None → each tier's own,
         `shared_math.tiling.default_decode_launch`: the INT2 tier 1 warp and 3 stages when its
-        scores run with tokens on M (G ≥ D and pages of ≥ 16 tokens; benchmarks/NOTES.md v15),
-        else 2 warps once it has ≥ 512 programs, else 4; the BF16 tier likewise by its own
+        scores run with tokens on M (G ≥ D, pages of ≥ 16 tokens and ≥ 512 programs;
+        `shared_math.tiling.int2_decode_tokens_on_m`, benchmarks/NOTES.md v15–v16), else 2 warps
+        once it has ≥ 512 programs, else 4; the BF16 tier likewise by its own
         programs, and 2 stages (NOTES v12–v13).
       max_registers: registers per thread the compiled INT2 tier kernel may use (Triton's maxnreg,
         ≥ 32; spills beyond it), to fit more programs per SM; None →
@@ -281,8 +283,10 @@ def decode_attention(
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
     )
     # The INT2 tier's scores with tokens on M: one group per row (G ≥ D, the form measured on the
-    # H200; the Pallas kernel also takes G < D) over pages of ≥ 16 tokens.
-    int2_tokens_on_m = group_size >= head_dim and k_bf16.shape[2] >= MIN_DOT_DIM
+    # H200; the Pallas kernel also takes G < D), pages of ≥ 16 tokens, a grid large enough for
+    # one-warp programs.
+    int2_tokens_on_m = group_size >= head_dim and int2_decode_tokens_on_m(
+        batch, num_kv_heads, history_page_table.shape[1], pages_per_split, k_bf16.shape[2])
     if max_registers is None:
         max_registers = 0 if int2_tokens_on_m else TRITON_INT2_MAX_REGISTERS
     launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],

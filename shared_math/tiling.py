@@ -111,8 +111,20 @@ DECODE_NUM_STAGES = 3
 # b1 93.2 → 74.3 µs, b8 550.9 → 431.4 µs against [16, L] scores at 2 warps; the same layout at 2
 # warps took 132.0 / 735.3 µs, [16, L] at 1 warp 92.8 / 617.0. Static sm_90: 34.2 → 22.2 warp
 # instructions per (token, KV head): no cross-warp reductions, q's fragments reused over 64 tokens.
+# Only on a grid of at least DECODE_TWO_WARPS_MIN_PROGRAMS INT2 programs, though: one-warp programs
+# leave a smaller grid's SMs short of warps. 8K b1 (248 programs): Triton 21.0 → 24.7 µs, Pallas
+# 26.1 → 32.6 with them, where 8K b8 (1984) gained 61.7 → 50.7 / 69.1 → 59.2 (NOTES v16).
 INT2_DECODE_MIN_ROWS = 8
 INT2_DECODE_NUM_WARPS = 1
+
+
+def int2_decode_tokens_on_m(batch: int, num_kv_heads: int, history_slots: int, pages_per_split: int,
+                            page_size: int) -> bool:
+    """Whether a decode call's INT2 tier takes its scores with tokens on M in one-warp programs:
+    whole pages of ≥ MIN_DOT_DIM tokens and a grid of ≥ DECODE_TWO_WARPS_MIN_PROGRAMS programs;
+    otherwise rows on M at default_decode_num_warps."""
+    programs = batch * num_kv_heads * num_splits(history_slots, pages_per_split)
+    return page_size >= MIN_DOT_DIM and programs >= DECODE_TWO_WARPS_MIN_PROGRAMS
 
 
 def int2_decode_rows(heads_per_kv: int) -> int:

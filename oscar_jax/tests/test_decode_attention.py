@@ -223,7 +223,7 @@ def _case_id(case):
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
-def test_decode_matches_float64_reference_over_dequantized_cache(case):
+def test_decode_matches_float64_reference_over_dequantized_cache(case, int2_layout):
     head_dim, group_size, num_kv_heads, heads_per_kv, lengths, recent, dtype, pps, ppb = case
     rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()))
     cache = build_cache(
@@ -488,7 +488,7 @@ def compile_triton_kernels_for_h200(fn, *args) -> dict[str, dict]:
     [(128, 128, 4, jnp.bfloat16, False), (64, 16, 3, jnp.float32, False),
      (64, 16, 3, jnp.bfloat16, True)],  # the inline-PTX unpacker in the token-gather kernel (pages of 16)
 )
-def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dtype, unpack_asm):
+def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dtype, unpack_asm, int2_layout):
     rng = np.random.default_rng(0)
     cache = build_cache(rng, (337, 65), num_kv_heads=2, head_dim=head_dim, group_size=group_size)
     q = jnp.zeros((2, 2 * heads_per_kv, head_dim), dtype)
@@ -507,16 +507,17 @@ def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_row
     """num_warps / num_stages None launch each tier as shared_math.tiling.default_decode_launch says:
     the BF16 tier by its own table and split (2 warps once it has DECODE_TWO_WARPS_MIN_PROGRAMS
     programs, here set between the INT2 tier's batch-1 and batch-8 counts, else 4;
-    BF16_TIER_NUM_STAGES), the INT2 tier (pages of 16: scores with tokens on M) at
-    INT2_DECODE_NUM_WARPS and DECODE_NUM_STAGES whatever its grid. Explicit values reach both tiers."""
+    BF16_TIER_NUM_STAGES), the INT2 tier (pages of 16) with its scores on tokens × rows at
+    INT2_DECODE_NUM_WARPS once its grid has as many programs (b8), else rows on M at the BF16 tier's
+    rule (b1: 4 warps); DECODE_NUM_STAGES. Explicit values reach both tiers."""
     from oscar_jax import attention_ops
     from shared_math import tiling
 
     q, cache = small_cache
     seen = []
     monkeypatch.setattr(attention_ops, "_decode_attention",
-                        lambda q, cache, **kw: seen.append((kw["bf16_launch"], kw["int2_launch"]))
-                        if kw["int2_tokens_on_m"] else pytest.fail("pages of 16 tokens take the tokens-on-M layout"))
+                        lambda q, cache, **kw: seen.append((kw["bf16_launch"], kw["int2_launch"],
+                                                            kw["int2_tokens_on_m"])))
     arrays = list(cache.arrays)
     kv_heads, bf16_slots, slots = arrays[2].shape[1], arrays[8].shape[1], arrays[11].shape[1]
     split, bf16_split, _ = tiling.resolve_splits(None, None, bf16_slots, slots, arrays[0].shape[2])
@@ -529,9 +530,10 @@ def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_row
     _call(qb, arrays, num_warps=8, num_stages=1)
     _call(qb, arrays, num_stages=1)
     bf16_warps = 2 if batch_rows * kv_heads * -(-bf16_slots // bf16_split) >= threshold else 4  # its own count
-    int2_warps = tiling.INT2_DECODE_NUM_WARPS
-    assert seen == [((bf16_warps, tiling.BF16_TIER_NUM_STAGES), (int2_warps, tiling.DECODE_NUM_STAGES)),
-                    ((8, 1), (8, 1)), ((bf16_warps, 1), (int2_warps, 1))]
+    tokens_on_m = batch_rows == 8
+    int2_warps = tiling.INT2_DECODE_NUM_WARPS if tokens_on_m else 4
+    assert seen == [((bf16_warps, tiling.BF16_TIER_NUM_STAGES), (int2_warps, tiling.DECODE_NUM_STAGES), tokens_on_m),
+                    ((8, 1), (8, 1), tokens_on_m), ((bf16_warps, 1), (int2_warps, 1), tokens_on_m)]
 
 
 @pytest.mark.parametrize("bf16_slots,history_slots", [(4096, 0), (SINK_SLOTS + 2, 4096), (SINK_SLOTS + 2, 0)])

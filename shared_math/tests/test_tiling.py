@@ -66,6 +66,22 @@ def test_decode_launch_of_the_tokens_on_m_int2_tier_is_one_warp(batch, history_s
     assert bf16[0] == default_decode_num_warps(batch, 8, 6, 1)  # the BF16 tier keeps its own
 
 
+@pytest.mark.parametrize("batch,history_slots,pages_per_split,page_size,expected", [
+    (1, 2043, 16, 64, True),    # 128K b1: 1024 INT2 programs
+    (1, 507, 4, 64, True),      # 32K b1: 1016
+    (1, 123, 4, 64, False),     # 8K b1: 248, too few for one-warp programs (NOTES v16)
+    (8, 123, 4, 64, True),      # 8K b8: 1984
+    (8, 2043, 16, 8, False),    # pages of 8 tokens: the gather kernel keeps rows on M
+    (8, 2043, 16, 16, True),
+])
+def test_int2_decode_takes_tokens_on_m_on_large_grids_of_whole_pages(batch, history_slots, pages_per_split,
+                                                                       page_size, expected):
+    from shared_math.tiling import DECODE_TWO_WARPS_MIN_PROGRAMS, int2_decode_tokens_on_m
+
+    assert DECODE_TWO_WARPS_MIN_PROGRAMS == 512
+    assert int2_decode_tokens_on_m(batch, 8, history_slots, pages_per_split, page_size) is expected
+
+
 @pytest.mark.parametrize("heads_per_kv,rows", [(1, 8), (3, 8), (4, 8), (8, 8), (9, 16), (16, 16)])
 def test_int2_decode_rows_pad_the_group_to_mma_n(heads_per_kv, rows):
     from shared_math.tiling import int2_decode_rows
