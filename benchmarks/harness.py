@@ -34,6 +34,27 @@ def copies_to_defeat_l2(bytes_per_call: int, cap: int = 32) -> int:
     return int(min(cap, max(1, math.ceil(4 * L2_BYTES / max(bytes_per_call, 1)))))
 
 
+def git_head(cwd=None) -> str | None:
+    """`git rev-parse HEAD` of the checkout, or None outside one."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=cwd).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def git_tree_matches_head(cwd=None) -> bool | None:
+    """Whether the tracked files equal HEAD's (None outside a checkout). A copy of a working tree
+    that travels without its .git (or with a stale one) shows here as False: the recorded sha would
+    not name the code that ran (benchmarks/NOTES.md v16)."""
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, check=True, cwd=cwd).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return status.strip() == ""
+
+
 def environment() -> dict:
     """GPU, driver and package versions, git sha (OSCAR_GIT_SHA, else `git rev-parse`)."""
     import jax
@@ -41,12 +62,7 @@ def environment() -> dict:
     import torch
     import triton
 
-    sha = os.environ.get("OSCAR_GIT_SHA")
-    if not sha:
-        try:
-            sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            sha = "unknown"
+    sha = os.environ.get("OSCAR_GIT_SHA") or git_head() or "unknown"
     gpu = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
     try:
         smi = subprocess.run(
@@ -63,6 +79,7 @@ def environment() -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
         "triton": triton.__version__, "numpy": np.__version__, "python": platform.python_version(),
         "git_sha": sha,
+        "git_tree_matches_head": git_tree_matches_head(),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

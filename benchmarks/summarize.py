@@ -277,6 +277,9 @@ def summarize_results(results: dict, warnings: list[str]) -> tuple[dict, dict]:
             env = data.get("environment", {})
             provenance["sources"][section] = {"git_sha": env.get("git_sha"), "date_utc": env.get("date_utc"),
                                               "copy_gb_per_s": data["copy_bandwidth"]["gb_per_s"]}
+            if env.get("git_tree_matches_head") is False and not env.get("git_sha_note"):
+                warnings.append(f"{section}_h200.json: the tree that ran differed from its recorded git sha "
+                                f"{env.get('git_sha')} (harness.git_tree_matches_head)")
     for batch in (1, 8):
         key = f"decode_speedup_vs_cudnn_bf16_128k_b{batch}"
         config = _config(decode, CONTEXT_128K, batch)

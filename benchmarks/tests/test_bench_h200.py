@@ -147,3 +147,22 @@ def test_capacity_needs_a_preallocated_allocator(fake_gpu, monkeypatch, tmp_path
     bench_h200.main(["--sections", "e2e", "--out", str(tmp_path)])
     assert calls[0]["capacity_context"] is None
     assert "XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m benchmarks.bench_h200" in capsys.readouterr().out
+
+
+def test_git_state_flags_a_tree_that_differs_from_head(tmp_path):
+    """environment() records whether the tracked files are HEAD's: a stale .git beside a newer tree
+    (the device copy of v16) must not pass for the recorded sha."""
+    import subprocess
+
+    from benchmarks import harness
+
+    assert harness.git_head(tmp_path) is None and harness.git_tree_matches_head(tmp_path) is None
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (tmp_path / "kernel.py").write_text("a = 1\n")
+    subprocess.run(git + ["add", "kernel.py"], check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    head = harness.git_head(tmp_path)
+    assert len(head) == 40 and harness.git_tree_matches_head(tmp_path) is True
+    (tmp_path / "kernel.py").write_text("a = 2\n")
+    assert harness.git_head(tmp_path) == head and harness.git_tree_matches_head(tmp_path) is False

@@ -128,6 +128,14 @@ def test_benchmarks_md_says_how_each_jax_row_was_timed(tmp_path):
     assert f"`{harness.JAX_TIMING_METHOD}`" in line and "before v16" in line
 
 
+def test_a_tree_that_differed_from_its_sha_is_a_warning(tmp_path):
+    results = fake_results()
+    results["write"]["environment"]["git_tree_matches_head"] = False
+    S.summarize(write_files(tmp_path, results), tmp_path / "BENCHMARKS.md", plots=False)
+    provenance = json.loads((tmp_path / "summary_h200_provenance.json").read_text())
+    assert any("write_h200.json" in w and "differed" in w for w in provenance["warnings"])
+
+
 def test_concurrency_counts_built_batches_not_the_accounting(tmp_path):
     results = fake_results()
     results["e2e"]["capacity"]["int2"]["built_batch"] = 30  # 40 by the byte accounting
