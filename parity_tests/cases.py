@@ -487,7 +487,7 @@ def reference_decode(case: AttentionCase, cache: PagedCache, q: np.ndarray) -> n
     ])
 
 
-# bf16 queries build the INT2 code operand as 128 + c and cancel the 128 in Σ p·m_v. Over
+# bf16 queries build the INT2 code operand as 128 + c·factor (shared_math.ptx) and cancel the 128 in Σ p·m_v. Over
 # zero-mean values the output is ~10⁻² while a page's biased dot is ~10 × Σ p, so the kernels must
 # cancel page by page: a version that added Σ p·m_v once per split measured 3 % relative error at
 # 128K on the H200 (benchmarks/NOTES.md v11). This case is exact but for that float32 rounding:

@@ -14,7 +14,7 @@ from shared_math.spec import FP16_MAX
 
 _INT32 = np.iinfo(np.int32)
 _F32 = np.finfo(np.float32)
-_BF16_MANTISSA_BITS = 7  # bfloat16: 1 sign, 8 exponent, 7 mantissa bits
+BF16_MANTISSA_BITS = 7  # bfloat16: 1 sign, 8 exponent, 7 mantissa bits
 
 F32_MAGNITUDE_MASK = int(_INT32.max)  # bits & mask = the bits of |x|
 F32_SIGN_BIT = int(_INT32.min)  # the sign bit as an int32
@@ -23,10 +23,10 @@ F32_MANTISSA_MASK = (1 << int(_F32.nmant)) - 1
 F32_EXPONENT_MASK = F32_MAGNITUDE_MASK & ~F32_MANTISSA_MASK
 FP16_MAX_BITS = int(np.float32(FP16_MAX).view(np.int32))  # largest |x| bits after sanitize
 
-BF16_DROPPED_BITS = int(_F32.nmant) - _BF16_MANTISSA_BITS  # 16: a bfloat16 is the top half of a float32
+BF16_DROPPED_BITS = int(_F32.nmant) - BF16_MANTISSA_BITS  # 16: a bfloat16 is the top half of a float32
 BF16_ROUNDING_BIAS = (1 << (BF16_DROPPED_BITS - 1)) - 1  # round-to-nearest-even: + 0x7FFF + lsb
 BF16_KEPT_MASK = -(1 << BF16_DROPPED_BITS)  # int32 0xFFFF0000: the float32 bits a bfloat16 keeps
-BF16_QUIET_BIT = 1 << (_BF16_MANTISSA_BITS - 1)  # the quiet-NaN bit of a bfloat16 pattern
+BF16_QUIET_BIT = 1 << (BF16_MANTISSA_BITS - 1)  # the quiet-NaN bit of a bfloat16 pattern
 BF16_LOW_MASK = (1 << BF16_DROPPED_BITS) - 1  # the float32 bits a bfloat16 value leaves zero
 
 

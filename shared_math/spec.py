@@ -18,8 +18,9 @@ NUM_LEVELS = 1 << CODE_BITS  # 4 quantization levels
 CODES_PER_BYTE = 8 // CODE_BITS  # 4 codes per byte, "quartered" packing
 CODE_MASK = NUM_LEVELS - 1  # 0b11
 # Not stored: how both backends' attention kernels turn a code into a bfloat16 dot operand with
-# one integer op. 0x4300 is the bfloat16 bit pattern of 128.0; OR-ing a code c < 128 into its
-# mantissa gives exactly 128 + c, and the kernels subtract the 128 back in the minimum terms.
+# one integer op. 0x4300 is the bfloat16 bit pattern of 128.0; OR-ing a code into its mantissa
+# gives exactly 128 + c·2^place (shared_math.ptx), and the kernels subtract the 128 back in the
+# minimum terms.
 BF16_CODE_BIAS_BITS = 0x4300
 BF16_CODE_BIAS = 128.0
 

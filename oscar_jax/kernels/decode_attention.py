@@ -50,7 +50,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
-from shared_math.ptx import UNPACK_CONSTRAINTS, UNPACK_PACK, unpack_plane_ptx
+from shared_math.ptx import (
+    UNPACK_CONSTRAINTS, UNPACK_PACK, plane_factor, plane_mask, plane_shift, unpack_plane_ptx,
+)
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
 from shared_math.tiling import (
     LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, next_power_of_two, num_splits,
@@ -267,23 +269,39 @@ def int2_pieces(head_dim: int, group_size: int):
     return tuple(pieces)
 
 
-def _int2_query_terms(q_ref, pieces, num_groups):
-    """The query split like the code planes ([BLOCK_M, W] per piece) and Σ q per group."""
-    block_m = q_ref.shape[0]
-    q_pieces = [q_ref[:, pl.ds(c0, width)] for (_, width, _, c0, _) in pieces]
-    q_group_sums = [jnp.zeros((block_m,), jnp.float32) for _ in range(num_groups)]
-    for q_piece, (_, _, _, _, group) in zip(q_pieces, pieces):
-        q_group_sums[group] = q_group_sums[group] + jnp.sum(q_piece.astype(jnp.float32), axis=1)
-    return q_pieces, q_group_sums
-
-
 def code_offset(compute_dtype) -> float:
     """What `_code_planes` adds to every code: 128 for bfloat16 operands (see there), else 0."""
     return BF16_CODE_BIAS if jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) else 0.0
 
 
+def operand_factors(pieces, compute_dtype):
+    """Each piece's code multiplier in its `_code_planes` operand: shared_math.ptx.plane_factor
+    for bfloat16 operands (the codes left in place in the mantissa), else 1."""
+    bf16 = code_offset(compute_dtype) != 0.0
+    return tuple(plane_factor(plane) if bf16 else 1.0 for (_, _, plane, _, _) in pieces)
+
+
+def _int2_query_terms(q_ref, pieces, num_groups):
+    """The query split like the code planes ([BLOCK_M, W] per piece, divided by the piece's operand
+    factor: exact, a power of two), Σ q per group, and per group the bias its code dots carry,
+    code_bias·Σ_pieces Σ q / factor (None for float32 operands: no bias)."""
+    block_m = q_ref.shape[0]
+    code_bias = code_offset(q_ref.dtype)
+    factors = operand_factors(pieces, q_ref.dtype)
+    q_pieces, q_group_sums = [], [jnp.zeros((block_m,), jnp.float32) for _ in range(num_groups)]
+    q_bias_sums = [jnp.zeros((block_m,), jnp.float32) for _ in range(num_groups)] if code_bias else None
+    for factor, (_, width, _, c0, group) in zip(factors, pieces):
+        q_piece = q_ref[:, pl.ds(c0, width)]
+        q_pieces.append(q_piece * (1.0 / factor) if factor != 1.0 else q_piece)
+        piece_sum = jnp.sum(q_piece.astype(jnp.float32), axis=1)
+        q_group_sums[group] = q_group_sums[group] + piece_sum
+        if code_bias:
+            q_bias_sums[group] = q_bias_sums[group] + piece_sum * (code_bias / factor)
+    return q_pieces, q_group_sums, q_bias_sums
+
+
 def _unpack_plane_asm(chunk, plane):
-    """uint8 [N, W] → bit plane `plane` as bfloat16 [N, W], code c as bits `0x4300 | c`, by inline
+    """uint8 [N, W] → bit plane `plane` as bfloat16 [N, W] operands (shared_math.ptx), by inline
     PTX (GPU only; shared_math.ptx). One asm per plane: jax's lowering of a multi-result inline asm
     returns one value; ptxas merges the PRMTs the planes of one chunk repeat."""
     return pl_triton.elementwise_inline_asm(
@@ -299,10 +317,12 @@ def _code_planes(load_chunk, pieces, compute_dtype, unpack_asm=False):
     one plane live at a time: sm_90, the 2-warp INT2 kernel 168 → 152 registers, 4 warps 113 → 96
     (benchmarks/NOTES.md v11).
 
-    bfloat16: the operand is built as bits `0x4300 | c`, i.e. the exact value 128 + c, with one
-    integer op per code instead of an int→bf16 conversion: conversions issue at 16/clk/SM on
-    sm_90 (a quarter of integer ops), and at 128 per thread per page they bounded the kernel
-    (benchmarks/NOTES.md). The +128 is folded back into the minimum terms (`code_offset`).
+    bfloat16: the operand is built as bits `0x4300 | c << place`, i.e. the exact value
+    128 + c·factor (shared_math.ptx: the codes masked where the byte holds them, plane 3 shifted by
+    one), with one integer op per code instead of an int→bf16 conversion: conversions issue at
+    16/clk/SM on sm_90 (a quarter of integer ops), and at 128 per thread per page they bounded the
+    kernel (benchmarks/NOTES.md). The 128 is folded back into the minimum terms (`code_offset`),
+    the factor into the query pieces and the output planes (`operand_factors`).
     float32: the exact codes. `unpack_asm` (bfloat16, GPU only): the same bits through
     `_unpack_plane_asm`."""
     bf16 = code_offset(compute_dtype) != 0.0
@@ -316,55 +336,63 @@ def _code_planes(load_chunk, pieces, compute_dtype, unpack_asm=False):
     def plane_operand(chunk, plane):
         if asm:
             return _unpack_plane_asm(chunk, plane)
-        code = lax.shift_right_logical(chunk, plane * CODE_BITS) & CODE_MASK
         if bf16:
-            return lax.bitcast_convert_type((code | BF16_CODE_BIAS_BITS).astype(jnp.uint16), jnp.bfloat16)
-        return code.astype(compute_dtype)
+            shifted = lax.shift_right_logical(chunk, plane_shift(plane)) if plane_shift(plane) else chunk
+            bits = (shifted & plane_mask(plane)) | BF16_CODE_BIAS_BITS
+            return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+        return (lax.shift_right_logical(chunk, plane * CODE_BITS) & CODE_MASK).astype(compute_dtype)
 
     return [functools.partial(plane_operand, chunks[byte_start], plane) for byte_start, _, plane, _, _ in pieces]
 
 
-def _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias, tokens_on_m=False):
+def _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, pieces, tokens_on_m=False):
     """Σ_g s_g·(q_g · c_g) + m_g·Σ q_g → [BLOCK_M, N] ([N, BLOCK_M] with `tokens_on_m`: the codes
     are the dot's A operand and the query rows its N); k_scale / k_min per group, each [N].
-    The planes hold c + code_bias, so the minimum term uses m − code_bias·s."""
+    The code dots carry the bias q_bias_sums (`_int2_query_terms`), subtracted before the scale."""
     code_dots = [None] * len(k_scale)
     for q_piece, plane, (_, _, _, _, group) in zip(q_pieces, k_planes, pieces):
         d = dot_nt(plane(), q_piece) if tokens_on_m else dot_nt(q_piece, plane())
         code_dots[group] = d if code_dots[group] is None else code_dots[group] + d
+    row = (lambda x: x[None, :]) if tokens_on_m else (lambda x: x[:, None])  # [BLOCK_M] → the scores' rows
+    token = (lambda x: x[:, None]) if tokens_on_m else (lambda x: x[None, :])  # [N] → the scores' tokens
     scores = None
     for group, (scale, minimum) in enumerate(zip(k_scale, k_min)):
-        shifted_min = minimum - code_bias * scale if code_bias else minimum
-        if tokens_on_m:
-            term = code_dots[group] * scale[:, None] + shifted_min[:, None] * q_group_sums[group][None, :]
-        else:
-            term = code_dots[group] * scale[None, :] + q_group_sums[group][:, None] * shifted_min[None, :]
+        dots = code_dots[group] - row(q_bias_sums[group]) if q_bias_sums is not None else code_dots[group]
+        term = dots * token(scale) + row(q_group_sums[group]) * token(minimum)
         scores = term if scores is None else scores + term
     return scores
 
 
-def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias, token_axis=1):
-    """(Σ_n (p·s_v)·c_v per piece [BLOCK_M, W], Σ_n p·m_v per group [BLOCK_M]); p [BLOCK_M, N]
-    unnormalised (pᵀ [N, BLOCK_M] with token_axis 0: scores with tokens on M). The planes hold
-    c + code_bias: the minimum term subtracts code_bias·Σ_n (p·s_v) of the *rounded* operand, so
-    the bias cancels exactly up to float32 accumulation. Callers add the minimum term to the
-    rescaled output *before* the dot (`_accumulate_output`)."""
+def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, token_axis=1):
+    """(Σ_n (p·s_v)·c_v per piece [BLOCK_M, W], Σ_n p·m_v per piece [BLOCK_M]), both in units of
+    the piece's operand factor f (`operand_factors`: the output planes are carried as f·o);
+    p [BLOCK_M, N] unnormalised (pᵀ [N, BLOCK_M] with token_axis 0: scores with tokens on M).
+    The planes hold code_bias + f·c: the minimum term f·Σ_n p·m_v subtracts code_bias·Σ_n (p·s_v)
+    of the *rounded* operand, so the bias cancels exactly up to float32 accumulation. Callers add
+    the minimum term to the rescaled output *before* the dot (`_accumulate_output`)."""
+    code_bias = code_offset(compute_dtype)
     per_token = functools.partial(jnp.expand_dims, axis=1 - token_axis)  # [N] → p's layout
     p_scaled = [(p * per_token(scale)).astype(compute_dtype) for scale in v_scale]
     p_min = [jnp.sum(p * per_token(minimum), axis=token_axis) for minimum in v_min]
-    if code_bias:
-        p_min = [m - code_bias * jnp.sum(ps.astype(jnp.float32), axis=token_axis) for m, ps in zip(p_min, p_scaled)]
+    bias = [code_bias * jnp.sum(ps.astype(jnp.float32), axis=token_axis) for ps in p_scaled] if code_bias else None
+    p_min_pieces = {}  # (group, factor) → its minimum term, formed once
+    for factor, (_, _, _, _, group) in zip(operand_factors(pieces, compute_dtype), pieces):
+        if (group, factor) not in p_min_pieces:
+            term = p_min[group] * factor if factor != 1.0 else p_min[group]
+            p_min_pieces[group, factor] = term - bias[group] if code_bias else term
     dot = dot_tn if token_axis == 0 else dot_nn
-    return [dot(p_scaled[group], plane()) for plane, (_, _, _, _, group) in zip(v_planes, pieces)], p_min
+    return ([dot(p_scaled[group], plane()) for plane, (_, _, _, _, group) in zip(v_planes, pieces)],
+            [p_min_pieces[group, factor]
+             for factor, (_, _, _, _, group) in zip(operand_factors(pieces, compute_dtype), pieces)])
 
 
-def _accumulate_output(o_pieces, dots, p_min, pieces):
+def _accumulate_output(o_pieces, dots, p_min):
     """o + Σ p·m_v + dot per piece, summed as (o + Σ p·m_v) + dot: Triton folds the last add into
     the dot's accumulator (no separate add per element), and the bias the dot carries (code_bias·Σ p·s_v,
     ~100× the output when values centre on 0) cancels inside this page's sum. Adding Σ p·m_v once at
     the end instead let the bias grow over a split's pages: 3 % relative error at 128K on the H200
     (benchmarks/NOTES.md v11)."""
-    return [(o_piece + p_min[group][:, None]) + d for o_piece, d, (_, _, _, _, group) in zip(o_pieces, dots, pieces)]
+    return [(o_piece + piece_min[:, None]) + d for o_piece, d, piece_min in zip(o_pieces, dots, p_min)]
 
 
 def _history_split(n_history, split, page_size, pages_per_split, pages_per_block):
@@ -407,14 +435,13 @@ def _int2_tier_kernel(
     b, split = pl.program_id(0), pl.program_id(3)
     block_m, head_dim = q_ref.shape
     compute_dtype = q_ref.dtype
-    code_bias = code_offset(compute_dtype)
     num_groups = head_dim // GROUP_SIZE
     pieces = int2_pieces(head_dim, GROUP_SIZE)
 
     n_history, first_slot, last_slot, num_blocks = _history_split(
         history_tokens_ref[b], split, PAGE_SIZE, PAGES_PER_SPLIT, PAGES_PER_BLOCK)
     offset = lax.iota(jnp.int32, PAGE_SIZE)  # [L]
-    q_pieces, q_group_sums = _int2_query_terms(q_ref, pieces, num_groups)
+    q_pieces, q_group_sums, q_bias_sums = _int2_query_terms(q_ref, pieces, num_groups)
 
     def body(i, carry):
         o_pieces, m, l = carry
@@ -427,7 +454,7 @@ def _int2_tier_kernel(
                                      UNPACK_ASM)
             k_scale = _int2_metadata(k_scale_ref, (page, slice(None)), valid, num_groups)
             k_min = _int2_metadata(k_min_ref, (page, slice(None)), valid, num_groups)
-            scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias,
+            scores = _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, pieces,
                                   TOKENS_ON_M) * SCORE_SCALE
             mask = valid[:, None] if TOKENS_ON_M else valid[None, :]
             pages.append((page, valid, mask, jnp.where(mask, scores, MASK_VALUE)))
@@ -446,12 +473,11 @@ def _int2_tier_kernel(
                                      UNPACK_ASM)
             v_scale = _int2_metadata(v_scale_ref, (page, slice(None)), valid, num_groups)
             v_min = _int2_metadata(v_min_ref, (page, slice(None)), valid, num_groups)
-            dots, p_min = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias,
-                                             token_axis)
-            o_pieces = _accumulate_output(o_pieces, dots, p_min, pieces)
+            dots, p_min = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, token_axis)
+            o_pieces = _accumulate_output(o_pieces, dots, p_min)
         return tuple(o_pieces), m_new, l
 
-    _int2_finish(body, num_blocks, pieces, o_ref, lse_ref)
+    _int2_finish(body, num_blocks, pieces, operand_factors(pieces, compute_dtype), o_ref, lse_ref)
 
 
 def _int2_tier_gather_kernel(
@@ -465,7 +491,6 @@ def _int2_tier_gather_kernel(
     block_m, head_dim = q_ref.shape
     block_n = PAGES_PER_BLOCK * PAGE_SIZE
     compute_dtype = q_ref.dtype
-    code_bias = code_offset(compute_dtype)
     num_groups = head_dim // GROUP_SIZE
     pieces = int2_pieces(head_dim, GROUP_SIZE)
 
@@ -474,7 +499,7 @@ def _int2_tier_gather_kernel(
     token = lax.iota(jnp.int32, block_n)
     offset = token % PAGE_SIZE  # [N]
     slot_in_block = token // PAGE_SIZE  # [N]
-    q_pieces, q_group_sums = _int2_query_terms(q_ref, pieces, num_groups)
+    q_pieces, q_group_sums, q_bias_sums = _int2_query_terms(q_ref, pieces, num_groups)
 
     def body(i, carry):
         o_pieces, m, l = carry
@@ -485,21 +510,22 @@ def _int2_tier_gather_kernel(
                                  UNPACK_ASM)
         k_scale = _int2_metadata(k_scale_ref, (page, offset), valid, num_groups)
         k_min = _int2_metadata(k_min_ref, (page, offset), valid, num_groups)
-        scores = _int2_scores(q_pieces, q_group_sums, k_planes, k_scale, k_min, pieces, code_bias)
+        scores = _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, pieces)
         p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
         v_planes = _code_planes(lambda c0, w: v_codes_ref[page, offset, pl.ds(c0, w)], pieces, compute_dtype,
                                  UNPACK_ASM)
         v_scale = _int2_metadata(v_scale_ref, (page, offset), valid, num_groups)
         v_min = _int2_metadata(v_min_ref, (page, offset), valid, num_groups)
-        dots, p_min = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, code_bias)
+        dots, p_min = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype)
         o_pieces = [o * correction[:, None] for o in o_pieces]
-        return tuple(_accumulate_output(o_pieces, dots, p_min, pieces)), m, l
+        return tuple(_accumulate_output(o_pieces, dots, p_min)), m, l
 
-    _int2_finish(body, num_blocks, pieces, o_ref, lse_ref)
+    _int2_finish(body, num_blocks, pieces, operand_factors(pieces, compute_dtype), o_ref, lse_ref)
 
 
-def _int2_finish(body, num_blocks, pieces, o_ref, lse_ref):
-    """Run the online-softmax loop from an empty state and write the normalised partial."""
+def _int2_finish(body, num_blocks, pieces, factors, o_ref, lse_ref):
+    """Run the online-softmax loop from an empty state and write the normalised partial (the
+    output pieces, carried in units of their operand factor, divided by it here)."""
     block_m = o_ref.shape[0]
     carry = (
         tuple(jnp.zeros((block_m, width), jnp.float32) for (_, width, _, _, _) in pieces),
@@ -508,8 +534,8 @@ def _int2_finish(body, num_blocks, pieces, o_ref, lse_ref):
     )
     o_pieces, m, l = lax.fori_loop(0, num_blocks, body, carry)
     inv_l, lse = finalize_rows(l, m)
-    for o_piece, (_, width, _, c0, _) in zip(o_pieces, pieces):
-        o_ref[:, pl.ds(c0, width)] = o_piece * inv_l[:, None]
+    for o_piece, factor, (_, width, _, c0, _) in zip(o_pieces, factors, pieces):
+        o_ref[:, pl.ds(c0, width)] = o_piece * (inv_l * (1.0 / factor))[:, None]
     lse_ref[...] = lse
 
 

@@ -61,7 +61,7 @@ from oscar_torch.kernels.codec import (
     round_to_bf16,
     widen_bf16_bits,
 )
-from shared_math.ptx import UNPACK_CONSTRAINTS, UNPACK_PACK, unpack_plane_ptx
+from shared_math.ptx import UNPACK_CONSTRAINTS, UNPACK_PACK, plane_factor, plane_mask, plane_shift, unpack_plane_ptx
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODES_PER_BYTE
 from shared_math.tiling import LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, num_splits
 
@@ -76,6 +76,11 @@ UNPACK_PLANE_0_PTX = tl.constexpr(unpack_plane_ptx(0))
 UNPACK_PLANE_1_PTX = tl.constexpr(unpack_plane_ptx(1))
 UNPACK_PLANE_2_PTX = tl.constexpr(unpack_plane_ptx(2))
 UNPACK_PLANE_3_PTX = tl.constexpr(unpack_plane_ptx(3))
+# shared_math.ptx's operand convention per bit plane: the code's right shift, mask and factor.
+PLANE_0_SHIFT_C, PLANE_1_SHIFT_C, PLANE_2_SHIFT_C, PLANE_3_SHIFT_C = (tl.constexpr(plane_shift(p)) for p in range(4))
+PLANE_0_MASK_C, PLANE_1_MASK_C, PLANE_2_MASK_C, PLANE_3_MASK_C = (tl.constexpr(plane_mask(p)) for p in range(4))
+PLANE_0_FACTOR_C, PLANE_1_FACTOR_C, PLANE_2_FACTOR_C, PLANE_3_FACTOR_C = (
+    tl.constexpr(plane_factor(p)) for p in range(4))
 UNPACK_CONSTRAINTS_C = tl.constexpr(UNPACK_CONSTRAINTS)
 UNPACK_PACK_C = tl.constexpr(UNPACK_PACK)
 # `tl.dot` needs M, N, K ≥ 16 (mma tile); blocks are sized to respect it.
@@ -328,7 +333,7 @@ def _load_packed(codes_ptr, row, columns, QUARTER: tl.constexpr, UNPACK_ASM: tl.
 
 @triton.jit
 def _unpack_plane_asm(packed, PLANE: tl.constexpr):
-    """Bit plane PLANE of uint8 [N, D/4] as bfloat16 bits 0x4300 | c, by inline PTX (shared_math.ptx)."""
+    """Bit plane PLANE of uint8 [N, D/4] as bfloat16 operands, by inline PTX (shared_math.ptx)."""
     if PLANE == 0:
         asm: tl.constexpr = UNPACK_PLANE_0_PTX
     elif PLANE == 1:
@@ -342,23 +347,53 @@ def _unpack_plane_asm(packed, PLANE: tl.constexpr):
 
 
 @triton.jit
+def _plane_factor(PLANE: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """The code multiplier of plane PLANE's operand (shared_math.ptx.plane_factor; 1 for float32
+    dots): the query plane is divided by it, the output plane carried in its units."""
+    if not BF16_DOTS:
+        return 1.0
+    elif PLANE == 0:
+        return PLANE_0_FACTOR_C
+    elif PLANE == 1:
+        return PLANE_1_FACTOR_C
+    elif PLANE == 2:
+        return PLANE_2_FACTOR_C
+    else:
+        return PLANE_3_FACTOR_C
+
+
+@triton.jit
+def _plane_in_place(packed, PLANE: tl.constexpr):
+    """c << place of bit plane PLANE (shared_math.ptx: masked where the byte holds it; plane 3 shifted)."""
+    if PLANE == 0:
+        return (packed >> PLANE_0_SHIFT_C) & PLANE_0_MASK_C
+    elif PLANE == 1:
+        return (packed >> PLANE_1_SHIFT_C) & PLANE_1_MASK_C
+    elif PLANE == 2:
+        return (packed >> PLANE_2_SHIFT_C) & PLANE_2_MASK_C
+    else:
+        return (packed >> PLANE_3_SHIFT_C) & PLANE_3_MASK_C
+
+
+@triton.jit
 def _plane_codes(packed, PLANE: tl.constexpr, BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr,
                  UNPACK_ASM: tl.constexpr = False):
     """Bit plane PLANE of packed int32 [N, D/4]: the codes of channels [PLANE·D/4, …) as a dot
-    operand, exact: c in float32; 128 + c for bfloat16 dots (`_code_bias`: conversions issue at a
-    quarter of the integer rate on sm_90 and bounded the kernel, benchmarks/NOTES.md).
+    operand, exact: c in float32; 128 + c·factor for bfloat16 dots (shared_math.ptx: one integer op,
+    no int→float conversion, which issues at a quarter of the integer rate on sm_90 and bounded the
+    kernel, benchmarks/NOTES.md; `_code_bias`, `_plane_factor`).
     UNPACK_ASM (bfloat16 dots on the GPU; `packed` uint8): the same bits through inline PTX."""
     if UNPACK_ASM:  # (if/else: Triton compiles the code after a constexpr-guarded return too)
         return _unpack_plane_asm(packed, PLANE)
     else:
-        code = (packed >> (PLANE * CODE_BITS_C)) & CODE_MASK_C
         if BF16_DOTS:  # nested constexpr ifs: `a and b` of constexprs is not folded at compile time
-            if TENSOR_CORES:  # bits 0x4300 | c = 128 + c: one integer op, no int→float conversion
-                return (code | BF16_CODE_BIAS_BITS_C).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            if TENSOR_CORES:  # bits 0x4300 | c << place
+                bits = _plane_in_place(packed, PLANE) | BF16_CODE_BIAS_BITS_C
+                return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
             else:  # the interpreter's dots are float32: the same values
-                return code.to(tl.float32) + BF16_CODE_BIAS_C
+                return _plane_in_place(packed, PLANE).to(tl.float32) + BF16_CODE_BIAS_C
         else:
-            return code.to(tl.float32)
+            return ((packed >> (PLANE * CODE_BITS_C)) & CODE_MASK_C).to(tl.float32)
 
 
 @triton.jit
@@ -371,14 +406,17 @@ def _code_bias(BF16_DOTS: tl.constexpr):
 
 
 @triton.jit
-def _value_minimum_term(p, minimum, p_scaled, BF16_DOTS: tl.constexpr, TOKEN_AXIS: tl.constexpr = 1):
-    """Σ_n p·m_v as [BLOCK_M], less bias·Σ_n of the *rounded* p·s_v operand, so that the bias
-    the planes carry cancels exactly up to float32 accumulation (p [BLOCK_M, N], or [N, BLOCK_M]
-    with TOKEN_AXIS 0)."""
+def _value_minimum_sums(p, minimum, p_scaled, BF16_DOTS: tl.constexpr, TOKEN_AXIS: tl.constexpr = 1):
+    """(Σ_n p·m_v, bias·Σ_n of the *rounded* p·s_v operand), each [BLOCK_M] (p [BLOCK_M, N], or
+    [N, BLOCK_M] with TOKEN_AXIS 0). Plane p's minimum term is factor_p·Σ p·m_v − that bias (its
+    output carried in units of the factor), so that the bias the planes carry cancels exactly up
+    to float32 accumulation."""
     term = tl.sum(p * tl.expand_dims(minimum, 1 - TOKEN_AXIS), axis=TOKEN_AXIS)
     if BF16_DOTS:
-        term -= BF16_CODE_BIAS_C * tl.sum(p_scaled.to(tl.float32), axis=TOKEN_AXIS)
-    return term
+        bias = BF16_CODE_BIAS_C * tl.sum(p_scaled.to(tl.float32), axis=TOKEN_AXIS)
+    else:
+        bias = tl.zeros_like(term)
+    return term, bias
 
 
 @triton.jit
@@ -393,25 +431,29 @@ def _plane_metadata(ptr, row, valid, PLANE: tl.constexpr, QUARTER: tl.constexpr,
 def _plane_scores(q_plane, q_plane_sum, packed, scale_ptr, minimum_ptr, row, valid, PLANE: tl.constexpr,
                   QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
                   BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr):
-    """One bit plane's share of q·k̂: s·(q_plane · c_plane) + m·Σ q_plane  → [BLOCK_M, N]."""
+    """One bit plane's share of q·k̂: s·(q_plane · c_plane) + m·Σ q_plane  → [BLOCK_M, N]; q_plane
+    is the query divided by the plane's factor (`_query_planes`), q_plane_sum the undivided Σ."""
     codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES, UNPACK_ASM)  # [N, QUARTER]
     scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     dots = dot_f32(q_plane, tl.trans(codes), BF16_DOTS, TENSOR_CORES)
-    shifted_min = minimum - _code_bias(BF16_DOTS) * scale  # the planes hold c + bias
-    return dots * scale[None, :] + q_plane_sum[:, None] * shifted_min[None, :]
+    if BF16_DOTS:  # the planes hold bias + c·factor: the dots carry bias·Σ q_plane
+        dots -= (q_plane_sum * (_code_bias(BF16_DOTS) / _plane_factor(PLANE, BF16_DOTS)))[:, None]
+    return dots * scale[None, :] + q_plane_sum[:, None] * minimum[None, :]
 
 
 @triton.jit
 def _plane_update(o_plane, correction, p, packed, scale_ptr, minimum_ptr, row, valid, PLANE: tl.constexpr,
                   QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
                   BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr):
-    """o_plane [BLOCK_M, D/4] of channels [PLANE·D/4, …): rescaled, plus Σ_n (p·s)·c + Σ_n p·m."""
+    """o_plane [BLOCK_M, D/4] of channels [PLANE·D/4, …), in units of the plane's factor: rescaled,
+    plus Σ_n (p·s)·c + Σ_n p·m."""
     codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES, UNPACK_ASM)  # [N, QUARTER]
     scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     p_scaled = dot_operand(p * scale[None, :], BF16_DOTS, TENSOR_CORES)
-    p_min = _value_minimum_term(p, minimum, p_scaled, BF16_DOTS)
+    p_min, bias = _value_minimum_sums(p, minimum, p_scaled, BF16_DOTS)
+    p_min = p_min * _plane_factor(PLANE, BF16_DOTS) - bias  # o_plane in units of the factor
     return (o_plane * correction[:, None] + p_min[:, None]) + dot_f32(p_scaled, codes, BF16_DOTS, TENSOR_CORES)
 
 
@@ -426,15 +468,17 @@ def _query_plane(q_ptr, b, h, row_block, PLANE: tl.constexpr, NUM_HEADS: tl.cons
 
 
 @triton.jit
-def _store_plane(o_ptr, o_plane, inv_l, out_row, PLANE: tl.constexpr, D: tl.constexpr):
+def _store_plane(o_ptr, o_plane, inv_l, out_row, PLANE: tl.constexpr, D: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """The normalised output plane (carried in units of the plane's factor: divided here)."""
     QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
     column = PLANE * QUARTER + tl.arange(0, QUARTER)[None, :]
+    inv_l = inv_l * (1.0 / _plane_factor(PLANE, BF16_DOTS))
     tl.store(o_ptr + out_row[:, None].to(tl.int64) * D + column, o_plane * inv_l[:, None])
 
 
 @triton.jit
 def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
-                          v_min_ptr, row, valid, columns, q0, q1, q2, q3, q_sum, QUARTER: tl.constexpr,
+                          v_min_ptr, row, valid, columns, q0, q1, q2, q3, q_sum, q_bias, QUARTER: tl.constexpr,
                           SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
                           UNPACK_ASM: tl.constexpr, TOKENS_ON_M: tl.constexpr = False):
     """`_int2_block` when G = D: the metadata is loaded, and p·s_v and Σ p·m_v are formed, once per
@@ -442,11 +486,11 @@ def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_
     Each plane is summed as (o·correction + Σ p·m_v) + dot: Triton folds the last add into the dot's
     accumulator, and the code bias the dot carries cancels within the page (as in the Pallas
     kernel's `_accumulate_output`). TOKENS_ON_M: scores and p as [N, BLOCK_M], the codes the dots'
-    A operand (one-warp decode programs, 8 query rows: benchmarks/NOTES.md v15)."""
+    A operand (one-warp decode programs, 8 query rows: benchmarks/NOTES.md v15). The code dots carry
+    q_bias (`_int2_block`); the output planes are in units of their factors (`_plane_factor`)."""
     packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
     k_scale = tl.where(valid, tl.load(k_scale_ptr + row).to(tl.float32), 0.0)  # masked rows may be NaN
     k_min = tl.where(valid, tl.load(k_min_ptr + row).to(tl.float32), 0.0)
-    k_min -= _code_bias(Q_BF16) * k_scale  # the planes hold c + bias
     v_scale = tl.where(valid, tl.load(v_scale_ptr + row).to(tl.float32), 0.0)
     v_min = tl.where(valid, tl.load(v_min_ptr + row).to(tl.float32), 0.0)
     if TOKENS_ON_M:
@@ -454,28 +498,32 @@ def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_
         dots += dot_f32(_plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q1), Q_BF16, TENSOR_CORES)
         dots += dot_f32(_plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q2), Q_BF16, TENSOR_CORES)
         dots += dot_f32(_plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q3), Q_BF16, TENSOR_CORES)
+        if Q_BF16:
+            dots -= q_bias[None, :]
         scores = dots * k_scale[:, None] + k_min[:, None] * q_sum[None, :]  # [N, BLOCK_M]
         p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[:, None], m, l, TOKEN_AXIS=0)
         p_scaled = dot_operand(p * v_scale[:, None], Q_BF16, TENSOR_CORES)
-        p_min = _value_minimum_term(p, v_min, p_scaled, Q_BF16, TOKEN_AXIS=0)[:, None]
+        p_min, bias = _value_minimum_sums(p, v_min, p_scaled, Q_BF16, TOKEN_AXIS=0)
         p_scaled = tl.trans(p_scaled)  # [BLOCK_M, N]
     else:
         dots = dot_f32(q0, tl.trans(_plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
         dots += dot_f32(q1, tl.trans(_plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
         dots += dot_f32(q2, tl.trans(_plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
         dots += dot_f32(q3, tl.trans(_plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
+        if Q_BF16:
+            dots -= q_bias[:, None]
         scores = dots * k_scale[None, :] + q_sum[:, None] * k_min[None, :]
         p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
         p_scaled = dot_operand(p * v_scale[None, :], Q_BF16, TENSOR_CORES)
-        p_min = _value_minimum_term(p, v_min, p_scaled, Q_BF16)[:, None]
+        p_min, bias = _value_minimum_sums(p, v_min, p_scaled, Q_BF16)
     packed = _load_packed(v_codes_ptr, row, columns, QUARTER, UNPACK_ASM)
-    o0 = (o0 * correction[:, None] + p_min) + dot_f32(
+    o0 = (o0 * correction[:, None] + (p_min * _plane_factor(0, Q_BF16) - bias)[:, None]) + dot_f32(
         p_scaled, _plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
-    o1 = (o1 * correction[:, None] + p_min) + dot_f32(
+    o1 = (o1 * correction[:, None] + (p_min * _plane_factor(1, Q_BF16) - bias)[:, None]) + dot_f32(
         p_scaled, _plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
-    o2 = (o2 * correction[:, None] + p_min) + dot_f32(
+    o2 = (o2 * correction[:, None] + (p_min * _plane_factor(2, Q_BF16) - bias)[:, None]) + dot_f32(
         p_scaled, _plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
-    o3 = (o3 * correction[:, None] + p_min) + dot_f32(
+    o3 = (o3 * correction[:, None] + (p_min * _plane_factor(3, Q_BF16) - bias)[:, None]) + dot_f32(
         p_scaled, _plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
     return o0, o1, o2, o3, m, l
 
@@ -507,8 +555,10 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
     if GROUP_SIZE >= D:  # one group per row: the four planes share its scale and minimum
         o0, o1, o2, o3, m, l = _int2_block_one_group(
             o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr,
-            row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, QUARTER, SCORE_SCALE, Q_BF16, TENSOR_CORES,
-            UNPACK_ASM, TOKENS_ON_M)
+            row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3,
+            (s0 / _plane_factor(0, Q_BF16) + s1 / _plane_factor(1, Q_BF16) + s2 / _plane_factor(2, Q_BF16)
+             + s3 / _plane_factor(3, Q_BF16)) * _code_bias(Q_BF16),
+            QUARTER, SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
     else:
         packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
         scores = _plane_scores(q0, s0, packed, k_scale_ptr, k_min_ptr, row, valid, 0,
@@ -584,10 +634,11 @@ def _int2_tier_kernel(
     q2 = _query_plane(q_ptr, b, h, row_block, 2, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)
     q3 = _query_plane(q_ptr, b, h, row_block, 3, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)
     s0, s1, s2, s3 = tl.sum(q0, axis=1), tl.sum(q1, axis=1), tl.sum(q2, axis=1), tl.sum(q3, axis=1)
-    q0 = dot_operand(q0, Q_BF16, TENSOR_CORES)  # bf16 queries are exact in bf16
-    q1 = dot_operand(q1, Q_BF16, TENSOR_CORES)
-    q2 = dot_operand(q2, Q_BF16, TENSOR_CORES)
-    q3 = dot_operand(q3, Q_BF16, TENSOR_CORES)
+    # Divided by the planes' operand factors (powers of two): bf16 queries stay exact in bf16.
+    q0 = dot_operand(q0 * (1.0 / _plane_factor(0, Q_BF16)), Q_BF16, TENSOR_CORES)
+    q1 = dot_operand(q1 * (1.0 / _plane_factor(1, Q_BF16)), Q_BF16, TENSOR_CORES)
+    q2 = dot_operand(q2 * (1.0 / _plane_factor(2, Q_BF16)), Q_BF16, TENSOR_CORES)
+    q3 = dot_operand(q3 * (1.0 / _plane_factor(3, Q_BF16)), Q_BF16, TENSOR_CORES)
 
     o0 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
     o1 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
@@ -613,10 +664,10 @@ def _int2_tier_kernel(
     out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
     nonempty = l > 0.0
     inv_l = 1.0 / tl.where(nonempty, l, 1.0)
-    _store_plane(o_ptr, o0, inv_l, out_row, 0, D)
-    _store_plane(o_ptr, o1, inv_l, out_row, 1, D)
-    _store_plane(o_ptr, o2, inv_l, out_row, 2, D)
-    _store_plane(o_ptr, o3, inv_l, out_row, 3, D)
+    _store_plane(o_ptr, o0, inv_l, out_row, 0, D, Q_BF16)
+    _store_plane(o_ptr, o1, inv_l, out_row, 1, D, Q_BF16)
+    _store_plane(o_ptr, o2, inv_l, out_row, 2, D, Q_BF16)
+    _store_plane(o_ptr, o3, inv_l, out_row, 3, D, Q_BF16)
     tl.store(lse_ptr + out_row, natural_lse(m, l, nonempty))
 
 

@@ -2,7 +2,8 @@
 
 Its three instructions are emulated from the PTX ISA definitions (prmt.b32 default mode, shr.b32,
 lop3.b32) over random and edge-case 4-byte inputs and compared bit for bit with the operand bits
-the kernels' plain path builds (`BF16_CODE_BIAS_BITS | code` of the plane). Not checked here:
+the operand convention asks for (`BF16_CODE_BIAS_BITS | code << place`, the value 128 + code·2^place).
+Not checked here:
 Triton's packing convention for pack = 4 (element i in byte i of the input register, elements 0 / 1
 in the low / high half of $0); the GPU tests (OSCAR_TEST_GPU=1) check whole kernels.
 """
@@ -12,8 +13,11 @@ import re
 import numpy as np
 import pytest
 
-from shared_math.ptx import unpack_plane_ptx
-from shared_math.spec import BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
+from shared_math.ptx import operand_bits, plane_factor, plane_place, unpack_plane_ptx
+from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
+
+
+EXPECTED_PLACES = (0, 2, 4, 5)  # planes 0-2 where the byte holds them; plane 3 shifted below the exponent
 
 
 def _prmt(a: int, b: int, selector: int) -> int:
@@ -66,19 +70,34 @@ def test_lop3_emulation_matches_its_truth_table():
 @pytest.mark.parametrize("plane", range(CODES_PER_BYTE))
 def test_unpack_ptx_gives_the_bf16_operand_bits_of_its_plane(plane):
     source = unpack_plane_ptx(plane)
-    assert len(re.findall(r"^(prmt|shr|lop3)", source, re.M)) == (4 if plane == 0 else 6)
+    assert len(re.findall(r"^(prmt|shr|lop3)", source, re.M)) == (6 if plane == 3 else 4)  # shift plane 3 only
     rng = np.random.default_rng(plane)
     words = np.concatenate([rng.integers(0, 2**32, 2000, dtype=np.uint64),
                             [0, 2**32 - 1, 0x01020304, 0xC0300C03, 0x55AA55AA]]).astype(np.uint64)
     for word in (int(w) for w in words):
         data = [(word >> (8 * i)) & 0xFF for i in range(4)]  # element i = byte i
-        want = [BF16_CODE_BIAS_BITS | ((byte >> (plane * CODE_BITS)) & CODE_MASK) for byte in data]
+        want = [BF16_CODE_BIAS_BITS | ((byte >> (plane * CODE_BITS)) & CODE_MASK) << EXPECTED_PLACES[plane]
+                for byte in data]
+        assert [operand_bits(byte, plane) for byte in data] == want
         r0, r1 = _run_ptx(source, word)
         got = [r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16]
         assert got == want, f"word {word:#010x} plane {plane}: {[hex(g) for g in got]} != {[hex(w) for w in want]}"
 
 
+def _bf16_value(bits: int) -> float:
+    return float(np.array([bits << 16], np.uint32).view(np.float32)[0])
+
+
+@pytest.mark.parametrize("plane", range(CODES_PER_BYTE))
+def test_operand_value_is_the_code_bias_plus_the_code_times_the_plane_factor(plane):
+    assert plane_place(plane) == EXPECTED_PLACES[plane]
+    for code in range(CODE_MASK + 1):
+        byte = code << (plane * CODE_BITS) | (0xFF ^ CODE_MASK << (plane * CODE_BITS))  # other planes all ones
+        assert _bf16_value(operand_bits(byte, plane)) == BF16_CODE_BIAS + code * plane_factor(plane)
+
+
 def test_plane_out_of_range_is_refused():
-    with pytest.raises(ValueError, match="plane=4"):
-        unpack_plane_ptx(CODES_PER_BYTE)
+    for function in (unpack_plane_ptx, plane_place, plane_factor):
+        with pytest.raises(ValueError, match="plane=4"):
+            function(CODES_PER_BYTE)
 
