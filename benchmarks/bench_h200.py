@@ -11,6 +11,10 @@ a growing allocator fragments its regions and fails to allocate a 47 GiB pool wi
 (benchmarks/NOTES.md v5), so without preallocation the e2e section skips the capacity search and
 says so.
 
+Run it from a committed, clean tree and name the commit in OSCAR_GIT_SHA (a copy of the tree on
+another machine may carry a stale .git): every file records it with the hash of the tree that ran
+(`harness.git_worktree_tree`), and `summarize` warns where the two disagree.
+
 Sections (each writes `<out>/<section>_h200.json` with the environment and the copy bandwidth
 measured in the same run): copy (device copy bandwidth), decode (bench_decode), write
 (bench_write), e2e (bench_e2e). `python3 -m benchmarks.summarize` turns the files into

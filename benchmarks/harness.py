@@ -23,6 +23,7 @@ import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 
 import numpy as np
@@ -55,6 +56,31 @@ def git_tree_matches_head(cwd=None) -> bool | None:
     return status.strip() == ""
 
 
+def git_worktree_tree(cwd=None) -> str | None:
+    """The git tree hash of the working tree as it stands (every file .gitignore keeps), built in
+    a throwaway index: it names the code that ran even where the checkout's .git is stale (the
+    device's copy, benchmarks/NOTES.md v16–v17), and `summarize` checks it against the tree of the
+    recorded sha. None outside a checkout. (`git add` into the throwaway index stores the blobs in
+    .git/objects, as any `git add` does.)"""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+        try:
+            subprocess.run(["git", "add", "-A", "."], env=env, cwd=cwd, check=True, capture_output=True)
+            return subprocess.run(["git", "write-tree"], env=env, cwd=cwd, check=True, capture_output=True,
+                                  text=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+
+def git_commit_tree(sha: str, cwd=None) -> str | None:
+    """The tree hash of commit `sha` in the checkout at cwd, or None where it is not a commit there."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{sha}^{{tree}}"], capture_output=True,
+                              text=True, check=True, cwd=cwd).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def environment() -> dict:
     """GPU, driver and package versions, git sha (OSCAR_GIT_SHA, else `git rev-parse`)."""
     import jax
@@ -80,6 +106,7 @@ def environment() -> dict:
         "triton": triton.__version__, "numpy": np.__version__, "python": platform.python_version(),
         "git_sha": sha,
         "git_tree_matches_head": git_tree_matches_head(),
+        "git_worktree_tree": git_worktree_tree(),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

@@ -268,6 +268,29 @@ def _over_floor(e2e, run):
     return run["median_s"] / floor
 
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tree_warning(env: dict) -> str | None:
+    """Why the code that ran may not be the recorded git sha, or None. Files since v17 hold the
+    tree hash of the tree that ran (harness.git_worktree_tree), checked here against the sha's tree
+    in this checkout; older files only say whether the device's own .git saw a clean tree, which a
+    stale .git cannot (a hand-written git_sha_note explains those)."""
+    sha, tree = env.get("git_sha"), env.get("git_worktree_tree")
+    if tree is not None:
+        from benchmarks.harness import git_commit_tree
+
+        expected = git_commit_tree(str(sha), cwd=REPO_ROOT)
+        if expected is None:
+            return f"its git sha {sha} is not a commit of this checkout: the tree that ran cannot be checked"
+        if expected != tree:
+            return f"the tree that ran ({tree[:12]}) differed from its recorded git sha {sha} (tree {expected[:12]})"
+        return None
+    if env.get("git_tree_matches_head") is False and not env.get("git_sha_note"):
+        return f"the tree that ran differed from its recorded git sha {sha} (harness.git_tree_matches_head)"
+    return None
+
+
 def summarize_results(results: dict, warnings: list[str]) -> tuple[dict, dict]:
     """(summary with exactly SUMMARY_KEYS, provenance)."""
     decode, e2e = results.get("decode"), results.get("e2e")
@@ -277,9 +300,9 @@ def summarize_results(results: dict, warnings: list[str]) -> tuple[dict, dict]:
             env = data.get("environment", {})
             provenance["sources"][section] = {"git_sha": env.get("git_sha"), "date_utc": env.get("date_utc"),
                                               "copy_gb_per_s": data["copy_bandwidth"]["gb_per_s"]}
-            if env.get("git_tree_matches_head") is False and not env.get("git_sha_note"):
-                warnings.append(f"{section}_h200.json: the tree that ran differed from its recorded git sha "
-                                f"{env.get('git_sha')} (harness.git_tree_matches_head)")
+            tree_warning = _tree_warning(env)
+            if tree_warning:
+                warnings.append(f"{section}_h200.json: {tree_warning}")
     for batch in (1, 8):
         key = f"decode_speedup_vs_cudnn_bf16_128k_b{batch}"
         config = _config(decode, CONTEXT_128K, batch)

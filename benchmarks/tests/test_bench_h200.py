@@ -166,3 +166,32 @@ def test_git_state_flags_a_tree_that_differs_from_head(tmp_path):
     assert len(head) == 40 and harness.git_tree_matches_head(tmp_path) is True
     (tmp_path / "kernel.py").write_text("a = 2\n")
     assert harness.git_head(tmp_path) == head and harness.git_tree_matches_head(tmp_path) is False
+
+
+def test_worktree_tree_names_the_code_that_ran_even_with_a_stale_git(tmp_path):
+    """The device receives the working tree beside an old .git: the tree hash of what is on disk must
+    equal the tree of the commit the tree came from, whatever HEAD the stale .git holds."""
+    import subprocess
+
+    from benchmarks import harness
+
+    assert harness.git_worktree_tree(tmp_path) is None and harness.git_commit_tree("HEAD", tmp_path) is None
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (tmp_path / ".gitignore").write_text(".venv/\n")
+    (tmp_path / "kernel.py").write_text("a = 1\n")
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    first = harness.git_head(tmp_path)
+    (tmp_path / "kernel.py").write_text("a = 2\n")
+    subprocess.run(git + ["commit", "-qam", "two"], check=True)
+    second = harness.git_head(tmp_path)
+    assert harness.git_worktree_tree(tmp_path) == harness.git_commit_tree(second, tmp_path)
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / "lib.py").write_text("ignored\n")  # ignored files do not count
+    assert harness.git_worktree_tree(tmp_path) == harness.git_commit_tree(second, tmp_path)
+    subprocess.run(git + ["reset", "-q", "--soft", first], check=True)  # .git stale: HEAD one, files two
+    assert harness.git_head(tmp_path) == first and harness.git_tree_matches_head(tmp_path) is False
+    assert harness.git_worktree_tree(tmp_path) == harness.git_commit_tree(second, tmp_path)
+    (tmp_path / "new.py").write_text("b = 1\n")  # an untracked, unignored file is part of what ran
+    assert harness.git_worktree_tree(tmp_path) != harness.git_commit_tree(second, tmp_path)

@@ -136,6 +136,28 @@ def test_a_tree_that_differed_from_its_sha_is_a_warning(tmp_path):
     assert any("write_h200.json" in w and "differed" in w for w in provenance["warnings"])
 
 
+def test_the_recorded_tree_is_checked_against_the_sha(tmp_path):
+    """git_worktree_tree (harness) against the recorded sha's tree in this checkout: equal → no
+    warning (even with the device's stale-.git flag); different or unknown sha → a warning."""
+    from benchmarks.harness import git_commit_tree, git_head
+
+    head = git_head(S.REPO_ROOT)
+    results = fake_results()
+    env = results["write"]["environment"]
+    env.update(git_sha=head, git_tree_matches_head=False, git_worktree_tree=git_commit_tree(head, S.REPO_ROOT))
+
+    def warnings():
+        S.summarize(write_files(tmp_path, results), tmp_path / "BENCHMARKS.md", plots=False)
+        provenance = json.loads((tmp_path / "summary_h200_provenance.json").read_text())
+        return [w for w in provenance["warnings"] if "write_h200.json" in w]
+
+    assert warnings() == []
+    env["git_worktree_tree"] = "0" * 40
+    assert any("differed" in w for w in warnings())
+    env["git_sha"] = "f" * 40
+    assert any("not a commit of this checkout" in w for w in warnings())
+
+
 def test_concurrency_counts_built_batches_not_the_accounting(tmp_path):
     results = fake_results()
     results["e2e"]["capacity"]["int2"]["built_batch"] = 30  # 40 by the byte accounting
