@@ -535,7 +535,7 @@ def _int2_finish(body, num_blocks, pieces, factors, o_ref, lse_ref):
     o_pieces, m, l = lax.fori_loop(0, num_blocks, body, carry)
     inv_l, lse = finalize_rows(l, m)
     for o_piece, factor, (_, width, _, c0, _) in zip(o_pieces, factors, pieces):
-        o_ref[:, pl.ds(c0, width)] = o_piece * (inv_l * (1.0 / factor))[:, None]
+        o_ref[:, pl.ds(c0, width)] = o_piece * (inv_l * (1.0 / factor) if factor != 1.0 else inv_l)[:, None]
     lse_ref[...] = lse
 
 

@@ -415,7 +415,7 @@ def _value_minimum_sums(p, minimum, p_scaled, BF16_DOTS: tl.constexpr, TOKEN_AXI
     if BF16_DOTS:
         bias = BF16_CODE_BIAS_C * tl.sum(p_scaled.to(tl.float32), axis=TOKEN_AXIS)
     else:
-        bias = tl.zeros_like(term)
+        bias = term  # unused: float32 dots carry no bias (no op in the interpreter)
     return term, bias
 
 
@@ -453,7 +453,8 @@ def _plane_update(o_plane, correction, p, packed, scale_ptr, minimum_ptr, row, v
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     p_scaled = dot_operand(p * scale[None, :], BF16_DOTS, TENSOR_CORES)
     p_min, bias = _value_minimum_sums(p, minimum, p_scaled, BF16_DOTS)
-    p_min = p_min * _plane_factor(PLANE, BF16_DOTS) - bias  # o_plane in units of the factor
+    if BF16_DOTS:
+        p_min = p_min * _plane_factor(PLANE, BF16_DOTS) - bias  # o_plane in units of the factor
     return (o_plane * correction[:, None] + p_min[:, None]) + dot_f32(p_scaled, codes, BF16_DOTS, TENSOR_CORES)
 
 
@@ -472,7 +473,8 @@ def _store_plane(o_ptr, o_plane, inv_l, out_row, PLANE: tl.constexpr, D: tl.cons
     """The normalised output plane (carried in units of the plane's factor: divided here)."""
     QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
     column = PLANE * QUARTER + tl.arange(0, QUARTER)[None, :]
-    inv_l = inv_l * (1.0 / _plane_factor(PLANE, BF16_DOTS))
+    if BF16_DOTS:
+        inv_l = inv_l * (1.0 / _plane_factor(PLANE, BF16_DOTS))
     tl.store(o_ptr + out_row[:, None].to(tl.int64) * D + column, o_plane * inv_l[:, None])
 
 
@@ -516,14 +518,19 @@ def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_
         p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
         p_scaled = dot_operand(p * v_scale[None, :], Q_BF16, TENSOR_CORES)
         p_min, bias = _value_minimum_sums(p, v_min, p_scaled, Q_BF16)
+    if Q_BF16:  # each output plane in units of its factor
+        min0, min1 = p_min * _plane_factor(0, Q_BF16) - bias, p_min * _plane_factor(1, Q_BF16) - bias
+        min2, min3 = p_min * _plane_factor(2, Q_BF16) - bias, p_min * _plane_factor(3, Q_BF16) - bias
+    else:  # (float32: no factors, no bias; the interpreter pays for every op of the tests' float32 models)
+        min0, min1, min2, min3 = p_min, p_min, p_min, p_min
     packed = _load_packed(v_codes_ptr, row, columns, QUARTER, UNPACK_ASM)
-    o0 = (o0 * correction[:, None] + (p_min * _plane_factor(0, Q_BF16) - bias)[:, None]) + dot_f32(
+    o0 = (o0 * correction[:, None] + min0[:, None]) + dot_f32(
         p_scaled, _plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
-    o1 = (o1 * correction[:, None] + (p_min * _plane_factor(1, Q_BF16) - bias)[:, None]) + dot_f32(
+    o1 = (o1 * correction[:, None] + min1[:, None]) + dot_f32(
         p_scaled, _plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
-    o2 = (o2 * correction[:, None] + (p_min * _plane_factor(2, Q_BF16) - bias)[:, None]) + dot_f32(
+    o2 = (o2 * correction[:, None] + min2[:, None]) + dot_f32(
         p_scaled, _plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
-    o3 = (o3 * correction[:, None] + (p_min * _plane_factor(3, Q_BF16) - bias)[:, None]) + dot_f32(
+    o3 = (o3 * correction[:, None] + min3[:, None]) + dot_f32(
         p_scaled, _plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
     return o0, o1, o2, o3, m, l
 
@@ -553,12 +560,14 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
         row = (page.to(tl.int64) * NUM_HEADS + h) * PAGE_SIZE + offset  # [N]
     columns = tl.arange(0, QUARTER)[None, :]
     if GROUP_SIZE >= D:  # one group per row: the four planes share its scale and minimum
+        if Q_BF16:  # the bias the code dots carry (q divided by the planes' factors)
+            q_bias = (s0 / _plane_factor(0, Q_BF16) + s1 / _plane_factor(1, Q_BF16)
+                      + s2 / _plane_factor(2, Q_BF16) + s3 / _plane_factor(3, Q_BF16)) * _code_bias(Q_BF16)
+        else:
+            q_bias = s0  # unused: float32 dots carry no bias
         o0, o1, o2, o3, m, l = _int2_block_one_group(
             o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr,
-            row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3,
-            (s0 / _plane_factor(0, Q_BF16) + s1 / _plane_factor(1, Q_BF16) + s2 / _plane_factor(2, Q_BF16)
-             + s3 / _plane_factor(3, Q_BF16)) * _code_bias(Q_BF16),
-            QUARTER, SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+            row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, q_bias, QUARTER, SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
     else:
         packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
         scores = _plane_scores(q0, s0, packed, k_scale_ptr, k_min_ptr, row, valid, 0,
@@ -634,11 +643,13 @@ def _int2_tier_kernel(
     q2 = _query_plane(q_ptr, b, h, row_block, 2, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)
     q3 = _query_plane(q_ptr, b, h, row_block, 3, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)
     s0, s1, s2, s3 = tl.sum(q0, axis=1), tl.sum(q1, axis=1), tl.sum(q2, axis=1), tl.sum(q3, axis=1)
-    # Divided by the planes' operand factors (powers of two): bf16 queries stay exact in bf16.
-    q0 = dot_operand(q0 * (1.0 / _plane_factor(0, Q_BF16)), Q_BF16, TENSOR_CORES)
-    q1 = dot_operand(q1 * (1.0 / _plane_factor(1, Q_BF16)), Q_BF16, TENSOR_CORES)
-    q2 = dot_operand(q2 * (1.0 / _plane_factor(2, Q_BF16)), Q_BF16, TENSOR_CORES)
-    q3 = dot_operand(q3 * (1.0 / _plane_factor(3, Q_BF16)), Q_BF16, TENSOR_CORES)
+    if Q_BF16:  # divided by the planes' operand factors (powers of two): bf16 queries stay exact
+        q0, q1 = q0 * (1.0 / _plane_factor(0, Q_BF16)), q1 * (1.0 / _plane_factor(1, Q_BF16))
+        q2, q3 = q2 * (1.0 / _plane_factor(2, Q_BF16)), q3 * (1.0 / _plane_factor(3, Q_BF16))
+    q0 = dot_operand(q0, Q_BF16, TENSOR_CORES)
+    q1 = dot_operand(q1, Q_BF16, TENSOR_CORES)
+    q2 = dot_operand(q2, Q_BF16, TENSOR_CORES)
+    q3 = dot_operand(q3, Q_BF16, TENSOR_CORES)
 
     o0 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
     o1 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
