@@ -123,7 +123,8 @@ def relative_error(got, want) -> float:
 JAX_TIMING_MODES = ("unrolled", "loop")
 # One program's wall time also holds a fixed cost (its dispatch until the first kernel runs, the
 # final sync), which torch's event-timed graph replays do not: 0.7–1.5 ms a program, at 32 calls a
-# program 22.8 µs a call at 8K b1 and 26.4 at 128K b1 (results/decode_h200.json, benchmarks/NOTES.md v16). The per-call time is therefore the *difference* between two
+# program 22.8 µs a call at 8K b1 and 26.4 at 128K b1 (benchmarks/NOTES.md v16). The per-call time
+# is therefore the *difference* between two
 # programs queued back to back (the second fed the first's output) and one, over reps: the fixed cost
 # cancels, as a model's steps queued behind each other see it. `wall_median_s` keeps one program's
 # wall time per call.

@@ -31,6 +31,8 @@ import os
 import sys
 from pathlib import Path
 
+from benchmarks.harness import git_commit_tree
+
 FILES = ("decode", "write", "e2e", "copy")
 CONTEXT_128K = 131072
 CONTEXT_100K = 100_000
@@ -278,8 +280,6 @@ def _tree_warning(env: dict) -> str | None:
     stale .git cannot (a hand-written git_sha_note explains those)."""
     sha, tree = env.get("git_sha"), env.get("git_worktree_tree")
     if tree is not None:
-        from benchmarks.harness import git_commit_tree
-
         expected = git_commit_tree(str(sha), cwd=REPO_ROOT)
         if expected is None:
             return f"its git sha {sha} is not a commit of this checkout: the tree that ran cannot be checked"

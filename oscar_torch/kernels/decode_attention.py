@@ -77,10 +77,11 @@ UNPACK_PLANE_1_PTX = tl.constexpr(unpack_plane_ptx(1))
 UNPACK_PLANE_2_PTX = tl.constexpr(unpack_plane_ptx(2))
 UNPACK_PLANE_3_PTX = tl.constexpr(unpack_plane_ptx(3))
 # shared_math.ptx's operand convention per bit plane: the code's right shift, mask and factor.
-PLANE_0_SHIFT_C, PLANE_1_SHIFT_C, PLANE_2_SHIFT_C, PLANE_3_SHIFT_C = (tl.constexpr(plane_shift(p)) for p in range(4))
-PLANE_0_MASK_C, PLANE_1_MASK_C, PLANE_2_MASK_C, PLANE_3_MASK_C = (tl.constexpr(plane_mask(p)) for p in range(4))
+_PLANES = range(CODES_PER_BYTE)
+PLANE_0_SHIFT_C, PLANE_1_SHIFT_C, PLANE_2_SHIFT_C, PLANE_3_SHIFT_C = (tl.constexpr(plane_shift(p)) for p in _PLANES)
+PLANE_0_MASK_C, PLANE_1_MASK_C, PLANE_2_MASK_C, PLANE_3_MASK_C = (tl.constexpr(plane_mask(p)) for p in _PLANES)
 PLANE_0_FACTOR_C, PLANE_1_FACTOR_C, PLANE_2_FACTOR_C, PLANE_3_FACTOR_C = (
-    tl.constexpr(plane_factor(p)) for p in range(4))
+    tl.constexpr(plane_factor(p)) for p in _PLANES)
 UNPACK_CONSTRAINTS_C = tl.constexpr(UNPACK_CONSTRAINTS)
 UNPACK_PACK_C = tl.constexpr(UNPACK_PACK)
 # `tl.dot` needs M, N, K ≥ 16 (mma tile); blocks are sized to respect it.
@@ -347,12 +348,10 @@ def _unpack_plane_asm(packed, PLANE: tl.constexpr):
 
 
 @triton.jit
-def _plane_factor(PLANE: tl.constexpr, BF16_DOTS: tl.constexpr):
-    """The code multiplier of plane PLANE's operand (shared_math.ptx.plane_factor; 1 for float32
-    dots): the query plane is divided by it, the output plane carried in its units."""
-    if not BF16_DOTS:
-        return 1.0
-    elif PLANE == 0:
+def _plane_factor(PLANE: tl.constexpr):
+    """The code multiplier of plane PLANE's bfloat16 operand (shared_math.ptx.plane_factor): the query
+    plane is divided by it, the output plane carried in its units. float32 dots have none."""
+    if PLANE == 0:
         return PLANE_0_FACTOR_C
     elif PLANE == 1:
         return PLANE_1_FACTOR_C
@@ -432,13 +431,13 @@ def _plane_scores(q_plane, q_plane_sum, packed, scale_ptr, minimum_ptr, row, val
                   QUARTER: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
                   BF16_DOTS: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr):
     """One bit plane's share of q·k̂: s·(q_plane · c_plane) + m·Σ q_plane  → [BLOCK_M, N]; q_plane
-    is the query divided by the plane's factor (`_query_planes`), q_plane_sum the undivided Σ."""
+    is the query divided by the plane's factor (`_int2_tier_kernel`), q_plane_sum the undivided Σ."""
     codes = _plane_codes(packed, PLANE, BF16_DOTS, TENSOR_CORES, UNPACK_ASM)  # [N, QUARTER]
     scale = _plane_metadata(scale_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     minimum = _plane_metadata(minimum_ptr, row, valid, PLANE, QUARTER, GROUP_SIZE, NUM_GROUPS)
     dots = dot_f32(q_plane, tl.trans(codes), BF16_DOTS, TENSOR_CORES)
     if BF16_DOTS:  # the planes hold bias + c·factor: the dots carry bias·Σ q_plane
-        dots -= (q_plane_sum * (_code_bias(BF16_DOTS) / _plane_factor(PLANE, BF16_DOTS)))[:, None]
+        dots -= (q_plane_sum * (_code_bias(BF16_DOTS) / _plane_factor(PLANE)))[:, None]
     return dots * scale[None, :] + q_plane_sum[:, None] * minimum[None, :]
 
 
@@ -454,7 +453,7 @@ def _plane_update(o_plane, correction, p, packed, scale_ptr, minimum_ptr, row, v
     p_scaled = dot_operand(p * scale[None, :], BF16_DOTS, TENSOR_CORES)
     p_min, bias = _value_minimum_sums(p, minimum, p_scaled, BF16_DOTS)
     if BF16_DOTS:
-        p_min = p_min * _plane_factor(PLANE, BF16_DOTS) - bias  # o_plane in units of the factor
+        p_min = p_min * _plane_factor(PLANE) - bias  # o_plane in units of the factor
     return (o_plane * correction[:, None] + p_min[:, None]) + dot_f32(p_scaled, codes, BF16_DOTS, TENSOR_CORES)
 
 
@@ -474,7 +473,7 @@ def _store_plane(o_ptr, o_plane, inv_l, out_row, PLANE: tl.constexpr, D: tl.cons
     QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
     column = PLANE * QUARTER + tl.arange(0, QUARTER)[None, :]
     if BF16_DOTS:
-        inv_l = inv_l * (1.0 / _plane_factor(PLANE, BF16_DOTS))
+        inv_l = inv_l * (1.0 / _plane_factor(PLANE))
     tl.store(o_ptr + out_row[:, None].to(tl.int64) * D + column, o_plane * inv_l[:, None])
 
 
@@ -519,8 +518,8 @@ def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_
         p_scaled = dot_operand(p * v_scale[None, :], Q_BF16, TENSOR_CORES)
         p_min, bias = _value_minimum_sums(p, v_min, p_scaled, Q_BF16)
     if Q_BF16:  # each output plane in units of its factor
-        min0, min1 = p_min * _plane_factor(0, Q_BF16) - bias, p_min * _plane_factor(1, Q_BF16) - bias
-        min2, min3 = p_min * _plane_factor(2, Q_BF16) - bias, p_min * _plane_factor(3, Q_BF16) - bias
+        min0, min1 = p_min * _plane_factor(0) - bias, p_min * _plane_factor(1) - bias
+        min2, min3 = p_min * _plane_factor(2) - bias, p_min * _plane_factor(3) - bias
     else:  # (float32: no factors, no bias; the interpreter pays for every op of the tests' float32 models)
         min0, min1, min2, min3 = p_min, p_min, p_min, p_min
     packed = _load_packed(v_codes_ptr, row, columns, QUARTER, UNPACK_ASM)
@@ -561,13 +560,14 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
     columns = tl.arange(0, QUARTER)[None, :]
     if GROUP_SIZE >= D:  # one group per row: the four planes share its scale and minimum
         if Q_BF16:  # the bias the code dots carry (q divided by the planes' factors)
-            q_bias = (s0 / _plane_factor(0, Q_BF16) + s1 / _plane_factor(1, Q_BF16)
-                      + s2 / _plane_factor(2, Q_BF16) + s3 / _plane_factor(3, Q_BF16)) * _code_bias(Q_BF16)
+            q_bias = (s0 / _plane_factor(0) + s1 / _plane_factor(1)
+                      + s2 / _plane_factor(2) + s3 / _plane_factor(3)) * _code_bias(Q_BF16)
         else:
             q_bias = s0  # unused: float32 dots carry no bias
         o0, o1, o2, o3, m, l = _int2_block_one_group(
             o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr,
-            row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, q_bias, QUARTER, SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+            row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, q_bias, QUARTER, SCORE_SCALE, Q_BF16,
+            TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
     else:
         packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
         scores = _plane_scores(q0, s0, packed, k_scale_ptr, k_min_ptr, row, valid, 0,
@@ -644,8 +644,8 @@ def _int2_tier_kernel(
     q3 = _query_plane(q_ptr, b, h, row_block, 3, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)
     s0, s1, s2, s3 = tl.sum(q0, axis=1), tl.sum(q1, axis=1), tl.sum(q2, axis=1), tl.sum(q3, axis=1)
     if Q_BF16:  # divided by the planes' operand factors (powers of two): bf16 queries stay exact
-        q0, q1 = q0 * (1.0 / _plane_factor(0, Q_BF16)), q1 * (1.0 / _plane_factor(1, Q_BF16))
-        q2, q3 = q2 * (1.0 / _plane_factor(2, Q_BF16)), q3 * (1.0 / _plane_factor(3, Q_BF16))
+        q0, q1 = q0 * (1.0 / _plane_factor(0)), q1 * (1.0 / _plane_factor(1))
+        q2, q3 = q2 * (1.0 / _plane_factor(2)), q3 * (1.0 / _plane_factor(3))
     q0 = dot_operand(q0, Q_BF16, TENSOR_CORES)
     q1 = dot_operand(q1, Q_BF16, TENSOR_CORES)
     q2 = dot_operand(q2, Q_BF16, TENSOR_CORES)
