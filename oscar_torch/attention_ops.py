@@ -34,7 +34,7 @@ import math
 import torch
 
 from oscar_torch import library
-from oscar_torch.kernels.codec import interpreting
+from oscar_torch.kernels.codec import INTERPRET_BLOCK_ROWS, default_block_rows, interpreting
 from oscar_torch.kernels.decode_attention import DEFAULT_NUM_STAGES, DEFAULT_NUM_WARPS, MIN_DOT_DIM
 from oscar_torch.validation import (
     check_devices,
@@ -44,8 +44,8 @@ from oscar_torch.validation import (
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    TRITON_INT2_MAX_REGISTERS, default_decode_launch, int2_decode_rows, int2_decode_tokens_on_m, next_power_of_two,
-    resolve_splits,
+    TRITON_INT2_MAX_REGISTERS, default_decode_launch, default_pages_per_block, int2_decode_rows,
+    int2_decode_tokens_on_m, next_power_of_two, resolve_splits,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
@@ -154,10 +154,15 @@ def _validate_cache(
 
 def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16):
     """(pages_per_split, bf16_pages_per_split, pages_per_block), defaults filled in
-    (shared_math.tiling.resolve_splits)."""
+    (shared_math.tiling.resolve_splits). Interpreted, with both left to the default: each tier in
+    one split of blocks of up to INTERPRET_BLOCK_ROWS tokens (see kernels.codec)."""
     page_size = int(k_bf16.shape[2]) if isinstance(k_bf16, torch.Tensor) and k_bf16.dim() == 4 else 0
     bf16_slots, history_slots = (table.shape[1] if isinstance(table, torch.Tensor) and table.dim() == 2 else 0
                                  for table in (bf16_page_table, history_page_table))
+    if interpreting() and pages_per_split is None and pages_per_block is None and page_size > 0:
+        pages_per_block = max(default_pages_per_block(page_size), min(
+            next_power_of_two(max(bf16_slots, history_slots, 1)), max(1, INTERPRET_BLOCK_ROWS // page_size)))
+        pages_per_split = pages_per_block * -(-max(bf16_slots, history_slots, 1) // pages_per_block)
     return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size)
 
 
@@ -343,8 +348,8 @@ def prefill_attention(
     softmax_scale: float,
     pages_per_split: int | None = None,
     pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
-    block_m: int = DEFAULT_PREFILL_BLOCK_M,
-    block_n: int = DEFAULT_PREFILL_BLOCK_N,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ):
     """Attention of a chunk of T new tokens: causal over the chunk (full precision) + the cached prefix.
 
@@ -355,7 +360,8 @@ def prefill_attention(
         `decode_attention`); every chunk token sees all of it. The prefix is read through the
         tiers exactly as decode reads it (the INT2 pages through the INT2 kernel).
       new_tokens: int32 [B], valid tokens of each chunk (default: T). Rows t ≥ new_tokens[b] are 0.
-      block_m, block_n: query rows / chunk keys per block (powers of two ≥ 16; capped by the chunk).
+      block_m, block_n: query rows / chunk keys per block (powers of two ≥ 16; capped by the chunk);
+        None → DEFAULT_PREFILL_BLOCK_M / _N (interpreted: `kernels.codec.INTERPRET_BLOCK_ROWS`).
       Other keywords as in `decode_attention`.
     Returns:
       float32 [B, T, Hq, D].
@@ -380,6 +386,8 @@ def prefill_attention(
     if new_tokens is None:
         new_tokens = torch.full((batch,), chunk, dtype=torch.int32, device=q.device)
     check_tensor("new_tokens", new_tokens, dtypes=_INT32, shape=(batch,))
+    block_m = default_block_rows(DEFAULT_PREFILL_BLOCK_M) if block_m is None else block_m
+    block_n = default_block_rows(DEFAULT_PREFILL_BLOCK_N) if block_n is None else block_n
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         check_static_int(name, value, power_of_two=True, minimum=MIN_DOT_DIM)
     check_devices(q=q, k_new=k_new, v_new=v_new, new_tokens=new_tokens, **dict(zip(_CACHE_NAMES, cache)))

@@ -125,6 +125,18 @@ def interpreting() -> bool:
     return INTERPRETING
 
 
+# The interpreter runs a launch's programs one after another and pays per op, not per element
+# (a 420-token SmolLM2 INT2 write: 18 s in blocks of 16 rows, 0.9 s in one block of 512), so
+# interpreted launches default to big blocks. The compiled defaults are the tuned ones; tests
+# that exercise the blocking pass their block sizes explicitly.
+INTERPRET_BLOCK_ROWS = 512
+
+
+def default_block_rows(compiled: int) -> int:
+    """The default rows per program: `compiled` on the GPU, INTERPRET_BLOCK_ROWS interpreted."""
+    return INTERPRET_BLOCK_ROWS if INTERPRETING else compiled
+
+
 def resolve_order_statistic(order_statistic: str | None, head_dim: int, clip_index: int, rows_dtype,
                             rotated: bool = False) -> str:
     """shared_math.tiling.resolve_order_statistic for rows of `rows_dtype` (rotated in the kernel

@@ -85,6 +85,17 @@ def test_decode_default_split_is_deterministic():
     assert_close(first.cpu().numpy(), reference_decode(case, cache, case.query()), case.q_dtype)
 
 
+@pytest.mark.parametrize("case", ATTENTION_CASES[1:3], ids=lambda c: c.name)
+def test_decode_with_the_whole_tiling_left_to_the_default(case):
+    """pages_per_split and pages_per_block both None: the tuned tiling on the GPU; interpreted,
+    each tier in one split of whole-table blocks (attention_ops._resolve_tiling). Either way the
+    reference."""
+    cache = build_cache(case)
+    kwargs = {**attention_kwargs(case), "pages_per_split": None, "pages_per_block": None}
+    out = ops.decode_attention(query(case), *cache_arrays(cache), **kwargs)
+    assert_close(out.cpu().numpy(), reference_decode(case, cache, case.query()), case.q_dtype)
+
+
 @pytest.mark.parametrize("splits_a,splits_b,block_splits,block_d", [(1, 37, 8, 16), (3, 0, 32, 32), (2, 5, 32, 64)])
 def test_merge_kernel_equals_merge_partials_over_both_tiers(splits_a, splits_b, block_splits, block_d):
     """The merge kernel (decode's) is merge_partials over the concatenated splits, kept rows only:
