@@ -376,9 +376,10 @@ SMOLLM_NEW_TOKENS = 24
 # into W_o, transformers applies them to activations, and the einsum orders differ.
 SMOLLM_LOGIT_TOL = 0.1
 SMOLLM_MIN_SAME_CODES = 0.999  # INT2 codes equal across the two backends' pages (measured 0.999997)
-# fp16 scale / minimum bit-equal (measured 0.99891; the others ≤ 8 fp16 ulps apart, one BF16 ulp)
+# fp16 scale / minimum bit-equal (measured 0.99891; 0.99782 with the interpreter's big blocks, NOTES v18;
+# the others ≤ 8 fp16 ulps apart, one BF16 ulp)
 SMOLLM_MIN_SAME_METADATA = 0.99
-SMOLLM_MIN_TOP1 = 0.75  # teacher-forced top-1 agreement with the float32 DynamicCache (measured 0.875)
+SMOLLM_MIN_TOP1 = 0.75  # teacher-forced top-1 agreement with the float32 DynamicCache (measured 0.875; 0.958 in v18)
 
 
 def _codes(packed: np.ndarray) -> np.ndarray:
@@ -390,7 +391,8 @@ def test_smollm2_generate_vs_jax_runtime_and_dynamic_cache():
     """SmolLM2-135M (GGUF, float32 in both frameworks), the shipped artifact, default windows,
     a ~420-token Wikipedia prompt (6 INT2 pages after prefill, a 7th demoted while decoding):
     24 greedy tokens through transformers + OscarHFCache vs oscar_jax.runtime.OscarRuntime, and
-    vs transformers' float32 DynamicCache. About 15 minutes on a 2-core CPU (Triton interpreter)."""
+    vs transformers' float32 DynamicCache. About 25 minutes on a loaded 2-core CPU (Triton interpreter;
+    benchmarks/NOTES.md v18)."""
     from calibration.data import wiki_documents
     from oscar_jax.generate import shipped_artifact
     from oscar_jax.loaders import load_model, resolve_model_path
