@@ -134,7 +134,7 @@ INTERPRET_BLOCK_ROWS = 512
 
 def default_block_rows(compiled: int) -> int:
     """The default rows per program: `compiled` on the GPU, INTERPRET_BLOCK_ROWS interpreted."""
-    return INTERPRET_BLOCK_ROWS if INTERPRETING else compiled
+    return INTERPRET_BLOCK_ROWS if interpreting() else compiled
 
 
 def resolve_order_statistic(order_statistic: str | None, head_dim: int, clip_index: int, rows_dtype,

@@ -314,7 +314,8 @@ def write_bf16_pages_rows(
     block_tokens: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
 ) -> None:
-    """pool [P, K, L, D] bf16 ← x [T, K, D] at (page_ids[t], slots[t]), in place."""
+    """pool [P, K, L, D] bf16 ← x [T, K, D] at (page_ids[t], slots[t]), in place; block_tokens None →
+    DEFAULT_BLOCK_ROWS (interpreted: INTERPRET_BLOCK_ROWS)."""
     num_tokens, num_heads, d = x.shape
     num_pages, _, page_size, _ = pool.shape
     rows = _token_block_rows(num_tokens, block_tokens, rotate=False)

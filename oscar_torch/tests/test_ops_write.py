@@ -166,28 +166,21 @@ def test_write_pages_input_dtypes(dtype):
     assert_pools(tensors, want, str(dtype))
 
 
-@pytest.mark.parametrize("rotate", [False, True])
-def test_write_pages_in_blocks_of_16_tokens(rotate):
-    """The scatter in several programs and a ragged last block (77 tokens in blocks of 16): the
-    interpreter's default is one block (kernels.codec.INTERPRET_BLOCK_ROWS), the GPU's 16."""
+def test_write_pages_in_blocks_of_16_tokens():
+    """The scatter in several programs and a ragged last block (77 tokens in blocks of 16), bit
+    for bit: the interpreter's default for unrotated rows is one block (kernels.codec.
+    INTERPRET_BLOCK_ROWS), the GPU's 16. (Rotated writes keep 16 interpreted too:
+    test_write_pages_rotation_equals_write_int2_scattered.)"""
     case = WRITE_CASES[4]
     rows = case.rows()
     page_ids, slots = case.destinations()
-    rotation = random_rotations(np.random.default_rng(5), case.num_kv_heads, case.head_dim) if rotate else None
-    k = clip_index(case.clip_ratio, case.head_dim)
     pools = case.int2_pools()
     tensors = tuple(to_torch(p) for p in pools)
-    kwrite.write_pages_rows(*tensors, to_torch(rows), to_torch(page_ids), to_torch(slots),
-                            None if rotation is None else to_torch(rotation), group_size=case.group_size,
-                            clip_index=k, levels="minmax", block_tokens=16)
-    if rotate:  # the dense write of the same rows in the same blocks (rotated writes keep 16 interpreted)
-        want = ops.write_int2(to_torch(rows), to_torch(rotation), group_size=case.group_size,
-                              clip_ratio=case.clip_ratio)
-        for pool, value in zip(tensors, want):
-            assert torch.equal(pool[torch.as_tensor(page_ids).long(), :, torch.as_tensor(slots).long()], value)
-    else:
-        assert_pools(tensors, reference_scatter(pools, rows, page_ids, slots, group_size=case.group_size,
-                                                clip_ratio=case.clip_ratio, levels="minmax"), "blocks of 16")
+    kwrite.write_pages_rows(*tensors, to_torch(rows), to_torch(page_ids), to_torch(slots), None,
+                            group_size=case.group_size, clip_index=clip_index(case.clip_ratio, case.head_dim),
+                            levels="minmax", block_tokens=16)
+    assert_pools(tensors, reference_scatter(pools, rows, page_ids, slots, group_size=case.group_size,
+                                            clip_ratio=case.clip_ratio, levels="minmax"), "blocks of 16")
     bf16_pool = to_torch(case.bf16_pool())
     before = to_numpy(bf16_pool).copy()
     kwrite.write_bf16_pages_rows(bf16_pool, to_torch(rows), to_torch(page_ids), to_torch(slots), block_tokens=16)
