@@ -158,7 +158,8 @@ TRITON_POINTERS = {
     "o_ptr": "*fp32", "lse_ptr": "*fp32", "table_slots": "i32",
     "o_a_ptr": "*fp32", "lse_a_ptr": "*fp32", "o_b_ptr": "*fp32", "lse_b_ptr": "*fp32", "out_ptr": "*fp32",
 }
-TRITON_QWEN3_8B = dict(NUM_HEADS=8, ROWS=16, D=128, PAGE_SIZE=64, PAGES_PER_SPLIT=16, NUM_SPLITS=4,
+# Q_ROWS: the unpadded GQA group of 4 the decode op passes (the partials' ROWS are padded).
+TRITON_QWEN3_8B = dict(NUM_HEADS=8, ROWS=16, Q_ROWS=4, D=128, PAGE_SIZE=64, PAGES_PER_SPLIT=16, NUM_SPLITS=4,
                        SCORE_SCALE=base2_score_scale(128**-0.5), BLOCK_M=16, TENSOR_CORES=True, GROUP_SIZE=128,
                        PAGES_PER_BLOCK=1, Q_BF16=True, SINK_SLOTS=1)
 # The decode INT2 tier as oscar_torch.attention_ops launches it (scores with tokens on M, 8 rows).

@@ -181,7 +181,8 @@ def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, page
     """The (outputs, lses) of q_rows [B, Hkv, M, D] over each tier: BF16 (split by
     bf16_pages_per_split), then INT2 (pages_per_split) if it has slots; each tier's kernel launched
     with its (num_warps, num_stages). `int2_rows` (decode): the INT2 tier reads the first int2_rows
-    rows in one block, its scores with tokens on M (`shared_math.tiling.int2_decode_rows`)."""
+    rows in one block (q_rows holds at most that many), its scores with tokens on M
+    (`shared_math.tiling.int2_decode_rows`)."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
     tiers = [library.bf16_tier_partials(
@@ -190,7 +191,8 @@ def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, page
     )]
     if history_page_table.shape[1] > 0:
         if int2_rows is not None:
-            q_rows, block_m = q_rows[:, :, :int2_rows].contiguous(), int2_rows
+            assert q_rows.shape[2] <= int2_rows
+            block_m = int2_rows
         tiers.append(library.int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
             group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm, *int2_launch,
@@ -305,8 +307,8 @@ def decode_attention(
     check_devices(q=q, **dict(zip(_CACHE_NAMES, cache)))
     heads_per_kv = q_heads // num_kv_heads
     rows = max(MIN_DOT_DIM, next_power_of_two(heads_per_kv))  # GQA group padded for dot's M ≥ 16
-    q_rows = q.reshape(batch, num_kv_heads, heads_per_kv, head_dim)
-    q_rows = torch.nn.functional.pad(q_rows, (0, 0, 0, rows - heads_per_kv)).contiguous()
+    # Unpadded: the tier kernels read rows ≥ Gq as zero queries (kdecode.partial_rows).
+    q_rows = q.reshape(batch, num_kv_heads, heads_per_kv, head_dim).contiguous()
     tiers = _tier_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=float(softmax_scale),
         pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,

@@ -141,8 +141,9 @@ def _(bf16_pool, codes, scale, minimum, src_pages, dst_pages, group_size, clip_i
 # ------------------------------------------------------------------------------- attention
 
 
-def _partials_like(q: Tensor, splits: int) -> tuple[Tensor, Tensor]:
-    batch, heads, rows, d = q.shape
+def _partials_like(q: Tensor, splits: int, block_m: int) -> tuple[Tensor, Tensor]:
+    batch, heads, q_rows, d = q.shape
+    rows = kdecode.partial_rows(q_rows, block_m)
     return (
         q.new_empty((batch, heads, splits, rows, d), dtype=torch.float32),
         q.new_empty((batch, heads, splits, rows), dtype=torch.float32),
@@ -176,7 +177,7 @@ def bf16_tier_partials(
 def _(q, k_bf16, v_bf16, page_table, sink_tokens, recent_tokens, sink_slots, softmax_scale,
       pages_per_split, pages_per_block, block_m, num_warps=kdecode.DEFAULT_NUM_WARPS,
       num_stages=kdecode.DEFAULT_NUM_STAGES):
-    return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split))
+    return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split), block_m)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::int2_tier_partials", mutates_args=())
@@ -213,7 +214,7 @@ def int2_tier_partials(
 def _(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, page_table, history_tokens, group_size,
       softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm=False, num_warps=kdecode.DEFAULT_NUM_WARPS,
       num_stages=kdecode.DEFAULT_NUM_STAGES, max_registers=0, tokens_on_m=False):
-    return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split))
+    return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split), block_m)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::merge_tier_partials", mutates_args=())
@@ -246,4 +247,4 @@ def causal_chunk_partials(
 
 @causal_chunk_partials.register_fake
 def _(q, k, v, new_tokens, heads_per_kv, softmax_scale, block_m, block_n):
-    return _partials_like(q, 1)
+    return _partials_like(q, 1, block_m)

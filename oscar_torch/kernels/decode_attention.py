@@ -152,7 +152,7 @@ def store_partial(o_ptr, lse_ptr, o, m, l, out_row, D: tl.constexpr):
 @triton.jit
 def _query_rows(q_ptr, b, h, row_block, NUM_HEADS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                 BLOCK_M: tl.constexpr, Q_BF16: tl.constexpr):
-    """Query rows [BLOCK_M, D] float32 of (b, h), block row_block of q [B, K, M, D]."""
+    """Query rows [BLOCK_M, D] float32 of (b, h), block row_block of q [B, K, ROWS, D]; rows ≥ ROWS → 0."""
     row = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     start = ((b * NUM_HEADS + h) * ROWS + row).to(tl.int64) * D
     return load_rows_f32(q_ptr + start[:, None] + tl.arange(0, D)[None, :], row[:, None] < ROWS, Q_BF16)
@@ -206,7 +206,8 @@ def _bf16_tier_kernel(
     lse_ptr,  # [B, K, S, M] float32: their log-sum-exp (−inf when a split holds no token)
     table_slots,  # NB
     NUM_HEADS: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr,  # M: rows of the partials, a multiple of BLOCK_M
+    Q_ROWS: tl.constexpr,  # rows of q (≤ M): rows beyond are read as zero queries
     D: tl.constexpr,
     SINK_SLOTS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -236,7 +237,7 @@ def _bf16_tier_kernel(
     slot_in_block = token // PAGE_SIZE  # [N]
     column = tl.arange(0, D)[None, :]
     q = dot_operand(
-        _query_rows(q_ptr, b, h, row_block, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16), Q_BF16, TENSOR_CORES
+        _query_rows(q_ptr, b, h, row_block, NUM_HEADS, Q_ROWS, D, BLOCK_M, Q_BF16), Q_BF16, TENSOR_CORES
     )  # [BLOCK_M, D]
 
     o = tl.zeros((BLOCK_M, D), tl.float32)
@@ -262,8 +263,15 @@ def _bf16_tier_kernel(
     store_partial(o_ptr, lse_ptr, o, m, l, out_row, D)
 
 
+def partial_rows(q_rows: int, block_m: int) -> int:
+    """Rows M of a tier's partials for q of q_rows rows: padded to whole row blocks. The kernels
+    read the missing rows as zero queries, so callers pass q unpadded (no pad or copy kernel a
+    call: ~5 µs of the 128K b1 call, benchmarks/NOTES.md v17)."""
+    return -(-q_rows // block_m) * block_m
+
+
 def bf16_tier_partials(
-    q: torch.Tensor,  # [B, K, M, D] float32 or bfloat16, M a multiple of block_m
+    q: torch.Tensor,  # [B, K, R, D] float32 or bfloat16 (the partials' M: R padded to block_m)
     k_bf16: torch.Tensor,  # [P, K, L, D] bfloat16
     v_bf16: torch.Tensor,  # [P, K, L, D] bfloat16
     page_table: torch.Tensor,  # [B, NB] int32
@@ -282,9 +290,10 @@ def bf16_tier_partials(
 
     Inputs are validated by the public op; the asserts guard internal invariants only.
     """
-    batch, num_kv_heads, rows, head_dim = q.shape
+    batch, num_kv_heads, q_rows, head_dim = q.shape
+    rows = partial_rows(q_rows, block_m)
     _, _, page_size, _ = k_bf16.shape
-    assert rows % block_m == 0 and pages_per_split % pages_per_block == 0
+    assert pages_per_split % pages_per_block == 0
     splits = num_splits(page_table.shape[1], pages_per_split)
     o = torch.empty((batch, num_kv_heads, splits, rows, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_kv_heads, splits, rows), dtype=torch.float32, device=q.device)
@@ -292,7 +301,7 @@ def bf16_tier_partials(
     _bf16_tier_kernel[(batch, num_kv_heads, (rows // block_m) * splits)](
         page_table, sink_tokens, recent_tokens, kernel_view(q), k_bf16.view(torch.int16),
         v_bf16.view(torch.int16), o, lse, page_table.shape[1],
-        NUM_HEADS=num_kv_heads, ROWS=rows, D=head_dim, SINK_SLOTS=sink_slots, PAGE_SIZE=page_size,
+        NUM_HEADS=num_kv_heads, ROWS=rows, Q_ROWS=q_rows, D=head_dim, SINK_SLOTS=sink_slots, PAGE_SIZE=page_size,
         PAGES_PER_SPLIT=pages_per_split, PAGES_PER_BLOCK=pages_per_block, NUM_SPLITS=splits,
         SCORE_SCALE=base2_score_scale(softmax_scale), BLOCK_M=block_m, Q_BF16=q_bf16,
         TENSOR_CORES=not interpreting(), num_warps=num_warps, num_stages=num_stages,
@@ -606,7 +615,8 @@ def _int2_tier_kernel(
     lse_ptr,  # [B, K, S, M] float32
     table_slots,  # NH
     NUM_HEADS: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr,  # M: rows of the partials, a multiple of BLOCK_M
+    Q_ROWS: tl.constexpr,  # rows of q (≤ M): rows beyond are read as zero queries
     D: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -638,10 +648,10 @@ def _int2_tier_kernel(
     token = tl.arange(0, BLOCK_N)
     offset = token % PAGE_SIZE  # [N]
     slot_in_block = token // PAGE_SIZE  # [N]
-    q0 = _query_plane(q_ptr, b, h, row_block, 0, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)  # [BLOCK_M, D/4]
-    q1 = _query_plane(q_ptr, b, h, row_block, 1, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)
-    q2 = _query_plane(q_ptr, b, h, row_block, 2, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)
-    q3 = _query_plane(q_ptr, b, h, row_block, 3, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)
+    q0 = _query_plane(q_ptr, b, h, row_block, 0, NUM_HEADS, Q_ROWS, D, BLOCK_M, Q_BF16)  # [BLOCK_M, D/4]
+    q1 = _query_plane(q_ptr, b, h, row_block, 1, NUM_HEADS, Q_ROWS, D, BLOCK_M, Q_BF16)
+    q2 = _query_plane(q_ptr, b, h, row_block, 2, NUM_HEADS, Q_ROWS, D, BLOCK_M, Q_BF16)
+    q3 = _query_plane(q_ptr, b, h, row_block, 3, NUM_HEADS, Q_ROWS, D, BLOCK_M, Q_BF16)
     s0, s1, s2, s3 = tl.sum(q0, axis=1), tl.sum(q1, axis=1), tl.sum(q2, axis=1), tl.sum(q3, axis=1)
     if Q_BF16:  # divided by the planes' operand factors (powers of two): bf16 queries stay exact
         q0, q1 = q0 * (1.0 / _plane_factor(0)), q1 * (1.0 / _plane_factor(1))
@@ -687,7 +697,8 @@ def _int2_tier_dequantizing_kernel(
     page_table_ptr, history_tokens_ptr, q_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
     v_min_ptr, o_ptr, lse_ptr, table_slots,
     NUM_HEADS: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr,  # M: rows of the partials, a multiple of BLOCK_M
+    Q_ROWS: tl.constexpr,  # rows of q (≤ M): rows beyond are read as zero queries
     D: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -714,7 +725,7 @@ def _int2_tier_dequantizing_kernel(
     token = tl.arange(0, BLOCK_N)
     offset = token % PAGE_SIZE  # [N]
     slot_in_block = token // PAGE_SIZE  # [N]
-    q = _query_rows(q_ptr, b, h, row_block, NUM_HEADS, ROWS, D, BLOCK_M, Q_BF16)  # [BLOCK_M, D]
+    q = _query_rows(q_ptr, b, h, row_block, NUM_HEADS, Q_ROWS, D, BLOCK_M, Q_BF16)  # [BLOCK_M, D]
 
     o = tl.zeros((BLOCK_M, D), tl.float32)
     m = tl.full((BLOCK_M,), MASK_VALUE_C, tl.float32)
@@ -738,7 +749,7 @@ def _int2_tier_dequantizing_kernel(
 
 
 def int2_tier_partials(
-    q: torch.Tensor,  # [B, K, M, D] float32 or bfloat16, M a multiple of block_m
+    q: torch.Tensor,  # [B, K, R, D] float32 or bfloat16 (the partials' M: R padded to block_m)
     k_codes: torch.Tensor,  # [P, K, L, D/4] uint8
     k_scale: torch.Tensor,  # [P, K, L, D/G] float16
     k_min: torch.Tensor,  # [P, K, L, D/G] float16
@@ -767,9 +778,10 @@ def int2_tier_partials(
     spills); None → the compiler's choice, and always under the interpreter.
     `unpack_asm`: the folded kernel unpacks codes by inline PTX (bfloat16 q on the GPU; the G < D/4
     dequantizing fallback has no code planes and ignores it)."""
-    batch, num_kv_heads, rows, head_dim = q.shape
+    batch, num_kv_heads, q_rows, head_dim = q.shape
+    rows = partial_rows(q_rows, block_m)
     _, _, page_size, packed = k_codes.shape
-    assert rows % block_m == 0 and pages_per_split % pages_per_block == 0
+    assert pages_per_split % pages_per_block == 0
     assert packed * CODES_PER_BYTE == head_dim and k_scale.shape[-1] * group_size == head_dim
     splits = num_splits(page_table.shape[1], pages_per_split)
     o = torch.empty((batch, num_kv_heads, splits, rows, head_dim), dtype=torch.float32, device=q.device)
@@ -787,7 +799,7 @@ def int2_tier_partials(
     kernel[(batch, num_kv_heads, (rows // block_m) * splits)](
         page_table, history_tokens, kernel_view(q), k_codes, k_scale, k_min, v_codes, v_scale, v_min,
         o, lse, page_table.shape[1],
-        NUM_HEADS=num_kv_heads, ROWS=rows, D=head_dim, GROUP_SIZE=group_size, PAGE_SIZE=page_size,
+        NUM_HEADS=num_kv_heads, ROWS=rows, Q_ROWS=q_rows, D=head_dim, GROUP_SIZE=group_size, PAGE_SIZE=page_size,
         PAGES_PER_SPLIT=pages_per_split, PAGES_PER_BLOCK=pages_per_block, NUM_SPLITS=splits,
         SCORE_SCALE=base2_score_scale(softmax_scale), BLOCK_M=block_m, Q_BF16=q.dtype == torch.bfloat16,
         TENSOR_CORES=not interpreting(), num_warps=num_warps, num_stages=num_stages, **extra,

@@ -16,6 +16,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from oscar_torch import ops
 from oscar_torch.attention_ops import merge_partials
@@ -46,6 +47,31 @@ def test_decode_matches_float64_reference_over_dequantized_cache(case, int2_layo
         return  # G < D keeps rows on M in this backend: the run above is the rows-on-M one again
     MEASURED[case.name] = assert_close(out.cpu().numpy(), reference_decode(case, cache, case.query()), case.q_dtype)
     print(f"{case.name}: max |out − ref| = {MEASURED[case.name]:.3g}")
+
+
+class _RecordOps(TorchDispatchMode):
+    """The torch ops a call dispatches at its own level (a custom op's inner ops are not seen)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", [c for c in ATTENTION_CASES if c.name in ("qwen3_8b", "edges_bf16")], ids=str)
+def test_decode_launches_its_three_kernels_and_nothing_else(case):
+    """No pad, copy or fill of q around the tier kernels: they read rows ≥ Gq as zero queries. At
+    128K b1 on the H200 those three small kernels cost ~5 µs of a ~68 µs call (NOTES v17)."""
+    cache = build_cache(case)
+    q, arrays = query(case), cache_arrays(cache)
+    with _RecordOps() as recorded:
+        ops.decode_attention(q, *arrays, **attention_kwargs(case))
+    kernels = [op for op in recorded.ops if not op.startswith("aten.view")]
+    assert kernels == ["oscar.bf16_tier_partials.default", "oscar.int2_tier_partials.default",
+                       "oscar.merge_tier_partials.default"], recorded.ops
 
 
 def test_long_split_keeps_the_code_bias_from_accumulating():
