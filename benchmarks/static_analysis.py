@@ -64,14 +64,20 @@ _PREDICATE = re.compile(r"^@!?U?P\w+\s+")
 
 
 def loop_profile(sass_text: str) -> dict:
-    """The largest loop of a kernel (the span of its longest backward branch): instruction count
-    and the count per opcode (modifiers dropped: `LOP3.LUT` → `LOP3`)."""
+    """The page loop of a kernel: of its loops (spans of backward branches), the longest that
+    issues async copies (the software-pipelined one: the INT2 kernels also have a masked,
+    unpipelined tail loop), else the longest. Instruction count and the count per opcode
+    (modifiers dropped: `LOP3.LUT` → `LOP3`)."""
     instructions = [(int(a, 16), text) for a, text in _INSTRUCTION.findall(sass_text)]
     loops = [(int(m.group(1), 16), address) for address, text in instructions
              if (m := _BRANCH.search(text)) and int(m.group(1), 16) < address]
     if not loops:
         raise ValueError("no backward branch in the SASS: the kernel has no loop")
-    start, end = max(loops, key=lambda span: span[1] - span[0])
+
+    def pipelined(span):
+        return any("LDGSTS" in text for address, text in instructions if span[0] <= address <= span[1])
+
+    start, end = max(loops, key=lambda span: (pipelined(span), span[1] - span[0]))
     body = [_PREDICATE.sub("", text) for address, text in instructions if start <= address <= end]
     opcodes = collections.Counter(text.split()[0].split(".")[0] for text in body)
     return {"instructions": len(body), "opcodes": dict(opcodes.most_common())}

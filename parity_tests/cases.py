@@ -487,6 +487,22 @@ def reference_decode(case: AttentionCase, cache: PagedCache, q: np.ndarray) -> n
     ])
 
 
+def cut_history(cache: PagedCache, tokens: int, page_size: int) -> PagedCache:
+    """`cache` with the last `tokens` (0 < tokens < L) history tokens of every sequence that has
+    history dropped from history_tokens and from the reference's tiers, so that its last INT2 page
+    is partly valid. A well-formed cache holds whole pages; the kernels run such a page as their
+    masked block. The dropped rows hold real codes, so a kernel that read them would differ."""
+    assert 0 < tokens < page_size
+    history_tokens = cache.history_tokens.copy()
+    sequences = []
+    for b, tiers in enumerate(cache.sequences):
+        keep = max(int(history_tokens[b]) - tokens, 0)
+        history_tokens[b] = keep
+        history = tuple(tuple(array[:keep] for array in side) for side in tiers.history)
+        sequences.append(dataclasses.replace(tiers, history=history))
+    return dataclasses.replace(cache, history_tokens=history_tokens, sequences=sequences)
+
+
 # bf16 queries build the INT2 code operand as 128 + c·factor (shared_math.ptx) and cancel the 128 in Σ p·m_v. Over
 # zero-mean values the output is ~10⁻² while a page's biased dot is ~10 × Σ p, so the kernels must
 # cancel page by page: a version that added Σ p·m_v once per split measured 3 % relative error at

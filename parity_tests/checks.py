@@ -111,9 +111,13 @@ def _within_tolerance(outputs: dict, want: np.ndarray, q_dtype: str) -> dict:
     return errors
 
 
-def decode_attention(case: cases.AttentionCase) -> dict:
-    """Both backends' decode attention on the same pools vs the float64 reference (one table)."""
+def decode_attention(case: cases.AttentionCase, cut_history_tokens: int = 0) -> dict:
+    """Both backends' decode attention on the same pools vs the float64 reference (one table);
+    cut_history_tokens > 0: with the last INT2 page of each sequence partly valid
+    (`cases.cut_history`)."""
     cache = cases.build_cache(case)
+    if cut_history_tokens:
+        cache = cases.cut_history(cache, cut_history_tokens, case.page_size)
     q = case.query()
     want = cases.reference_decode(case, cache, q)
     outputs = {b: backends.decode_attention(b, case, cache.pools(), cache.tables(), q) for b in ("jax", "torch")}

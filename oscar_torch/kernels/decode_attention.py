@@ -549,22 +549,31 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
                 q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS: tl.constexpr, D: tl.constexpr,
                 GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr,
                 SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
-                UNPACK_ASM: tl.constexpr, TOKENS_ON_M: tl.constexpr):
+                UNPACK_ASM: tl.constexpr, TOKENS_ON_M: tl.constexpr, FULL: tl.constexpr):
     """One block of PAGES_PER_BLOCK history pages: scores, online softmax, the four output planes.
     TOKENS_ON_M: G ≥ D only (`_int2_block_one_group`, the form measured on the H200; the launcher
-    refuses it otherwise)."""
+    refuses it otherwise). FULL: every token of the block is valid (`_full_blocks`): the mask is a
+    constant, and its selects fold away."""
     QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
     NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
     if PAGES_PER_BLOCK == 1:  # one whole page through a scalar page id: contiguous, vectorised loads
         page_slot = first_slot + i
         in_page = tl.arange(0, PAGE_SIZE)
-        valid = (page_slot * PAGE_SIZE + in_page < n_history) & (page_slot < table_slots)  # [L]
-        page = tl.load(page_table_ptr + b * table_slots + page_slot, mask=page_slot < table_slots, other=0)
+        if FULL:
+            valid = tl.full((PAGE_SIZE,), 1, tl.int1)
+            page = tl.load(page_table_ptr + b * table_slots + page_slot)
+        else:
+            valid = (page_slot * PAGE_SIZE + in_page < n_history) & (page_slot < table_slots)  # [L]
+            page = tl.load(page_table_ptr + b * table_slots + page_slot, mask=page_slot < table_slots, other=0)
         row = (page.to(tl.int64) * NUM_HEADS + h) * PAGE_SIZE + in_page  # [L]
     else:  # a block of several pages, gathered token by token
         slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
-        valid = (slot * PAGE_SIZE + offset < n_history) & (slot < table_slots)  # [N]
-        page = tl.load(page_table_ptr + b * table_slots + slot, mask=valid, other=0)
+        if FULL:
+            valid = tl.full((PAGES_PER_BLOCK * PAGE_SIZE,), 1, tl.int1)
+            page = tl.load(page_table_ptr + b * table_slots + slot)
+        else:
+            valid = (slot * PAGE_SIZE + offset < n_history) & (slot < table_slots)  # [N]
+            page = tl.load(page_table_ptr + b * table_slots + slot, mask=valid, other=0)
         row = (page.to(tl.int64) * NUM_HEADS + h) * PAGE_SIZE + offset  # [N]
     columns = tl.arange(0, QUARTER)[None, :]
     if GROUP_SIZE >= D:  # one group per row: the four planes share its scale and minimum
@@ -598,6 +607,15 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
         o3 = _plane_update(o3, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 3,
                            QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
     return o0, o1, o2, o3, m, l
+
+
+@triton.jit
+def _full_blocks(n_history, first_slot, last_slot, table_slots, PAGE_SIZE: tl.constexpr,
+                 PAGES_PER_BLOCK: tl.constexpr):
+    """Blocks of the split [first_slot, last_slot) whose every token is valid: whole pages of the
+    history (history_tokens is a multiple of L in a well-formed cache) inside the page table."""
+    full_last = tl.minimum(tl.minimum(last_slot, n_history // PAGE_SIZE), table_slots)
+    return tl.maximum(full_last - first_slot, 0) // PAGES_PER_BLOCK
 
 
 @triton.jit
@@ -667,20 +685,33 @@ def _int2_tier_kernel(
     o3 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
     m = tl.full((BLOCK_M,), MASK_VALUE_C, tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
+    # Blocks [0, num_full) hold valid tokens only and run without masks. The one block that may
+    # remain (history_tokens not a multiple of PAGES_PER_BLOCK·L; blocks past the table hold no
+    # valid token) runs masked first, under a branch: a second loop would be pipelined too.
+    num_full = _full_blocks(n_history, first_slot, last_slot, table_slots, PAGE_SIZE, PAGES_PER_BLOCK)
     # (Triton calls take no *args: constexpr arguments must be passed by name or position.)
+    i = num_full
+    if num_full < num_blocks:
+        o0, o1, o2, o3, m, l = _int2_block(
+            i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+            v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
+            q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
+            Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, False)
     if TENSOR_CORES:  # compiled: a loop bounded by the loaded length, which Triton can pipeline
-        for i in range(0, num_blocks):
-            o0, o1, o2, o3, m, l = _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
-                    v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
-                    q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
-                    SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+        for i in range(0, num_full):
+            o0, o1, o2, o3, m, l = _int2_block(
+                i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+                v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
+                q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
+                Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, True)
     else:  # interpreter: a static trip count with a guard (see the BF16 kernel)
         for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
-            if i < num_blocks:
-                o0, o1, o2, o3, m, l = _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
-                        v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
-                        q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
-                        SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+            if i < num_full:
+                o0, o1, o2, o3, m, l = _int2_block(
+                    i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+                    v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
+                    q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
+                    Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, True)
 
     out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
     nonempty = l > 0.0
