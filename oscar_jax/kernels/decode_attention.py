@@ -402,21 +402,9 @@ def _history_split(n_history, split, page_size, pages_per_split, pages_per_block
     return n_history, first_slot, last_slot, jnp.maximum(cdiv(last_slot - first_slot, pages_per_block), 0)
 
 
-def _full_blocks(n_history, first_slot, last_slot, page_size, pages_per_block):
-    """Blocks of the split [first_slot, last_slot) whose every token is valid: whole pages of the
-    history (history_tokens is a multiple of L in a well-formed cache). They run without masks;
-    at most one block of the split remains (the partial page lies in the last one)."""
-    return jnp.maximum(jnp.minimum(last_slot, n_history // page_size) - first_slot, 0) // pages_per_block
-
-
-def _where_valid(valid, x, fill):
-    """x where valid, else fill; valid None: a block of valid tokens only (no select emitted)."""
-    return x if valid is None else jnp.where(valid, x, fill)
-
-
 def _int2_metadata(ref, index, valid, num_groups):
     """fp16 scale or minimum per group as float32 [N], zero where invalid (stale memory may be NaN)."""
-    return [_where_valid(valid, ref[index + (group,)].astype(jnp.float32), 0.0) for group in range(num_groups)]
+    return [jnp.where(valid, ref[index + (group,)].astype(jnp.float32), 0.0) for group in range(num_groups)]
 
 
 def _int2_tier_kernel(
@@ -455,26 +443,21 @@ def _int2_tier_kernel(
     offset = lax.iota(jnp.int32, PAGE_SIZE)  # [L]
     q_pieces, q_group_sums, q_bias_sums = _int2_query_terms(q_ref, pieces, num_groups)
 
-    def body(i, carry, full):
-        """One block; full: every token valid (`_full_blocks`), so nothing is masked."""
+    def body(i, carry):
         o_pieces, m, l = carry
         pages = []
         for j in range(PAGES_PER_BLOCK):  # static: the pages' loads are independent
             slot = first_slot + i * PAGES_PER_BLOCK + j
-            if full:
-                valid = mask = None
-                page = page_table_ref[slot]
-            else:
-                valid = slot * PAGE_SIZE + offset < n_history  # [L]
-                mask = valid[:, None] if TOKENS_ON_M else valid[None, :]
-                page = jnp.where(slot < last_slot, page_table_ref[slot], 0)  # never dereference unused slots
+            valid = slot * PAGE_SIZE + offset < n_history  # [L]
+            page = jnp.where(slot < last_slot, page_table_ref[slot], 0)  # never dereference unused slots
             k_planes = _code_planes(lambda c0, w: k_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype,
                                      UNPACK_ASM)
             k_scale = _int2_metadata(k_scale_ref, (page, slice(None)), valid, num_groups)
             k_min = _int2_metadata(k_min_ref, (page, slice(None)), valid, num_groups)
             scores = _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, pieces,
                                   TOKENS_ON_M) * SCORE_SCALE
-            pages.append((page, valid, mask, _where_valid(mask, scores, MASK_VALUE)))
+            mask = valid[:, None] if TOKENS_ON_M else valid[None, :]
+            pages.append((page, valid, mask, jnp.where(mask, scores, MASK_VALUE)))
         token_axis = 0 if TOKENS_ON_M else 1
         m_new = m
         for _, _, _, scores in pages:
@@ -484,7 +467,7 @@ def _int2_tier_kernel(
         o_pieces = [o_piece * correction[:, None] for o_piece in o_pieces]
         for page, valid, mask, scores in pages:
             row_max = m_new[None, :] if TOKENS_ON_M else m_new[:, None]
-            p = _where_valid(mask, jnp.exp2(scores - row_max), 0.0)  # [BLOCK_M, L] ([L, BLOCK_M])
+            p = jnp.where(mask, jnp.exp2(scores - row_max), 0.0)  # [BLOCK_M, L] ([L, BLOCK_M])
             l = l + jnp.sum(p, axis=token_axis)
             v_planes = _code_planes(lambda c0, w: v_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype,
                                      UNPACK_ASM)
@@ -494,9 +477,7 @@ def _int2_tier_kernel(
             o_pieces = _accumulate_output(o_pieces, dots, p_min)
         return tuple(o_pieces), m_new, l
 
-    _int2_finish(functools.partial(body, full=False), num_blocks, pieces, operand_factors(pieces, compute_dtype),
-                 o_ref, lse_ref, full_body=functools.partial(body, full=True),
-                 num_full=_full_blocks(n_history, first_slot, last_slot, PAGE_SIZE, PAGES_PER_BLOCK))
+    _int2_finish(body, num_blocks, pieces, operand_factors(pieces, compute_dtype), o_ref, lse_ref)
 
 
 def _int2_tier_gather_kernel(
@@ -542,22 +523,16 @@ def _int2_tier_gather_kernel(
     _int2_finish(body, num_blocks, pieces, operand_factors(pieces, compute_dtype), o_ref, lse_ref)
 
 
-def _int2_finish(body, num_blocks, pieces, factors, o_ref, lse_ref, *, full_body=None, num_full=0):
+def _int2_finish(body, num_blocks, pieces, factors, o_ref, lse_ref):
     """Run the online-softmax loop from an empty state and write the normalised partial (the
-    output pieces, carried in units of their operand factor, divided by it here). With full_body:
-    blocks [0, num_full) run it (no masks), and the one block that may remain (`_full_blocks`)
-    runs body under a branch — a second loop would be software-pipelined too (+15 registers)."""
+    output pieces, carried in units of their operand factor, divided by it here)."""
     block_m = o_ref.shape[0]
     carry = (
         tuple(jnp.zeros((block_m, width), jnp.float32) for (_, width, _, _, _) in pieces),
         jnp.full((block_m,), MASK_VALUE, jnp.float32),
         jnp.zeros((block_m,), jnp.float32),
     )
-    if full_body is None:
-        o_pieces, m, l = lax.fori_loop(0, num_blocks, body, carry)
-    else:
-        carry = lax.cond(num_full < num_blocks, lambda c: body(num_full, c), lambda c: c, carry)
-        o_pieces, m, l = lax.fori_loop(0, num_full, full_body, carry)
+    o_pieces, m, l = lax.fori_loop(0, num_blocks, body, carry)
     inv_l, lse = finalize_rows(l, m)
     for o_piece, factor, (_, width, _, c0, _) in zip(o_pieces, factors, pieces):
         o_ref[:, pl.ds(c0, width)] = o_piece * (inv_l * (1.0 / factor) if factor != 1.0 else inv_l)[:, None]
