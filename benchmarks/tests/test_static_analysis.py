@@ -29,6 +29,29 @@ def test_loop_profile_counts_the_loop_body_only():
     assert profile["opcodes"] == {"LOP3": 2, "SHF": 1, "HMMA": 1, "BRA": 1}
 
 
+TWO_LOOPS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;
+        /*0020*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0030*/              @!P1 BRA 0x10 ;
+        /*0040*/                   FSEL R2, R2, -1e+30, P2 ;
+        /*0050*/                   FSEL R3, R3, -1e+30, P2 ;
+        /*0060*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0070*/                   LDG.E R6, desc[UR4][R4.64] ;
+        /*0080*/              @!P0 BRA 0x40 ;
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_loop_profile_takes_the_pipelined_loop_over_a_longer_one():
+    """The INT2 kernels have a masked, unpipelined copy of the page body (the block holding a
+    partial page, NOTES v19): the page loop is the one issuing async copies, even if shorter."""
+    profile = sa.loop_profile(TWO_LOOPS)
+    assert profile["instructions"] == 3  # 0x10 … 0x30, not the 5 of 0x40 … 0x80
+    assert profile["opcodes"] == {"LDGSTS": 1, "HMMA": 1, "BRA": 1}
+    assert sa.loop_profile(TWO_LOOPS.replace("LDGSTS.E.BYPASS.128 [R2],", "LDG.E R7,"))["instructions"] == 5
+
+
 def test_loop_profile_rejects_straight_line_code():
     with pytest.raises(ValueError, match="no backward branch"):
         sa.loop_profile(SNIPPET.replace("BRA 0x20", "BRA 0x70"))

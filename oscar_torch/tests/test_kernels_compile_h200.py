@@ -77,12 +77,15 @@ def test_decode_kernel_compiles_for_h200_without_spills(kernel, group_size, page
 @pytest.mark.parametrize("unpack_asm", [False, True])
 def test_tokens_on_m_decode_kernel_compiles_for_h200_without_spills(unpack_asm):
     """The decode INT2 tier as launched at Qwen3-8B shapes: scores with tokens on M, 8 query rows,
-    one warp, 3 stages, no register cap (benchmarks/NOTES.md v15)."""
+    one warp, 3 stages, no register cap (benchmarks/NOTES.md v15). Its page loop runs whole pages
+    unmasked: a masked body selects each of a thread's 32 scores and 32 probabilities (FSEL 74 a
+    page before v19; 10 remain, none of them the mask's)."""
     constants = dict(QWEN3_8B, GROUP_SIZE=128, PAGES_PER_BLOCK=1, Q_BF16=True, SINK_SLOTS=1, ROWS=8, BLOCK_M=8,
                      TOKENS_ON_M=True, UNPACK_ASM=unpack_asm)
-    usage = _compile_in_fresh_process("_int2_tier_kernel", constants, 1, 3)
+    usage = _compile_in_fresh_process("_int2_tier_kernel", constants, 1, 3, loop=True)
     assert usage["spills"] == 0, f"spills {usage['spills']} bytes: {usage}"
     assert 0 < usage["registers"] <= 255
+    assert usage["loop"]["opcodes"].get("FSEL", 0) < 32, usage["loop"]["opcodes"]
 
 
 WRITE_POINTERS = {"rotation_ptr": "*fp32", "page_ids_ptr": "*i32", "slots_ptr": "*i32", "codes_ptr": "*u8",
