@@ -23,6 +23,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -81,6 +82,19 @@ def git_commit_tree(sha: str, cwd=None) -> str | None:
         return None
 
 
+def tree_mismatch(sha: str, tree: str, cwd=None) -> str | None:
+    """Why `sha` does not name the code whose tree hash is `tree` (`git_worktree_tree`), or None
+    where it does. Checked in the checkout at cwd: `summarize` on the recorded files, and
+    `environment` at the start of a run, where a sha taken from a stale .git (the device copy's)
+    is caught before any time is spent (benchmarks/NOTES.md v19)."""
+    expected = git_commit_tree(str(sha), cwd=cwd)
+    if expected is None:
+        return f"its git sha {sha} is not a commit of this checkout: the tree that ran cannot be checked"
+    if expected != tree:
+        return f"the tree that ran ({tree[:12]}) differed from its recorded git sha {sha} (tree {expected[:12]})"
+    return None
+
+
 def environment() -> dict:
     """GPU, driver and package versions, git sha (OSCAR_GIT_SHA, else `git rev-parse`)."""
     import jax
@@ -96,6 +110,9 @@ def environment() -> dict:
              "--format=csv,noheader"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         smi = "unavailable"
+    worktree = git_worktree_tree()
+    if worktree is not None and (mismatch := tree_mismatch(sha, worktree)) is not None:
+        print(f"WARNING: {mismatch}; set OSCAR_GIT_SHA to the commit of this tree", file=sys.stderr, flush=True)
     return {
         "gpu": gpu.name if gpu else "none",
         "gpu_memory_bytes": int(gpu.total_memory) if gpu else 0,
@@ -106,7 +123,7 @@ def environment() -> dict:
         "triton": triton.__version__, "numpy": np.__version__, "python": platform.python_version(),
         "git_sha": sha,
         "git_tree_matches_head": git_tree_matches_head(),
-        "git_worktree_tree": git_worktree_tree(),
+        "git_worktree_tree": worktree,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

@@ -31,7 +31,7 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.harness import git_commit_tree
+from benchmarks.harness import tree_mismatch
 
 FILES = ("decode", "write", "e2e", "copy")
 CONTEXT_128K = 131072
@@ -280,12 +280,7 @@ def _tree_warning(env: dict) -> str | None:
     stale .git cannot (a hand-written git_sha_note explains those)."""
     sha, tree = env.get("git_sha"), env.get("git_worktree_tree")
     if tree is not None:
-        expected = git_commit_tree(str(sha), cwd=REPO_ROOT)
-        if expected is None:
-            return f"its git sha {sha} is not a commit of this checkout: the tree that ran cannot be checked"
-        if expected != tree:
-            return f"the tree that ran ({tree[:12]}) differed from its recorded git sha {sha} (tree {expected[:12]})"
-        return None
+        return tree_mismatch(str(sha), tree, cwd=REPO_ROOT)
     if env.get("git_tree_matches_head") is False and not env.get("git_sha_note"):
         return f"the tree that ran differed from its recorded git sha {sha} (harness.git_tree_matches_head)"
     return None
