@@ -36,7 +36,9 @@ kernels as int16 bit patterns and are widened with integer ops (exact everywhere
 Robustness: a page-table entry that does not hold a valid token is never dereferenced (its page
 id is replaced by 0 before the gather), V rows and INT2 metadata of masked tokens are zeroed
 (stale pool memory may hold NaN), masked scores are a finite large negative value, and a split
-with no valid token writes o = 0, lse = −inf so the merge weighs it zero.
+with no valid token writes o = 0, lse = −inf so the merge weighs it zero. The INT2 tier runs
+the blocks whose every token is valid (whole history pages) without masks, and masks only the
+block that may hold a partial page (`_full_blocks`; benchmarks/NOTES.md v19).
 
 Dimension vocabulary of the shape comments: B batch, K KV heads, M query rows of one KV head,
 D head dim, P pages of a pool, L page size, N tokens of one block, S splits, NB/NH table slots.
