@@ -36,9 +36,9 @@ kernels as int16 bit patterns and are widened with integer ops (exact everywhere
 Robustness: a page-table entry that does not hold a valid token is never dereferenced (its page
 id is replaced by 0 before the gather), V rows and INT2 metadata of masked tokens are zeroed
 (stale pool memory may hold NaN), masked scores are a finite large negative value, and a split
-with no valid token writes o = 0, lse = −inf so the merge weighs it zero. The INT2 tier runs
-the blocks whose every token is valid (whole history pages) without masks, and masks only the
-block that may hold a partial page (`_full_blocks`; benchmarks/NOTES.md v19).
+with no valid token writes o = 0, lse = −inf so the merge weighs it zero. The INT2 tier with
+tokens on M runs the blocks whose every token is valid (whole history pages) without masks, and
+masks only the block that may hold a partial page (`_full_blocks`; benchmarks/NOTES.md v19).
 
 Dimension vocabulary of the shape comments: B batch, K KV heads, M query rows of one KV head,
 D head dim, P pages of a pool, L page size, N tokens of one block, S splits, NB/NH table slots.
@@ -687,25 +687,30 @@ def _int2_tier_kernel(
     o3 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
     m = tl.full((BLOCK_M,), MASK_VALUE_C, tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
-    # Blocks [0, num_full) hold valid tokens only and run without masks. The one block that may
-    # remain (history_tokens not a multiple of PAGES_PER_BLOCK·L; blocks past the table hold no
-    # valid token) runs masked first, under a branch: a second loop would be pipelined too.
-    num_full = _full_blocks(n_history, first_slot, last_slot, table_slots, PAGE_SIZE, PAGES_PER_BLOCK)
+    # Tokens on M (the large grids' layout): blocks [0, num_full) hold valid tokens only and run
+    # without masks; the one block that may remain (history_tokens not a multiple of
+    # PAGES_PER_BLOCK·L; blocks past the table hold no valid token) runs masked first, under a
+    # branch (a second loop would be pipelined too). Rows on M (small grids, 4 warps) masks every
+    # block: its unmasked form spilled 8 B on sm_90 (benchmarks/NOTES.md v19).
     # (Triton calls take no *args: constexpr arguments must be passed by name or position.)
-    i = num_full
-    if num_full < num_blocks:
-        o0, o1, o2, o3, m, l = _int2_block(
-            i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
-            v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
-            q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
-            Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, False)
+    if TOKENS_ON_M:
+        num_full = _full_blocks(n_history, first_slot, last_slot, table_slots, PAGE_SIZE, PAGES_PER_BLOCK)
+        i = num_full
+        if num_full < num_blocks:
+            o0, o1, o2, o3, m, l = _int2_block(
+                i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+                v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
+                q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
+                Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, False)
+    else:
+        num_full = num_blocks
     if TENSOR_CORES:  # compiled: a loop bounded by the loaded length, which Triton can pipeline
         for i in range(0, num_full):
             o0, o1, o2, o3, m, l = _int2_block(
                 i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                 v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
                 q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
-                Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, True)
+                Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, TOKENS_ON_M)
     else:  # interpreter: a static trip count with a guard (see the BF16 kernel)
         for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
             if i < num_full:
@@ -713,7 +718,7 @@ def _int2_tier_kernel(
                     i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                     v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
                     q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
-                    Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, True)
+                    Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, TOKENS_ON_M)
 
     out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
     nonempty = l > 0.0
