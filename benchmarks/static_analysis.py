@@ -65,8 +65,8 @@ _PREDICATE = re.compile(r"^@!?U?P\w+\s+")
 
 def loop_profile(sass_text: str) -> dict:
     """The page loop of a kernel: of its loops (spans of backward branches), the longest that
-    issues async copies (the software-pipelined one: the INT2 kernels also have a masked,
-    unpipelined tail loop), else the longest. Instruction count and the count per opcode
+    issues async copies (the software-pipelined one: the Triton INT2 kernel also has a masked,
+    unpipelined copy of the page body for a partial page, NOTES v19), else the longest. Instruction count and the count per opcode
     (modifiers dropped: `LOP3.LUT` → `LOP3`)."""
     instructions = [(int(a, 16), text) for a, text in _INSTRUCTION.findall(sass_text)]
     loops = [(int(m.group(1), 16), address) for address, text in instructions
