@@ -37,12 +37,13 @@ SECTIONS = ("copy", "decode", "write", "e2e")
 # whatever the defaults (`shared_math.tiling`: since v15 the INT2 tier's scores run with tokens on M
 # in one-warp programs, 3 stages; explicit warps and stages apply to both tiers).
 # `unpack_asm=False` keeps the compiler's unpacking in the sweep as the reference the inline-PTX
-# default replaced (v3 → v4).
+# default replaced (v3 → v4); `fma_asm=False` the separate multiplies and adds (v19 → v20).
 TUNING_128K = [
     dict(pages_per_split=ps, pages_per_block=pb, num_warps=nw, num_stages=ns, unpack_asm=asm)
     for ps, pb, nw, ns, asm in [(16, 1, 1, 3, False), (16, 1, 1, 2, True), (16, 1, 1, 4, True), (8, 1, 1, 3, True),
                                 (32, 1, 1, 3, True), (16, 2, 1, 3, True), (16, 1, 2, 3, True)]
-]
+] + [  # the default launch with separate multiplies and adds, the form the inline-PTX fmas replaced (v20)
+    dict(pages_per_split=16, pages_per_block=1, num_warps=1, num_stages=3, unpack_asm=True, fma_asm=False)]
 TRITON_TUNING_128K = (
     # the compiler's unpacking and other splits, at the default launch
     [dict(pages_per_split=16, pages_per_block=1, unpack_asm=False)]

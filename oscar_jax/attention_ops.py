@@ -218,7 +218,7 @@ def _page_size(k_bf16) -> int:
 def _cache_partials(
     q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split, pages_per_block,
     block_m, interpret, bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
-    int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), layer=None, unpack_asm=False, int2_rows=None,
+    int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), layer=None, unpack_asm=False, fma_asm=None, int2_rows=None,
 ):
     """Partials of q_rows [B, Hkv, M, D], one (o, lse) per tier: the BF16 tier (split by
     bf16_pages_per_split), then the INT2 tier (pages_per_split) when the history table has slots;
@@ -234,6 +234,7 @@ def _cache_partials(
         interpret=interpret,
         layer=layer,
     )
+    fma_asm = not interpret if fma_asm is None else fma_asm  # the INT2 tier's fmas by PTX when compiled
     tiers = [bf16_tier_partials(
         q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots=sink_slots,
         pages_per_split=bf16_pages_per_split, num_warps=bf16_launch[0], num_stages=bf16_launch[1], **tiling,
@@ -244,7 +245,7 @@ def _cache_partials(
             tiling.update(block_m=int2_rows, tokens_on_m=True)
         tiers.append(int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-            group_size=group_size, unpack_asm=unpack_asm, pages_per_split=pages_per_split, num_warps=int2_launch[0],
+            group_size=group_size, unpack_asm=unpack_asm, fma_asm=fma_asm, pages_per_split=pages_per_split, num_warps=int2_launch[0],
             num_stages=int2_launch[1], **tiling,
         ))
     return tiers
@@ -254,10 +255,11 @@ _STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "bf16
            "interpret", "layer")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("bf16_launch", "int2_launch", "unpack_asm", "int2_tokens_on_m"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("bf16_launch", "int2_launch", "unpack_asm", "fma_asm",
+                                                               "int2_tokens_on_m"))
 def _decode_attention(
     q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split, pages_per_block,
-    interpret, bf16_launch, int2_launch, layer, unpack_asm, int2_tokens_on_m,
+    interpret, bf16_launch, int2_launch, layer, unpack_asm, fma_asm, int2_tokens_on_m,
 ):
     batch, q_heads, head_dim = q.shape
     num_kv_heads = cache[0].shape[-3]  # k_bf16 [(Y,) P, K, L, D]
@@ -269,7 +271,7 @@ def _decode_attention(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
         block_m=rows, interpret=interpret, bf16_launch=bf16_launch, int2_launch=int2_launch, layer=layer, unpack_asm=unpack_asm,
-        int2_rows=int2_decode_rows(heads_per_kv) if int2_tokens_on_m else None,
+        fma_asm=fma_asm, int2_rows=int2_decode_rows(heads_per_kv) if int2_tokens_on_m else None,
     )
     # One merge program per kept row reads both tiers in place (the padding rows are never read):
     # [B, Hkv, S_t, rows, D] per tier → o [B, Hkv, Gq, D]. It replaced a concatenation and ~8 XLA
@@ -303,6 +305,7 @@ def decode_attention(
     num_stages: int | None = None,
     layer: int | None = None,
     unpack_asm: bool | None = None,
+    fma_asm: bool | None = None,
     interpret: bool | None = None,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
@@ -330,6 +333,9 @@ def decode_attention(
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, GPU only): the same operand
         bits in fewer instructions (H200, 128K: 161 → 133 µs, benchmarks/NOTES.md v4); None → on
         where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
+      fma_asm: the INT2 tier's multiply-adds as one fma each by inline PTX (GPU only): XLA's
+        compile of the kernel does not contract them (benchmarks/NOTES.md v20); None → on where it
+        can run (compiled), False → separate multiplies and adds.
       layer: None, or a static layer index when the eight pools are stacked [Y, P, …] (all
         layers): that layer is read in place, without slicing it out (`kernels.layered`).
       interpret: run the Pallas kernels in interpret mode; None → on when the default backend is CPU.
@@ -367,11 +373,17 @@ def decode_attention(
     if unpack_asm and (interpret or jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"unpack_asm=True runs inline PTX on bfloat16 queries on the GPU; got q {q.dtype} and "
                          f"interpret={interpret} (interpret mode cannot run PTX)")
+    if fma_asm is None:
+        fma_asm = not interpret
+    if fma_asm not in (True, False):
+        raise ValueError(f"fma_asm={fma_asm!r} must be a bool or None")
+    if fma_asm and interpret:
+        raise ValueError("fma_asm=True runs inline PTX on the GPU; interpret mode cannot run PTX (interpret=True)")
     return _decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
         pages_per_split=int(pages_per_split), bf16_pages_per_split=int(bf16_pages_per_split),
         pages_per_block=int(pages_per_block), bf16_launch=launches[0], int2_launch=launches[1], layer=layer, interpret=interpret,
-        unpack_asm=bool(unpack_asm), int2_tokens_on_m=int2_tokens_on_m,
+        unpack_asm=bool(unpack_asm), fma_asm=bool(fma_asm), int2_tokens_on_m=int2_tokens_on_m,
     )
 
 

@@ -94,6 +94,26 @@ def dot_tn(a, b):
                            preferred_element_type=jnp.float32)
 
 
+# XLA compiles a Pallas kernel's Triton IR without contracting a·b + c into one FFMA (Triton's
+# own compile does: H200, the INT2 decode loop's SASS under ncu, benchmarks/NOTES.md v20 — FMUL 158
+# + FADD 200 and no FFMA a page against Triton's FFMA 120 + FMUL 52 + FADD 64), so the kernels
+# spell the hot multiply-adds as one fma by inline PTX when they run compiled.
+FMA_PTX = "fma.rn.f32 $0, $1, $2, $3;"
+FMA_CONSTRAINTS = "=f,f,f,f"
+
+
+def multiply_add(a, b, c, fused: bool):
+    """a·b + c of float32 arrays (broadcast together): one rounding by inline PTX with `fused`
+    (compiled kernels only: interpret mode cannot run PTX), else the two-rounding a·b + c."""
+    if not fused:
+        return a * b + c
+    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b), jnp.shape(c))
+    args = [jnp.broadcast_to(x, shape) for x in (a, b, c)]
+    return pl_triton.elementwise_inline_asm(
+        FMA_PTX, args=args, constraints=FMA_CONSTRAINTS, pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
+
+
 def online_softmax_step(scores, valid, m_prev, l_prev):
     """One online-softmax step on a [M, N] score tile in base-2 units (`shared_math.tiling.base2_score_scale`); `valid`
     broadcasts to [M, N].
@@ -345,10 +365,13 @@ def _code_planes(load_chunk, pieces, compute_dtype, unpack_asm=False):
     return [functools.partial(plane_operand, chunks[byte_start], plane) for byte_start, _, plane, _, _ in pieces]
 
 
-def _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, pieces, tokens_on_m=False):
-    """Σ_g s_g·(q_g · c_g) + m_g·Σ q_g → [BLOCK_M, N] ([N, BLOCK_M] with `tokens_on_m`: the codes
-    are the dot's A operand and the query rows its N); k_scale / k_min per group, each [N].
-    The code dots carry the bias q_bias_sums (`_int2_query_terms`), subtracted before the scale."""
+def _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, pieces, score_scale, fused,
+                 tokens_on_m=False):
+    """score_scale·(Σ_g s_g·(q_g · c_g) + m_g·Σ q_g) → [BLOCK_M, N] ([N, BLOCK_M] with `tokens_on_m`:
+    the codes are the dot's A operand and the query rows its N); k_scale / k_min per group, each [N].
+    The code dots carry the bias q_bias_sums (`_int2_query_terms`), subtracted before the scale.
+    The score scale goes into the per-token scales and per-row sums (vectors, not the [N, M] tile);
+    each group's term is one multiply-add onto the minimum terms (`multiply_add`, `fused`)."""
     code_dots = [None] * len(k_scale)
     for q_piece, plane, (_, _, _, _, group) in zip(q_pieces, k_planes, pieces):
         d = dot_nt(plane(), q_piece) if tokens_on_m else dot_nt(q_piece, plane())
@@ -356,10 +379,12 @@ def _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, 
     row = (lambda x: x[None, :]) if tokens_on_m else (lambda x: x[:, None])  # [BLOCK_M] → the scores' rows
     token = (lambda x: x[:, None]) if tokens_on_m else (lambda x: x[None, :])  # [N] → the scores' tokens
     scores = None
-    for group, (scale, minimum) in enumerate(zip(k_scale, k_min)):
+    for group, minimum in enumerate(k_min):  # Σ_g m_g·Σ q_g, scaled
+        q_sum = row(q_group_sums[group] * score_scale)
+        scores = q_sum * token(minimum) if scores is None else multiply_add(q_sum, token(minimum), scores, fused)
+    for group, scale in enumerate(k_scale):
         dots = code_dots[group] - row(q_bias_sums[group]) if q_bias_sums is not None else code_dots[group]
-        term = dots * token(scale) + row(q_group_sums[group]) * token(minimum)
-        scores = term if scores is None else scores + term
+        scores = multiply_add(dots, token(scale * score_scale), scores, fused)
     return scores
 
 
@@ -386,13 +411,17 @@ def _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, token
              for factor, (_, _, _, _, group) in zip(operand_factors(pieces, compute_dtype), pieces)])
 
 
-def _accumulate_output(o_pieces, dots, p_min):
-    """o + Σ p·m_v + dot per piece, summed as (o + Σ p·m_v) + dot: Triton folds the last add into
-    the dot's accumulator (no separate add per element), and the bias the dot carries (code_bias·Σ p·s_v,
-    ~100× the output when values centre on 0) cancels inside this page's sum. Adding Σ p·m_v once at
-    the end instead let the bias grow over a split's pages: 3 % relative error at 128K on the H200
-    (benchmarks/NOTES.md v11)."""
-    return [(o_piece + piece_min[:, None]) + d for o_piece, d, piece_min in zip(o_pieces, dots, p_min)]
+def _accumulate_output(o_pieces, dots, p_min, correction, fused):
+    """o·correction + Σ p·m_v + dot per piece, summed as (o·correction + Σ p·m_v) + dot: the first
+    sum one multiply-add (`multiply_add`; correction None: o + Σ p·m_v), the last add folded by
+    Triton into the dot's accumulator (no separate add per element). The bias the dot carries
+    (code_bias·Σ p·s_v, ~100× the output when values centre on 0) cancels inside this page's sum.
+    Adding Σ p·m_v once at the end instead let the bias grow over a split's pages: 3 % relative
+    error at 128K on the H200 (benchmarks/NOTES.md v11)."""
+    if correction is None:
+        return [(o_piece + piece_min[:, None]) + d for o_piece, d, piece_min in zip(o_pieces, dots, p_min)]
+    return [multiply_add(o_piece, correction[:, None], piece_min[:, None], fused) + d
+            for o_piece, d, piece_min in zip(o_pieces, dots, p_min)]
 
 
 def _history_split(n_history, split, page_size, pages_per_split, pages_per_block):
@@ -426,6 +455,7 @@ def _int2_tier_kernel(
     PAGES_PER_BLOCK: int,
     SCORE_SCALE: float,
     UNPACK_ASM: bool = False,
+    FMA_ASM: bool = False,
     TOKENS_ON_M: bool = False,
 ):
     """One iteration = PAGES_PER_BLOCK pages, each read as a whole page through a scalar page id
@@ -455,7 +485,7 @@ def _int2_tier_kernel(
             k_scale = _int2_metadata(k_scale_ref, (page, slice(None)), valid, num_groups)
             k_min = _int2_metadata(k_min_ref, (page, slice(None)), valid, num_groups)
             scores = _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, pieces,
-                                  TOKENS_ON_M) * SCORE_SCALE
+                                  SCORE_SCALE, FMA_ASM, TOKENS_ON_M)
             mask = valid[:, None] if TOKENS_ON_M else valid[None, :]
             pages.append((page, valid, mask, jnp.where(mask, scores, MASK_VALUE)))
         token_axis = 0 if TOKENS_ON_M else 1
@@ -464,8 +494,7 @@ def _int2_tier_kernel(
             m_new = jnp.maximum(m_new, jnp.max(scores, axis=token_axis))
         correction = jnp.exp2(m - m_new)
         l = l * correction
-        o_pieces = [o_piece * correction[:, None] for o_piece in o_pieces]
-        for page, valid, mask, scores in pages:
+        for page_index, (page, valid, mask, scores) in enumerate(pages):  # the first page rescales o
             row_max = m_new[None, :] if TOKENS_ON_M else m_new[:, None]
             p = jnp.where(mask, jnp.exp2(scores - row_max), 0.0)  # [BLOCK_M, L] ([L, BLOCK_M])
             l = l + jnp.sum(p, axis=token_axis)
@@ -474,7 +503,7 @@ def _int2_tier_kernel(
             v_scale = _int2_metadata(v_scale_ref, (page, slice(None)), valid, num_groups)
             v_min = _int2_metadata(v_min_ref, (page, slice(None)), valid, num_groups)
             dots, p_min = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, token_axis)
-            o_pieces = _accumulate_output(o_pieces, dots, p_min)
+            o_pieces = _accumulate_output(o_pieces, dots, p_min, correction if page_index == 0 else None, FMA_ASM)
         return tuple(o_pieces), m_new, l
 
     _int2_finish(body, num_blocks, pieces, operand_factors(pieces, compute_dtype), o_ref, lse_ref)
@@ -483,7 +512,7 @@ def _int2_tier_kernel(
 def _int2_tier_gather_kernel(
     page_table_ref, history_tokens_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref, v_codes_ref, v_scale_ref,
     v_min_ref, o_ref, lse_ref, *, GROUP_SIZE: int, PAGE_SIZE: int, PAGES_PER_SPLIT: int, PAGES_PER_BLOCK: int,
-    SCORE_SCALE: float, UNPACK_ASM: bool = False,
+    SCORE_SCALE: float, UNPACK_ASM: bool = False, FMA_ASM: bool = False,
 ):
     """As `_int2_tier_kernel` (same refs), for any page size: one block of PAGES_PER_BLOCK·L ≥ 16
     tokens gathered token by token (a page id per token)."""
@@ -510,15 +539,15 @@ def _int2_tier_gather_kernel(
                                  UNPACK_ASM)
         k_scale = _int2_metadata(k_scale_ref, (page, offset), valid, num_groups)
         k_min = _int2_metadata(k_min_ref, (page, offset), valid, num_groups)
-        scores = _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, pieces)
-        p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
+        scores = _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, pieces, SCORE_SCALE,
+                              FMA_ASM)
+        p, correction, m, l = online_softmax_step(scores, valid[None, :], m, l)
         v_planes = _code_planes(lambda c0, w: v_codes_ref[page, offset, pl.ds(c0, w)], pieces, compute_dtype,
                                  UNPACK_ASM)
         v_scale = _int2_metadata(v_scale_ref, (page, offset), valid, num_groups)
         v_min = _int2_metadata(v_min_ref, (page, offset), valid, num_groups)
         dots, p_min = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype)
-        o_pieces = [o * correction[:, None] for o in o_pieces]
-        return tuple(_accumulate_output(o_pieces, dots, p_min)), m, l
+        return tuple(_accumulate_output(o_pieces, dots, p_min, correction, FMA_ASM)), m, l
 
     _int2_finish(body, num_blocks, pieces, operand_factors(pieces, compute_dtype), o_ref, lse_ref)
 
@@ -560,13 +589,15 @@ def int2_tier_partials(
     num_stages: int = 2,
     layer: int | None = None,
     unpack_asm: bool = False,
+    fma_asm: bool = False,
     tokens_on_m: bool = False,
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
     With `layer`, the pools are stacked [Y, P, K, L, ·] and layer `layer` is read.
     `tokens_on_m` (pages of ≥ 16 tokens): each page's scores as [L, block_m], the codes the dot's A
     operand, so block_m may be 8 (mma's N) instead of 16; decode runs it at one warp (NOTES v15).
-    `unpack_asm`: codes unpacked by inline PTX (bfloat16 q, GPU only; `_unpack_plane_asm`)."""
+    `unpack_asm`: codes unpacked by inline PTX (bfloat16 q, GPU only; `_unpack_plane_asm`).
+    `fma_asm`: the loop's multiply-adds as one fma each by inline PTX (GPU only; `multiply_add`)."""
     batch, num_kv_heads, rows, head_dim = q.shape
     num_pages, _, page_size, packed = per_layer_shape(k_codes.shape, layer)
     num_groups = k_scale.shape[-1]
@@ -587,6 +618,7 @@ def int2_tier_partials(
         PAGES_PER_BLOCK=pages_per_block,
         SCORE_SCALE=base2_score_scale(softmax_scale),
         UNPACK_ASM=bool(unpack_asm),
+        FMA_ASM=bool(fma_asm),
         **({"TOKENS_ON_M": bool(tokens_on_m)} if whole_pages else {}),
     )
     codes_spec = layer_block_spec((num_pages, None, page_size, packed), lambda b, h, r, s: (0, h, 0, 0), layer)
@@ -618,7 +650,7 @@ def int2_tier_partials(
         interpret=interpret,
         name=(
             f"oscar_int2_tier_attention_{group_size=}_{block_m=}_{pages_per_split=}_{pages_per_block=}"
-            + ("_asm" if unpack_asm else "")
+            + ("_asm" if unpack_asm else "") + ("_fma" if fma_asm else "")
         ),
     )(page_table, history_tokens, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
 
