@@ -245,8 +245,8 @@ def _cache_partials(
             tiling.update(block_m=int2_rows, tokens_on_m=True)
         tiers.append(int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-            group_size=group_size, unpack_asm=unpack_asm, fma_asm=fma_asm, pages_per_split=pages_per_split, num_warps=int2_launch[0],
-            num_stages=int2_launch[1], **tiling,
+            group_size=group_size, unpack_asm=unpack_asm, fma_asm=fma_asm, pages_per_split=pages_per_split,
+            num_warps=int2_launch[0], num_stages=int2_launch[1], **tiling,
         ))
     return tiers
 
