@@ -71,6 +71,10 @@ def main(argv=None) -> None:
     parser.add_argument("--no-tuning", action="store_true", help="skip the tiling sweep at 128K")
     parser.add_argument("--sweep-all", action="store_true",
                         help="time the tiling sweep at every (context, batch), not only 128K × batch 1 and 8")
+    parser.add_argument("--splits", type=_ints, default=(),
+                        help="decode: also time both INT2 kernels at these pages_per_split (default launch "
+                             "otherwise) at every (context, batch), e.g. 4,8,16,32,64: the check of the split "
+                             "policy, shared_math.tiling.decode_pages_per_split")
     parser.add_argument("--merge", action="store_true",
                         help="keep the (context, batch) configs of an existing <out>/decode_h200.json that this "
                              "run does not re-measure (a sweep split over several device calls)")
@@ -122,12 +126,15 @@ def main(argv=None) -> None:
         for context in args.contexts or bench_decode.CONTEXTS:
             for batch in args.batches or bench_decode.BATCHES:
                 sweep = (args.sweep_all or (context >= 131072 and batch in (1, 8))) and not args.no_tuning
+                splits = [dict(pages_per_split=ps) for ps in args.splits]
+                tuning, triton_tuning = ((list(TUNING_128K), list(TRITON_TUNING_128K)) if sweep else ([], []))
+                tuning += [s for s in splits if s not in tuning]
+                triton_tuning += [s for s in splits if s not in triton_tuning]
                 t0 = time.perf_counter()
                 # A config cut off by a time limit leaves what it measured in decode_partial_h200.json;
                 # decode_h200.json (what the summary reads) only ever holds complete configs.
                 config = bench_decode.run_config(
-                    context, batch, args.group_size, tuning=TUNING_128K if sweep else None,
-                    triton_tuning=TRITON_TUNING_128K if sweep else None,
+                    context, batch, args.group_size, tuning=tuning, triton_tuning=triton_tuning,
                     on_variant=lambda partial: save("decode", {"configs": [{**partial, "git_sha": env["git_sha"]}]},
                                                     name="decode_partial", quiet=True))
                 config["git_sha"] = env["git_sha"]  # merged files may hold configs of several runs

@@ -223,13 +223,14 @@ def qwen3_decode_case(num_warps: int | None, pages_per_block: int = 1, unpack_as
 
     from oscar_jax.attention_ops import decode_attention
 
-    from shared_math.tiling import default_pages_per_split, int2_decode_tokens_on_m
+    from shared_math.tiling import decode_pages_per_split, int2_decode_tokens_on_m
 
     batch, kv_heads, d, page = 2, 2, 128, 64
     # The history table holds enough slots for a production-sized INT2 grid: its layout and launch
     # depend on the program count (shared_math.tiling.int2_decode_tokens_on_m), nothing else does.
     history_slots, bf16_slots, pool_pages = 512, 6, 130
-    assert int2_decode_tokens_on_m(batch, kv_heads, history_slots, default_pages_per_split(history_slots, 1, page), page)
+    assert int2_decode_tokens_on_m(batch, kv_heads, history_slots,
+                                   decode_pages_per_split(history_slots, 1, page, batch * kv_heads), page)
     rng = np.random.default_rng(0)
     arrays = (
         jnp.zeros((pool_pages, kv_heads, page, d), jnp.bfloat16),  # k_bf16

@@ -182,12 +182,13 @@ def _validate_cache(
     return num_kv_heads, page_size
 
 
-def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, page_size):
+def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, page_size,
+                    sequence_heads=None):
     """(pages_per_split, bf16_pages_per_split, pages_per_block), defaults filled in
-    (shared_math.tiling.resolve_splits)."""
+    (shared_math.tiling.resolve_splits; `sequence_heads` = B × Hkv for a decode call)."""
     bf16_slots, history_slots = (table.shape[1] if len(getattr(table, "shape", ())) == 2 else 0
                                  for table in (bf16_page_table, history_page_table))
-    return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size)
+    return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size, sequence_heads)
 
 
 POOL_ARGUMENTS = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
@@ -319,8 +320,10 @@ def decode_attention(
       softmax_scale: multiplies q·k (typically 1/√D).
       pages_per_split: pages of one split-K program (a multiple of pages_per_block) of the tier
         that holds the context: the INT2 tier, or the BF16 tier of a cache without one; None →
-        about (the longer page table's slots) / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens. Beside
-        an INT2 tier the BF16 tier (sink + recent pages) takes its own, shorter split
+        about (the longer page table's slots) / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens, and
+        for the INT2 tier longer while B × Hkv × splits stays ≥ 1,024 programs (a large batch needs
+        fewer splits to fill the GPU; `shared_math.tiling.decode_pages_per_split`). Beside an INT2
+        tier the BF16 tier (sink + recent pages) takes its own, shorter split
         (`shared_math.tiling.resolve_splits`).
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
@@ -347,8 +350,10 @@ def decode_attention(
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
     views = _layer_views(cache, layer)
+    pool_shape = getattr(views[0], "shape", ())  # k_bf16 [P, Hkv, L, D]; a malformed one is named below
     pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
-        pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]))
+        pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]),
+        sequence_heads=batch * int(pool_shape[1]) if len(pool_shape) == 4 else None)
     num_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,

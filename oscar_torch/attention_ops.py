@@ -152,18 +152,21 @@ def _validate_cache(
     return num_kv_heads, page_size
 
 
-def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16):
+def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16, batch=None):
     """(pages_per_split, bf16_pages_per_split, pages_per_block), defaults filled in
-    (shared_math.tiling.resolve_splits). Interpreted, with both left to the default: each tier in
-    one split of blocks of up to INTERPRET_BLOCK_ROWS tokens (see kernels.codec)."""
-    page_size = int(k_bf16.shape[2]) if isinstance(k_bf16, torch.Tensor) and k_bf16.dim() == 4 else 0
+    (shared_math.tiling.resolve_splits; `batch` given for a decode call, whose split follows B × Hkv).
+    Interpreted, with both left to the default: each tier in one split of blocks of up to
+    INTERPRET_BLOCK_ROWS tokens (see kernels.codec)."""
+    pool_ok = isinstance(k_bf16, torch.Tensor) and k_bf16.dim() == 4  # a malformed pool is named by validation
+    page_size = int(k_bf16.shape[2]) if pool_ok else 0
+    sequence_heads = batch * int(k_bf16.shape[1]) if pool_ok and batch is not None else None
     bf16_slots, history_slots = (table.shape[1] if isinstance(table, torch.Tensor) and table.dim() == 2 else 0
                                  for table in (bf16_page_table, history_page_table))
     if interpreting() and pages_per_split is None and pages_per_block is None and page_size > 0:
         pages_per_block = max(default_pages_per_block(page_size), min(
             next_power_of_two(max(bf16_slots, history_slots, 1)), max(1, INTERPRET_BLOCK_ROWS // page_size)))
         pages_per_split = pages_per_block * -(-max(bf16_slots, history_slots, 1) // pages_per_block)
-    return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size)
+    return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size, sequence_heads)
 
 
 _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min",
@@ -246,8 +249,10 @@ def decode_attention(
       softmax_scale: multiplies q·k (typically 1/√D).
       pages_per_split: pages of one split-K program (a multiple of pages_per_block) of the tier
         that holds the context: the INT2 tier, or the BF16 tier of a cache without one; None →
-        about (the longer page table's slots) / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens. Beside
-        an INT2 tier the BF16 tier (sink + recent pages) takes its own, shorter split
+        about (the longer page table's slots) / TARGET_SPLITS, ≥ MIN_TOKENS_PER_SPLIT tokens, and
+        for the INT2 tier longer while B × Hkv × splits stays ≥ 1,024 programs (a large batch needs
+        fewer splits to fill the GPU; `shared_math.tiling.decode_pages_per_split`). Beside an INT2
+        tier the BF16 tier (sink + recent pages) takes its own, shorter split
         (`shared_math.tiling.resolve_splits`).
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
@@ -284,7 +289,7 @@ def decode_attention(
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
     pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
-        pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16)
+        pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16, batch=batch)
     num_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,

@@ -56,6 +56,29 @@ def default_pages_per_split(table_slots: int, pages_per_block: int, page_size: i
     return max(pages_per_block, next_power_of_two(max(floor, -(-table_slots // TARGET_SPLITS))))
 
 
+# A decode call's INT2 tier with many sequences takes fewer, longer splits: each split costs a
+# program's prologue and a partial row to write and merge, worth paying only while the grid needs
+# the programs to fill the SMs. The split doubles from default_pages_per_split's while B × Hkv ×
+# splits stays ≥ INT2_DECODE_MIN_PROGRAMS (≈ one wave of one-warp programs at 8 per SM on the H200's
+# 132) and the split ≤ INT2_DECODE_MAX_SPLIT_TOKENS. H200, Qwen3-8B shapes, 32K (benchmarks/NOTES.md
+# v20, results/decode_sweep_32k_v20_h200.json), 4 → 8 → 32 pages of 64: b8 Triton 126.8 → 117.7 →
+# 109.5 µs, Pallas 124.8 → 113.3 → 109.2; b32 Triton 454.6 → 417.6 → 394.2, Pallas 477.0 → 443.8 →
+# 437.1; 128K b8 16 → 32 pages −3 %, and b1 (1,024 programs at 16 pages) 60.6 → 84.8 µs at 32.
+INT2_DECODE_MIN_PROGRAMS = 1024
+INT2_DECODE_MAX_SPLIT_TOKENS = 2048
+
+
+def decode_pages_per_split(history_slots: int, pages_per_block: int, page_size: int, sequence_heads: int) -> int:
+    """The INT2 tier's split of a decode call over `sequence_heads` = B × Hkv (sequence, KV head)
+    pairs: default_pages_per_split's, doubled while the grid keeps ≥ INT2_DECODE_MIN_PROGRAMS
+    programs and a split ≤ INT2_DECODE_MAX_SPLIT_TOKENS tokens."""
+    split = default_pages_per_split(history_slots, pages_per_block, page_size)
+    while (split < history_slots and 2 * split * page_size <= INT2_DECODE_MAX_SPLIT_TOKENS
+           and sequence_heads * num_splits(history_slots, 2 * split) >= INT2_DECODE_MIN_PROGRAMS):
+        split *= 2
+    return split
+
+
 def bf16_tier_pages_per_split(bf16_slots: int, history_slots: int, pages_per_split: int, pages_per_block: int) -> int:
     """Pages per program of the BF16 tier. Without an INT2 tier it holds the context and takes the
     cache's split (`pages_per_split`). Beside an INT2 tier its table holds only the sink and recent
@@ -68,17 +91,20 @@ def bf16_tier_pages_per_split(bf16_slots: int, history_slots: int, pages_per_spl
 
 
 def resolve_splits(pages_per_split, pages_per_block, bf16_slots: int, history_slots: int,
-                   page_size: int) -> tuple:
+                   page_size: int, sequence_heads: int | None = None) -> tuple:
     """(pages_per_split, bf16_pages_per_split, pages_per_block) of a decode / prefill call, the
     defaults filled in for None: the block from the page size, the split from the longer page
-    table, the BF16 tier's split by bf16_tier_pages_per_split. Values that are not positive
-    integers are passed through untouched for the backend's validation to name."""
+    table — for a decode call with an INT2 tier (`sequence_heads` = B × Hkv given) by
+    decode_pages_per_split — the BF16 tier's split by bf16_tier_pages_per_split. Values that are
+    not positive integers are passed through untouched for the backend's validation to name."""
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(page_size)
     given = (pages_per_block,) if pages_per_split is None else (pages_per_block, pages_per_split)
     if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 for x in given):
         return pages_per_split, pages_per_split, pages_per_block
-    if pages_per_split is None:
+    if pages_per_split is None and sequence_heads and history_slots and history_slots >= bf16_slots:
+        pages_per_split = decode_pages_per_split(history_slots, pages_per_block, page_size, sequence_heads)
+    elif pages_per_split is None:
         pages_per_split = default_pages_per_split(max(bf16_slots, history_slots), pages_per_block, page_size)
     return (pages_per_split, bf16_tier_pages_per_split(bf16_slots, history_slots, pages_per_split, pages_per_block),
             pages_per_block)

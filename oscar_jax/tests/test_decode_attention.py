@@ -562,6 +562,29 @@ def test_default_split_follows_the_longer_table(small_cache, monkeypatch, bf16_s
                     else tiling.MIN_TOKENS_PER_SPLIT // PAGE_SIZE)
 
 
+def test_default_split_of_a_decode_call_follows_the_batch(small_cache, monkeypatch):
+    """pages_per_split None in a decode call → shared_math.tiling.decode_pages_per_split over B × Hkv:
+    longer splits while the INT2 grid stays ≥ INT2_DECODE_MIN_PROGRAMS (set here so that the small
+    cache's grid is large), so a larger batch takes a longer split; prefill keeps the split by length."""
+    from oscar_jax import attention_ops
+    from shared_math import tiling
+
+    q, cache = small_cache
+    seen = []
+    monkeypatch.setattr(attention_ops, "_decode_attention",
+                        lambda q, cache, **kw: seen.append(kw["pages_per_split"]))
+    arrays = list(cache.arrays)
+    kv_heads, history_slots = arrays[2].shape[1], 4096
+    arrays[11] = jnp.zeros((1, history_slots), jnp.int32)
+    monkeypatch.setattr(tiling, "INT2_DECODE_MIN_PROGRAMS", 2 * kv_heads * 64)  # b2 doubles once, b1 not
+    for batch in (1, 2):
+        rows = [jnp.repeat(jnp.asarray(arrays[i])[:1], batch, axis=0) for i in (8, 9, 10, 11, 12)]
+        _call(jnp.repeat(q[:1], batch, axis=0), arrays[:8] + rows)
+    base = tiling.default_pages_per_split(history_slots, 1, PAGE_SIZE)
+    want = [tiling.decode_pages_per_split(history_slots, 1, PAGE_SIZE, b * kv_heads) for b in (1, 2)]
+    assert seen == want == [base, 2 * base], (seen, base)
+
+
 def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_whole_pages():
     """The INT2 tier's two score layouts give the same partials (interpret mode: float32 dots, so
     they differ by summation order only), 8 rows with tokens on M as 16 with rows on M; pages of

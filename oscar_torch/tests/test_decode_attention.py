@@ -332,6 +332,35 @@ def test_default_split_follows_the_longer_table(small, monkeypatch, bf16_slots, 
                                      -(-max(bf16_slots, history_slots) // tiling.TARGET_SPLITS))
 
 
+def test_default_split_of_a_decode_call_follows_the_batch(small, monkeypatch):
+    """pages_per_split None in a decode call → shared_math.tiling.decode_pages_per_split over B × Hkv,
+    as in oscar_jax (INT2_DECODE_MIN_PROGRAMS set so that the small cache's grid is large)."""
+    from oscar_torch import attention_ops
+    from shared_math import tiling
+
+    class Seen(Exception):
+        pass
+
+    def capture(q_rows, cache, **kw):
+        raise Seen(kw["pages_per_split"])
+
+    monkeypatch.setattr(attention_ops, "_tier_partials", capture)
+    q, arrays = small
+    kv_heads, page_size, history_slots = arrays[2].shape[1], arrays[0].shape[2], 4096
+    monkeypatch.setattr(tiling, "INT2_DECODE_MIN_PROGRAMS", 2 * kv_heads * 64)  # b2 doubles once, b1 not
+    seen = []
+    for batch in (1, 2):
+        rows = [arrays[i][:1].repeat(batch, *([1] * (arrays[i].dim() - 1))) for i in (8, 9, 10, 11, 12)]
+        rows[3] = torch.zeros((batch, history_slots), dtype=torch.int32, device=q.device)
+        with pytest.raises(Seen) as got:
+            ops.decode_attention(q[:1].repeat(batch, 1, 1), *arrays[:8], *rows,
+                                 **{**attention_kwargs(SMALL), "pages_per_split": None})
+        seen.append(got.value.args[0])
+    base = tiling.default_pages_per_split(history_slots, 1, page_size)
+    want = [tiling.decode_pages_per_split(history_slots, 1, page_size, b * kv_heads) for b in (1, 2)]
+    assert seen == want == [base, 2 * base], (seen, base)
+
+
 def test_bad_query_raises(small):
     q, arrays = small
     kwargs = attention_kwargs(SMALL)

@@ -28,6 +28,35 @@ def test_pages_per_split(history_slots, pages_per_block, page_size, expected):
     assert got & (got - 1) == 0 and got >= pages_per_block
 
 
+@pytest.mark.parametrize("history_slots,page_size,sequence_heads,expected", [
+    (2043, 64, 8, 16),     # 128K b1 (Hkv 8): 1,024 programs at 16 pages, 512 at 32 (measured slower)
+    (2043, 64, 64, 32),    # 128K b8: 4,096 programs at 32 pages; 64 pages would pass the token cap
+    (2043, 64, 256, 32),   # 128K b32: the cap
+    (507, 64, 8, 4),       # 32K b1: 1,016 programs at the floor's 4 pages, 512 at 8
+    (507, 64, 64, 32),     # 32K b8: 1,024 programs at 32 pages (NOTES v20: −14 % against 4)
+    (507, 64, 256, 32),    # 32K b32
+    (123, 64, 8, 4),       # 8K b1: 248 programs, already too few
+    (123, 64, 64, 8),      # 8K b8: 1,024 programs at 8 pages, 512 at 16
+    (123, 64, 256, 32),    # 8K b32: 1,024 at 32 pages
+    (6250, 16, 8, 64),     # 100K, pages of 16: 1,024 tokens a split by TARGET_SPLITS, 392 programs
+    (6250, 16, 256, 128),  # … 2,048 tokens (the cap) at b32
+    (0, 64, 1024, 4),      # no history: the floor
+])
+def test_decode_split_grows_while_the_grid_stays_full(history_slots, page_size, sequence_heads, expected):
+    from shared_math.tiling import (INT2_DECODE_MAX_SPLIT_TOKENS, INT2_DECODE_MIN_PROGRAMS, decode_pages_per_split,
+                                    num_splits)
+
+    got = decode_pages_per_split(history_slots, 1, page_size, sequence_heads)
+    assert got == expected
+    base = default_pages_per_split(history_slots, 1, page_size)
+    assert got & (got - 1) == 0 and got >= base
+    if got > base:  # grown: the grid it leaves is full, the next doubling's would not be or would pass the cap
+        assert sequence_heads * num_splits(history_slots, got) >= INT2_DECODE_MIN_PROGRAMS
+        assert got * page_size <= INT2_DECODE_MAX_SPLIT_TOKENS
+    assert (sequence_heads * num_splits(history_slots, 2 * got) < INT2_DECODE_MIN_PROGRAMS
+            or 2 * got * page_size > INT2_DECODE_MAX_SPLIT_TOKENS or got >= history_slots)
+
+
 @pytest.mark.parametrize("batch,history_slots,pages_per_split,expected", [
     (1, 123, 4, 4),     # 8K, b1: 8 × 31 = 248 programs, under 2 per SM
     (8, 123, 4, 2),     # 8K, b8: 1984 programs
@@ -103,6 +132,19 @@ def test_resolve_splits(given, bf16_slots, history_slots, page_size, expected):
     from shared_math.tiling import resolve_splits
 
     assert resolve_splits(*given, bf16_slots, history_slots, page_size) == expected
+
+
+@pytest.mark.parametrize("given,bf16_slots,history_slots,sequence_heads,expected", [
+    ((None, None), 6, 2043, 64, (32, 1, 1)),       # decode, 128K b8: the INT2 split follows the batch
+    ((None, None), 6, 2043, 8, (16, 1, 1)),        # … b1: unchanged
+    ((None, None), 1563, 0, 256, (16, 16, 1)),     # a BF16-only cache keeps the split by length (not measured)
+    ((None, None), 300, 200, 1024, (4, 4, 1)),     # a BF16 table longer than the history: likewise
+    ((8, None), 6, 2043, 256, (8, 1, 1)),          # an explicit split is kept
+])
+def test_resolve_splits_of_a_decode_call(given, bf16_slots, history_slots, sequence_heads, expected):
+    from shared_math.tiling import resolve_splits
+
+    assert resolve_splits(*given, bf16_slots, history_slots, 64, sequence_heads) == expected
 
 
 @pytest.mark.parametrize("pages_per_split,pages_per_block", [(0, 1), (-4, 1), (True, 1), (2.0, 1), (None, 0),
