@@ -147,10 +147,6 @@ JAX_TIMING_MODES = ("unrolled", "loop")
 # wall time per call.
 JAX_TIMING_METHOD = "(wall of 2 chained programs - wall of 1) / reps"
 JAX_TIMING = "unrolled"  # bench_h200 --jax-timing sets it
-# Seconds of back-to-back programs before the timed trials: the first Pallas variant of a batch-1
-# config, timed after seconds of host work (cache, references, compile), read 1.4× slower than the
-# same kernel timed again later in the run (32K b1 34.5 vs 24.4 µs, benchmarks/NOTES.md v21).
-JAX_WARMUP_S = 0.2
 
 
 def time_jax_loop(step, carry, reps: int, trials: int = 5, operands=(), mode: str | None = None) -> dict:
@@ -173,12 +169,8 @@ def time_jax_loop(step, carry, reps: int, trials: int = 5, operands=(), mode: st
             carry = step(i, carry, *operands)
         return carry
 
-    jax.block_until_ready(loop(carry, operands))  # compile
-    warm_until = time.perf_counter() + JAX_WARMUP_S
-    while True:  # warm up: at least two programs, and JAX_WARMUP_S of them
-        jax.block_until_ready(loop(loop(carry, operands), operands))
-        if time.perf_counter() >= warm_until:
-            break
+    jax.block_until_ready(loop(carry, operands))  # compile + warm up
+    jax.block_until_ready(loop(loop(carry, operands), operands))
     walls, steady = [], []
     for _ in range(trials):
         t0 = time.perf_counter()
@@ -191,7 +183,7 @@ def time_jax_loop(step, carry, reps: int, trials: int = 5, operands=(), mode: st
         steady.append((two - one) / reps)
     return {"median_s": statistics.median(steady), "min_s": min(steady), "max_s": max(steady),
             "wall_median_s": statistics.median(walls), "reps": reps, "trials": trials, "mode": mode,
-            "method": JAX_TIMING_METHOD, "warmup_s": JAX_WARMUP_S}
+            "method": JAX_TIMING_METHOD}
 
 
 def time_torch_graph(calls, trials: int = 10) -> dict:

@@ -89,22 +89,6 @@ def test_time_jax_loop_takes_the_time_a_queued_program_adds():
     assert 0 < timing["median_s"] < 2 * timing["wall_median_s"], timing
 
 
-def test_time_jax_loop_warms_up_for_a_set_time_before_timing(monkeypatch):
-    """The trials start only after JAX_WARMUP_S of back-to-back programs (GPU clocks ramp up under
-    load), recorded with the timing."""
-    import time
-
-    import jax.numpy as jnp
-
-    from benchmarks import harness
-
-    monkeypatch.setattr(harness, "JAX_WARMUP_S", 0.3)
-    start = time.perf_counter()
-    timing = harness.time_jax_loop(lambda i, c: c + 1.0, jnp.zeros(()), reps=2, trials=1, mode="loop")
-    assert time.perf_counter() - start >= 0.3
-    assert timing["warmup_s"] == 0.3
-
-
 def test_time_jax_loop_names_a_bad_mode():
     import jax.numpy as jnp
 
