@@ -19,6 +19,9 @@ Sections (each writes `<out>/<section>_h200.json` with the environment and the c
 measured in the same run): copy (device copy bandwidth), decode (bench_decode), write
 (bench_write), e2e (bench_e2e). `python3 -m benchmarks.summarize` turns the files into
 summary_h200.json, the plots and BENCHMARKS.md.
+
+`--splits 4,8,16,32,64` adds both INT2 kernels at each of those splits to every decode config: the
+check of the default split (`shared_math.tiling.decode_pages_per_split`, benchmarks/NOTES.md v21).
 """
 
 from __future__ import annotations
