@@ -101,7 +101,7 @@ def main(argv=None) -> None:
             for _ in range(dispatches):
                 out = pallas(q, pool_args, tables)
             jax.block_until_ready(out)
-        jax_events, _ = profile_e2e.device_kernels(trace_dir)
+        jax_events, _ = harness.device_kernels(trace_dir)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.calls):
             torch_attention.decode_attention(tq, *targs, **common)

@@ -12,12 +12,13 @@ kernel's start to the last kernel's end. span − busy is time the GPU sat idle 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import re
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks import harness
 
 # Kernel-name patterns → category (first match wins; the rest is "other": XLA fusions etc.).
 CATEGORIES = (
@@ -38,16 +39,8 @@ def summarize_kernels(events: list[tuple[str, int, int]], steps: int) -> dict:
     by_name: dict[str, list[int]] = {}
     for name, _, dur in events:
         by_name.setdefault(name, []).append(dur)
-    intervals = sorted((start, start + dur) for _, start, dur in events)
-    busy, cur_start, cur_end = 0, *intervals[0]
-    for start, end in intervals[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    span = intervals[-1][1] - intervals[0][0]
+    busy = harness.busy_ns(events)
+    span = max(start + dur for _, start, dur in events) - min(start for _, start, _ in events)
     categories: dict[str, dict] = {}
     for name, durs in by_name.items():
         c = categories.setdefault(category(name), {"launches_per_step": 0.0, "us_per_step": 0.0})
@@ -98,27 +91,6 @@ def hlo_origin(hlo_text: str, kernel: str) -> str | None:
     return None
 
 
-def device_kernels(trace_dir: str) -> tuple[list[tuple[str, int, int]], dict]:
-    """Kernel events of the first GPU plane of the trace in `trace_dir`, and its line names."""
-    from jax.profiler import ProfileData
-
-    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    if not paths:
-        raise FileNotFoundError(f"no .xplane.pb under {trace_dir}")
-    data = ProfileData.from_file(paths[0])
-    events, lines = [], {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            line_events = list(line.events)
-            lines[f"{plane.name} | {line.name}"] = len(line_events)
-            if line.name.startswith("Stream"):
-                events += [(e.name, int(e.start_ns), int(e.duration_ns)) for e in line_events]
-        break
-    return events, lines
-
-
 def profile(kind: str, context: int, table_context: int, steps: int, params, model) -> dict:
     import jax
     import jax.numpy as jnp
@@ -141,7 +113,7 @@ def profile(kind: str, context: int, table_context: int, steps: int, params, mod
                 logits, cache = compiled(params, tokens, cache, positions)
             jax.block_until_ready((logits, cache))
             wall = (time.perf_counter() - t0) / steps
-        events, lines = device_kernels(trace_dir)
+        events, lines = harness.device_kernels(trace_dir)
     summary = summarize_kernels(events, steps)
     hlo_text = compiled.as_text()
     for kernel in summary.get("top_kernels", []):  # which model op each of the largest kernels computes
@@ -159,7 +131,7 @@ def main(argv=None) -> None:
     parser.add_argument("--caches", default="int2,bf16")
     args = parser.parse_args(argv)
 
-    from benchmarks import bench_e2e, harness
+    from benchmarks import bench_e2e
 
     model = bench_e2e.qwen3_8b_config()
     params = bench_e2e.random_params(model)

@@ -89,6 +89,48 @@ def test_time_jax_loop_takes_the_time_a_queued_program_adds():
     assert 0 < timing["median_s"] < 2 * timing["wall_median_s"], timing
 
 
+def test_program_times_cut_a_trace_into_programs():
+    """Two programs of three kernels each (out of start order, one overlap, one idle gap)."""
+    from benchmarks import harness
+
+    events = [("a", 0, 10), ("b", 15, 5), ("c", 18, 10),  # program 1: span 28, busy 10 + 13 = 23
+              ("c", 130, 10), ("a", 100, 10), ("b", 110, 20)]  # program 2: span 40, busy 40
+    assert harness.busy_ns(events[:3]) == 23
+    assert harness.program_times(events, 2) == [(28, 23), (40, 40)]
+    with pytest.raises(ValueError, match="5 kernel events do not split into 2 programs"):
+        harness.program_times(events[:5], 2)
+
+
+def test_time_jax_loop_reports_the_device_span_of_short_calls(monkeypatch):
+    """On a GPU, calls under DEVICE_TIMING_BELOW_S take the device span per call of the traced
+    programs as median_s (the host-timed one kept as queued_median_s); longer calls, and any call
+    on another backend, keep the host-timed median."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import harness
+
+    traced = []
+
+    def fake_trace(run, programs):
+        traced.append(programs)
+        return [(8e-6 * (i + 1), 4e-6) for i in range(programs)]  # spans 8, 16, 24 µs a program
+
+    monkeypatch.setattr(harness, "trace_program_seconds", fake_trace)
+    step = lambda i, c: c + 1.0  # noqa: E731
+    timing = harness.time_jax_loop(step, jnp.zeros(()), reps=4, trials=3, mode="loop")
+    assert traced == [] and timing["method"] == harness.JAX_TIMING_METHOD  # CPU: host-timed
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    timing = harness.time_jax_loop(step, jnp.zeros(()), reps=4, trials=3, mode="loop")
+    assert traced == [3]
+    assert timing["method"] == harness.DEVICE_TIMING_METHOD
+    assert (timing["median_s"], timing["min_s"], timing["max_s"], timing["busy_median_s"]) == (4e-6, 2e-6, 6e-6, 1e-6)
+    assert timing["queued_method"] == harness.JAX_TIMING_METHOD and timing["queued_median_s"] > 0
+    monkeypatch.setattr(harness, "DEVICE_TIMING_BELOW_S", 0.0)  # a "long" call
+    timing = harness.time_jax_loop(step, jnp.zeros(()), reps=4, trials=3, mode="loop")
+    assert traced == [3] and "queued_median_s" not in timing
+
+
 def test_time_jax_loop_names_a_bad_mode():
     import jax.numpy as jnp
 
