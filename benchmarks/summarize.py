@@ -31,6 +31,7 @@ import os
 import sys
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.harness import tree_mismatch
 
 FILES = ("decode", "write", "e2e", "copy")
@@ -92,6 +93,8 @@ def _decode_timing_line(decode: dict) -> str:
                if name.endswith("pallas") or name.startswith("oscar_int2_pallas[")}
     jax_text = "; ".join(sorted(f"`{m}`" if m else "one program's wall time / reps (configs measured before v16)"
                                 for m in methods)) or "—"
+    if harness.DEVICE_TIMING_METHOD in methods:
+        jax_text += f" (the latter for calls under {harness.DEVICE_TIMING_BELOW_S * 1e6:.0f} µs)"
     return ("Timing: torch variants (Triton, cuDNN, FlashAttention-2) by CUDA events over replays of one CUDA graph; "
             f"JAX variants (Pallas) per call: {jax_text}. Medians of repeated trials; inputs rotated among copies "
             "so that no call finds its data in L2.")
