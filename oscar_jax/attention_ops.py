@@ -191,6 +191,18 @@ def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_p
     return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size, sequence_heads)
 
 
+def _resolve_fma_asm(fma_asm, interpret: bool) -> bool:
+    """The INT2 tier's multiply-adds by inline-PTX fma: None → on when compiled (interpret mode
+    cannot run PTX); an explicit value is checked."""
+    if fma_asm is None:
+        return not interpret
+    if fma_asm not in (True, False):
+        raise ValueError(f"fma_asm={fma_asm!r} must be a bool or None")
+    if fma_asm and interpret:
+        raise ValueError("fma_asm=True runs inline PTX on the GPU; interpret mode cannot run PTX (interpret=True)")
+    return bool(fma_asm)
+
+
 POOL_ARGUMENTS = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
 
 
@@ -235,7 +247,7 @@ def _cache_partials(
         interpret=interpret,
         layer=layer,
     )
-    fma_asm = not interpret if fma_asm is None else fma_asm  # the INT2 tier's fmas by PTX when compiled
+    fma_asm = _resolve_fma_asm(fma_asm, interpret)
     tiers = [bf16_tier_partials(
         q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots=sink_slots,
         pages_per_split=bf16_pages_per_split, num_warps=bf16_launch[0], num_stages=bf16_launch[1], **tiling,
@@ -378,12 +390,7 @@ def decode_attention(
     if unpack_asm and (interpret or jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"unpack_asm=True runs inline PTX on bfloat16 queries on the GPU; got q {q.dtype} and "
                          f"interpret={interpret} (interpret mode cannot run PTX)")
-    if fma_asm is None:
-        fma_asm = not interpret
-    if fma_asm not in (True, False):
-        raise ValueError(f"fma_asm={fma_asm!r} must be a bool or None")
-    if fma_asm and interpret:
-        raise ValueError("fma_asm=True runs inline PTX on the GPU; interpret mode cannot run PTX (interpret=True)")
+    fma_asm = _resolve_fma_asm(fma_asm, interpret)
     return _decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
         pages_per_split=int(pages_per_split), bf16_pages_per_split=int(bf16_pages_per_split),
