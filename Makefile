@@ -19,8 +19,9 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# --durations: the CI log names the slowest tests (the suite's time is watched: benchmarks/NOTES.md v18).
 test: venv
-	JAX_PLATFORMS=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	JAX_PLATFORMS=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # Inner loop: skip the slow real-model tests.
 test-fast: venv
