@@ -32,7 +32,6 @@ import sys
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.harness import tree_mismatch
 
 FILES = ("decode", "write", "e2e", "copy")
 CONTEXT_128K = 131072
@@ -283,7 +282,7 @@ def _tree_warning(env: dict) -> str | None:
     stale .git cannot (a hand-written git_sha_note explains those)."""
     sha, tree = env.get("git_sha"), env.get("git_worktree_tree")
     if tree is not None:
-        return tree_mismatch(str(sha), tree, cwd=REPO_ROOT)
+        return harness.tree_mismatch(str(sha), tree, cwd=REPO_ROOT)
     if env.get("git_tree_matches_head") is False and not env.get("git_sha_note"):
         return f"the tree that ran differed from its recorded git sha {sha} (harness.git_tree_matches_head)"
     return None

@@ -64,6 +64,9 @@ def default_pages_per_split(table_slots: int, pages_per_block: int, page_size: i
 # v20, results/decode_sweep_32k_v20_h200.json), 4 → 8 → 32 pages of 64: b8 Triton 126.8 → 117.7 →
 # 109.5 µs, Pallas 124.8 → 113.3 → 109.2; b32 Triton 454.6 → 417.6 → 394.2, Pallas 477.0 → 443.8 →
 # 437.1; 128K b8 16 → 32 pages −3 %, and b1 (1,024 programs at 16 pages) 60.6 → 84.8 µs at 32.
+# Checked as the default at every (context, batch) of 8K/32K/128K × 1/8/32 (NOTES v21,
+# results/decode_splits_v21_h200.json): −1 to −15 % against the split by length, within ~2 % of
+# the best split timed.
 INT2_DECODE_MIN_PROGRAMS = 1024
 INT2_DECODE_MAX_SPLIT_TOKENS = 2048
 
