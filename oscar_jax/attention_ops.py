@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax.kernels.codec import resolve_interpret
+from oscar_jax.kernels.codec import INTERPRET_BLOCK_TOKENS, resolve_interpret
 from oscar_jax.kernels.decode_attention import (
     MIN_DOT_DIM,
     bf16_tier_partials,
@@ -46,7 +46,8 @@ from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    default_decode_launch, int2_decode_rows, int2_decode_tokens_on_m, next_power_of_two, resolve_splits,
+    default_decode_launch, int2_decode_rows, int2_decode_tokens_on_m, interpreted_tiling, next_power_of_two,
+    resolve_splits,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
@@ -183,11 +184,16 @@ def _validate_cache(
 
 
 def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, page_size,
-                    sequence_heads=None):
+                    sequence_heads=None, interpret=False):
     """(pages_per_split, bf16_pages_per_split, pages_per_block), defaults filled in
-    (shared_math.tiling.resolve_splits; `sequence_heads` = B × Hkv for a decode call)."""
+    (shared_math.tiling.resolve_splits; `sequence_heads` = B × Hkv for a decode call). Interpreted,
+    with both left to the default: one split of blocks of up to INTERPRET_BLOCK_TOKENS tokens
+    (`shared_math.tiling.interpreted_tiling`; kernels.codec says why)."""
     bf16_slots, history_slots = (table.shape[1] if len(getattr(table, "shape", ())) == 2 else 0
                                  for table in (bf16_page_table, history_page_table))
+    if interpret and pages_per_split is None and pages_per_block is None and page_size > 0:
+        pages_per_split, pages_per_block = interpreted_tiling(
+            max(bf16_slots, history_slots), page_size, INTERPRET_BLOCK_TOKENS)
     return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size, sequence_heads)
 
 
@@ -253,9 +259,8 @@ def _cache_partials(
         pages_per_split=bf16_pages_per_split, num_warps=bf16_launch[0], num_stages=bf16_launch[1], **tiling,
     )]
     if history_page_table.shape[1] > 0:
-        if int2_rows is not None:
-            q_rows = q_rows[:, :, :int2_rows]
-            tiling.update(block_m=int2_rows, tokens_on_m=True)
+        if int2_rows is not None:  # q's first int2_rows rows, read in place
+            tiling.update(block_m=int2_rows, tokens_on_m=True, rows=int2_rows)
         tiers.append(int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
             group_size=group_size, unpack_asm=unpack_asm, fma_asm=fma_asm, pages_per_split=pages_per_split,
@@ -363,9 +368,10 @@ def decode_attention(
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
     views = _layer_views(cache, layer)
     pool_shape = getattr(views[0], "shape", ())  # k_bf16 [P, Hkv, L, D]; a malformed one is named below
+    interpret = resolve_interpret(interpret)
     pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
         pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]),
-        sequence_heads=batch * int(pool_shape[1]) if len(pool_shape) == 4 else None)
+        sequence_heads=batch * int(pool_shape[1]) if len(pool_shape) == 4 else None, interpret=interpret)
     num_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
@@ -382,7 +388,6 @@ def decode_attention(
     if num_stages is not None:
         _check_static_int("num_stages", num_stages, minimum=1)
         launches = tuple((warps, int(num_stages)) for warps, _ in launches)
-    interpret = resolve_interpret(interpret)
     if unpack_asm is None:
         unpack_asm = not interpret and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
     if unpack_asm not in (True, False):
@@ -495,8 +500,10 @@ def prefill_attention(
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
     views = _layer_views(cache, layer)
+    interpret = resolve_interpret(interpret)
     pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
-        pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]))
+        pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]),
+        interpret=interpret)
     cache_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
         softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
@@ -512,5 +519,5 @@ def prefill_attention(
         q, k_new, v_new, cache, new_tokens, sink_slots=int(sink_slots), group_size=int(group_size),
         softmax_scale=float(softmax_scale), pages_per_split=int(pages_per_split),
         bf16_pages_per_split=int(bf16_pages_per_split), pages_per_block=int(pages_per_block), block_m=int(block_m), block_n=int(block_n),
-        interpret=resolve_interpret(interpret), layer=layer,
+        interpret=interpret, layer=layer,
     )

@@ -44,8 +44,8 @@ from oscar_torch.validation import (
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    TRITON_INT2_MAX_REGISTERS, default_decode_launch, default_pages_per_block, int2_decode_rows,
-    int2_decode_tokens_on_m, next_power_of_two, resolve_splits,
+    TRITON_INT2_MAX_REGISTERS, default_decode_launch, int2_decode_rows, int2_decode_tokens_on_m, interpreted_tiling,
+    next_power_of_two, resolve_splits,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
@@ -163,9 +163,8 @@ def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_p
     bf16_slots, history_slots = (table.shape[1] if isinstance(table, torch.Tensor) and table.dim() == 2 else 0
                                  for table in (bf16_page_table, history_page_table))
     if interpreting() and pages_per_split is None and pages_per_block is None and page_size > 0:
-        pages_per_block = max(default_pages_per_block(page_size), min(
-            next_power_of_two(max(bf16_slots, history_slots, 1)), max(1, INTERPRET_BLOCK_ROWS // page_size)))
-        pages_per_split = pages_per_block * -(-max(bf16_slots, history_slots, 1) // pages_per_block)
+        pages_per_split, pages_per_block = interpreted_tiling(
+            max(bf16_slots, history_slots), page_size, INTERPRET_BLOCK_ROWS)
     return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size, sequence_heads)
 
 

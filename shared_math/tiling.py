@@ -82,6 +82,19 @@ def decode_pages_per_split(history_slots: int, pages_per_block: int, page_size: 
     return split
 
 
+def interpreted_tiling(table_slots: int, page_size: int, block_tokens: int) -> tuple[int, int]:
+    """(pages_per_split, pages_per_block) of an interpreted (CPU) call whose tiling is left to the
+    default: one split of blocks of up to `block_tokens` tokens (never smaller than
+    default_pages_per_block, never more pages than the table's next power of two). An interpreter
+    pays per program and per inner iteration, not per byte, so the GPU's many small programs are
+    its slowest tiling; each runtime picks `block_tokens` against its interpreter's compile cost
+    (oscar_jax.kernels.codec.INTERPRET_BLOCK_TOKENS, oscar_torch.kernels.codec.INTERPRET_BLOCK_ROWS)."""
+    slots = max(table_slots, 1)
+    pages_per_block = max(default_pages_per_block(page_size),
+                          min(next_power_of_two(slots), max(1, block_tokens // page_size)))
+    return pages_per_block * -(-slots // pages_per_block), pages_per_block
+
+
 def bf16_tier_pages_per_split(bf16_slots: int, history_slots: int, pages_per_split: int, pages_per_block: int) -> int:
     """Pages per program of the BF16 tier. Without an INT2 tier it holds the context and takes the
     cache's split (`pages_per_split`). Beside an INT2 tier its table holds only the sink and recent

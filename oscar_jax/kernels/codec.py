@@ -61,6 +61,17 @@ DEFAULT_BLOCK_ROWS = 16  # power of two; also tl.dot's minimum M for the fused k
 DEFAULT_NUM_WARPS = 4
 
 
+# Interpreted (CPU), an attention call left to the default tiling runs one split of blocks of up to
+# this many tokens (shared_math.tiling.interpreted_tiling). JAX's interpreter pays per inner-loop
+# iteration and compiles each block's body unrolled, so a longer block trades step time for compile
+# time. SmolLM2-135M through OscarRuntime, 640-slot tables of 16-token pages, this 2-core CPU
+# (`python -m benchmarks.probe_interpret_decode --block-tokens N`, NOTES v22) — admit + first step
+# (compiles) / then a decode step: 1 page a block, 4 splits (the GPU's tiling) 124 s / 0.90 s; one
+# split of 16 / 64 / 128 / 256 / 512 tokens 129 / 160 / 239 / 296 / 406 s and 0.84 / 0.35 / 0.26 /
+# 0.23 / 0.17 s. 64 is the least for a 640-step test and for short ones.
+INTERPRET_BLOCK_TOKENS = 64
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """None → interpret on a CPU backend, compile (Triton) on a GPU backend."""
     if interpret is None:

@@ -591,17 +591,23 @@ def int2_tier_partials(
     unpack_asm: bool = False,
     fma_asm: bool = False,
     tokens_on_m: bool = False,
+    rows: int | None = None,
 ):
-    """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
+    """Partials over the INT2 tier: (o float32[B, K, S, rows, D], lse float32[B, K, S, rows]).
+    `rows` (default M, a multiple of block_m): the tier attends q's first `rows` rows, read in place
+    by the q block (no slice of q: at batch 1 a slice was a ~1 us kernel of its own, NOTES v22).
     With `layer`, the pools are stacked [Y, P, K, L, ·] and layer `layer` is read.
     `tokens_on_m` (pages of ≥ 16 tokens): each page's scores as [L, block_m], the codes the dot's A
     operand, so block_m may be 8 (mma's N) instead of 16; decode runs it at one warp (NOTES v15).
     `unpack_asm`: codes unpacked by inline PTX (bfloat16 q, GPU only; `_unpack_plane_asm`).
     `fma_asm`: the loop's multiply-adds as one fma each by inline PTX (GPU only; `multiply_add`)."""
-    batch, num_kv_heads, rows, head_dim = q.shape
+    batch, num_kv_heads, q_rows, head_dim = q.shape
+    rows = q_rows if rows is None else rows
+    if not 0 < rows <= q_rows or rows % block_m:
+        raise ValueError(f"rows={rows} must be a multiple of block_m={block_m} in (0, {q_rows}] (q's rows)")
     num_pages, _, page_size, packed = per_layer_shape(k_codes.shape, layer)
     num_groups = k_scale.shape[-1]
-    assert rows % block_m == 0 and pages_per_split % pages_per_block == 0
+    assert pages_per_split % pages_per_block == 0
     assert packed * CODES_PER_BYTE == head_dim and num_groups * group_size == head_dim
     splits = num_splits(page_table.shape[1], pages_per_split)
     table_len = splits * pages_per_split

@@ -528,9 +528,10 @@ def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_row
     for i in (8, 9, 10, 11, 12):  # tables and lengths [B, …]: repeat row 0 to the batch
         arrays[i] = jnp.repeat(jnp.asarray(arrays[i])[:1], batch_rows, axis=0)
     qb = jnp.repeat(q[:1], batch_rows, axis=0)
-    _call(qb, arrays)
-    _call(qb, arrays, num_warps=8, num_stages=1)
-    _call(qb, arrays, num_stages=1)
+    compiled = dict(interpret=False)  # the GPU's tiling (the kernel is never launched here)
+    _call(qb, arrays, **compiled)
+    _call(qb, arrays, num_warps=8, num_stages=1, **compiled)
+    _call(qb, arrays, num_stages=1, **compiled)
     bf16_warps = 2 if batch_rows * kv_heads * -(-bf16_slots // bf16_split) >= threshold else 4  # its own count
     tokens_on_m = batch_rows == 8
     int2_warps = tiling.INT2_DECODE_NUM_WARPS if tokens_on_m else 4
@@ -555,7 +556,7 @@ def test_default_split_follows_the_longer_table(small_cache, monkeypatch, bf16_s
     batch = q.shape[0]
     arrays[8] = jnp.zeros((batch, bf16_slots), jnp.int32)
     arrays[11] = jnp.zeros((batch, history_slots), jnp.int32)
-    _call(q, arrays)
+    _call(q, arrays, interpret=False)  # the GPU's tiling (the kernel is never launched here)
     want = tiling.default_pages_per_split(max(bf16_slots, history_slots), 1, PAGE_SIZE)
     assert seen == [(want, want if history_slots == 0 else 1)]
     assert want == (4096 // tiling.TARGET_SPLITS if max(bf16_slots, history_slots) == 4096
@@ -579,16 +580,52 @@ def test_default_split_of_a_decode_call_follows_the_batch(small_cache, monkeypat
     monkeypatch.setattr(tiling, "INT2_DECODE_MIN_PROGRAMS", 2 * kv_heads * 64)  # b2 doubles once, b1 not
     for batch in (1, 2):
         rows = [jnp.repeat(jnp.asarray(arrays[i])[:1], batch, axis=0) for i in (8, 9, 10, 11, 12)]
-        _call(jnp.repeat(q[:1], batch, axis=0), arrays[:8] + rows)
+        _call(jnp.repeat(q[:1], batch, axis=0), arrays[:8] + rows, interpret=False)  # the GPU's tiling
     base = tiling.default_pages_per_split(history_slots, 1, PAGE_SIZE)
     want = [tiling.decode_pages_per_split(history_slots, 1, PAGE_SIZE, b * kv_heads) for b in (1, 2)]
     assert seen == want == [base, 2 * base], (seen, base)
 
 
+@pytest.mark.parametrize("page_size,bf16_slots,history_slots,want", [
+    (16, 20, 600, (600, 4)),  # SmolLM2's runtime: blocks of 64 tokens, one split over the history
+    (16, 20, 3, (20, 4)),  # a short history: the split spans the longer (BF16) table
+    (32, 6, 0, (6, 2)),  # a BF16-only cache, pages of 32: two pages a block
+    (4, 5, 1, (8, 8)),  # pages of 4: a block of 16 tokens at least (default_pages_per_block)
+])
+def test_interpreted_default_tiling_is_one_split_of_blocks(monkeypatch, page_size, bf16_slots, history_slots, want):
+    """Interpreted with both tilings left to the default: one split of blocks of up to
+    INTERPRET_BLOCK_TOKENS tokens (shared_math.tiling.interpreted_tiling; kernels.codec says why),
+    in decode and prefill; an explicit value keeps the GPU's rule for the other."""
+    from oscar_jax import attention_ops
+    from oscar_jax.attention_ops import prefill_attention
+    from oscar_jax.kernels.codec import INTERPRET_BLOCK_TOKENS
+    from shared_math import tiling
+
+    assert INTERPRET_BLOCK_TOKENS == 64  # the cases' expectations below assume it
+    seen = []
+    record = lambda *a, **kw: seen.append((kw["pages_per_split"], kw["pages_per_block"]))  # noqa: E731
+    monkeypatch.setattr(attention_ops, "_decode_attention", record)
+    monkeypatch.setattr(attention_ops, "_prefill_attention", record)
+    rng = np.random.default_rng(3)
+    cache = list(build_cache(rng, (40,), num_kv_heads=2, head_dim=64, group_size=32, page_size=page_size).arrays)
+    cache[8] = jnp.zeros((1, bf16_slots), jnp.int32)
+    cache[11] = jnp.zeros((1, history_slots), jnp.int32)
+    q = random_query(rng, 1, 4, 64, jnp.float32)
+    common = dict(sink_slots=1, group_size=32, softmax_scale=0.125, interpret=True)
+    decode_attention(q, *cache, **common)
+    k_new = jnp.zeros((1, 3, 2, 64), jnp.float32)
+    prefill_attention(jnp.zeros((1, 3, 4, 64), jnp.float32), k_new, k_new, *cache, **common)
+    decode_attention(q, *cache, **common, pages_per_block=tiling.default_pages_per_block(page_size))
+    gpu_rule = tiling.resolve_splits(None, tiling.default_pages_per_block(page_size), bf16_slots, history_slots,
+                                     page_size, sequence_heads=2)
+    assert seen == [want, want, (gpu_rule[0], gpu_rule[2])]
+
+
 def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_whole_pages():
     """The INT2 tier's two score layouts give the same partials (interpret mode: float32 dots, so
     they differ by summation order only), 8 rows with tokens on M as 16 with rows on M; pages of
-    fewer than 16 tokens (the gather kernel) have no tokens-on-M form."""
+    fewer than 16 tokens (the gather kernel) have no tokens-on-M form; `rows` reads q's first rows
+    in place."""
     from oscar_jax.kernels.decode_attention import int2_tier_partials
 
     rng = np.random.default_rng(11)
@@ -602,6 +639,13 @@ def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_whole_pages():
     assert nonempty.any() and (np.isfinite(np.asarray(lse8)) == nonempty).all()
     np.testing.assert_allclose(np.asarray(lse8)[nonempty], np.asarray(lse16[:, :, :, :8])[nonempty], rtol=1e-5)
     np.testing.assert_allclose(np.asarray(o8), np.asarray(o16[:, :, :, :8]), rtol=1e-5, atol=1e-6)
+    # The first 8 rows read in place (how decode calls it) are the sliced call, bit for bit.
+    o8_in_place, lse8_in_place = int2_tier_partials(q, *pools, *tables, block_m=8, tokens_on_m=True, rows=8, **common)
+    np.testing.assert_array_equal(np.asarray(o8_in_place), np.asarray(o8))
+    np.testing.assert_array_equal(np.asarray(lse8_in_place), np.asarray(lse8))
+    for bad in (0, 12, 24):
+        with pytest.raises(ValueError, match=f"rows={bad} must be a multiple of block_m=8"):
+            int2_tier_partials(q, *pools, *tables, block_m=8, tokens_on_m=True, rows=bad, **common)
     small = build_cache(rng, (100,), num_kv_heads=1, head_dim=64, group_size=32, page_size=8)
     with pytest.raises(ValueError, match="tokens_on_m needs pages of >= 16 tokens"):
         int2_tier_partials(q[:1, :1, :8], *small.arrays[2:8], *small.arrays[11:13], block_m=8, tokens_on_m=True,

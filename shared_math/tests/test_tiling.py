@@ -157,6 +157,19 @@ def test_resolve_splits_passes_bad_values_through(pages_per_split, pages_per_blo
     assert (split, bf16_split, block) == (pages_per_split, pages_per_split, pages_per_block)
 
 
+@pytest.mark.parametrize("table_slots,page_size,block_tokens,expected", [
+    (600, 16, 64, (600, 4)),  # JAX's interpreter: blocks of 64 tokens, one split
+    (40, 16, 512, (64, 32)),  # torch's: the block capped by the table's next power of two
+    (27, 64, 512, (32, 8)),  # the split a whole number of blocks
+    (5, 4, 8, (8, 4)),  # never below default_pages_per_block (16 tokens of 4-token pages)
+    (0, 16, 64, (1, 1)),  # an empty table still gets one page
+])
+def test_interpreted_tiling_is_one_split_of_big_blocks(table_slots, page_size, block_tokens, expected):
+    from shared_math.tiling import interpreted_tiling
+
+    assert interpreted_tiling(table_slots, page_size, block_tokens) == expected
+
+
 def test_decode_launch_fits_more_programs_per_sm():
     """The Triton register cap fits 8 decode programs in one sm_90 SM's 64K registers (NOTES v11:
     6 fit uncapped at 161 registers)."""
