@@ -55,16 +55,24 @@ BF16_SPLIT_PARTS_C = tl.constexpr(BF16_SPLIT_PARTS)
 
 def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x_dtype=None) -> int:
     """Tokens per program. By default DEFAULT_BLOCK_ROWS, or SPLIT_ROTATION_BLOCK_TOKENS for
-    the split rotation of bfloat16 rows (its parts are read once per program); interpreted and
-    unrotated, INTERPRET_BLOCK_ROWS. The fused rotation keeps its block: the interpreter's float32
-    product (numpy) rounds differently with the block's rows, moving an fp16 scale by an ulp, which
-    the tiny-model HF test's 1e-3 logit bound against its float64 emulation does not absorb."""
+    the split rotation of bfloat16 rows (its parts are read once per program); interpreted,
+    INTERPRET_BLOCK_ROWS, except for the split rotation (see _rotation_rows)."""
     if block_tokens is None:
         split = rotate and x_dtype == torch.bfloat16
         block_tokens = SPLIT_ROTATION_BLOCK_TOKENS if split else DEFAULT_BLOCK_ROWS
-        block_tokens = block_tokens if rotate else default_block_rows(block_tokens)
+        block_tokens = block_tokens if split else default_block_rows(block_tokens)
     rows = block_rows_for(num_tokens, block_tokens)
     return max(rows, MIN_DOT_ROWS) if rotate else rows
+
+
+def _rotation_rows(block_rows: int) -> int:
+    """Rows per product of the fused float32 rotation. Compiled: the whole block (one dot).
+    Interpreted: DEFAULT_BLOCK_ROWS-row slices of the block, one batched product — the interpreter's
+    float32 product (numpy's sgemm) rounds with the operand's rows, so a 512-row product moves an fp16
+    scale by an ulp against 16-row blocks (which the tiny-model HF test's 1e-3 logit bound against its
+    float64 emulation does not absorb, benchmarks/NOTES.md v18), while slices of 16 give the 16-row
+    blocks' bytes and leave the encode its big block (NOTES v22)."""
+    return min(block_rows, DEFAULT_BLOCK_ROWS) if interpreting() else block_rows
 
 
 def _rotation_operand(rotation: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -102,9 +110,11 @@ def _load_token_rows(
     INPUT_BF16: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
+    ROTATION_ROWS: tl.constexpr,
 ):
-    """This program's tokens of kv head `head` as float32 [R, D] (rotated when ROTATE), their
-    indices [R, 1] and which of them exist [R, 1]."""
+    """This program's tokens of kv head `head` as float32 [R, D] (rotated when ROTATE, float32 rows
+    in products of ROTATION_ROWS rows: _rotation_rows), their indices [R, 1] and which of them
+    exist [R, 1]."""
     token = (tl.program_id(1) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS))[:, None]  # [R, 1]
     token_ok = token < num_tokens
     column = tl.arange(0, D)[None, :]
@@ -119,7 +129,13 @@ def _load_token_rows(
             x = acc + dot_f32(xb, _bf16_part(part, TENSOR_CORES), True, TENSOR_CORES)
         else:
             rotation = tl.load(rotation_ptr + head * D * D + row * D + column)  # [D, D] R_K of head
-            x = tl.dot(x, rotation, input_precision="ieee")  # IEEE float32, no TF32
+            if ROTATION_ROWS == BLOCK_TOKENS:
+                x = tl.dot(x, rotation, input_precision="ieee")  # IEEE float32, no TF32
+            else:  # interpreted: one product per slice of ROTATION_ROWS rows
+                SLICES: tl.constexpr = BLOCK_TOKENS // ROTATION_ROWS
+                slices = tl.reshape(x, (SLICES, ROTATION_ROWS, D))
+                x = tl.reshape(tl.dot(slices, tl.broadcast_to(rotation[None, :, :], (SLICES, D, D)),
+                                      input_precision="ieee"), (BLOCK_TOKENS, D))
     return x, token, token_ok
 
 
@@ -152,10 +168,12 @@ def _write_int2_kernel(
     INPUT_BF16: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
+    ROTATION_ROWS: tl.constexpr,
 ):
     head = tl.program_id(0)
     x, token, token_ok = _load_token_rows(
-        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16, BLOCK_TOKENS, TENSOR_CORES
+        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16, BLOCK_TOKENS, TENSOR_CORES,
+        ROTATION_ROWS,
     )
     packed, scale, minimum = encode_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
     # Dense outputs [T, K, W] are pools with T pages of one slot.
@@ -193,7 +211,7 @@ def write_int2_rows(
     _write_int2_kernel[(num_heads, triton.cdiv(num_tokens, rows))](
         kernel_view(x), _rotation_operand(rotation, x), packed, scale, minimum, num_tokens,
         NUM_HEADS=num_heads, ROTATE=rotate, INPUT_BF16=x.dtype == torch.bfloat16, BLOCK_TOKENS=rows,
-        TENSOR_CORES=not interpreting(),
+        TENSOR_CORES=not interpreting(), ROTATION_ROWS=_rotation_rows(rows),
         **_encode_constants(d, group_size, clip_index, levels, order_statistic, x.dtype, rotate),
         num_warps=num_warps,
     )
@@ -235,10 +253,12 @@ def _write_pages_kernel(
     INPUT_BF16: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
+    ROTATION_ROWS: tl.constexpr,
 ):
     head = tl.program_id(0)
     x, token, token_ok = _load_token_rows(
-        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16, BLOCK_TOKENS, TENSOR_CORES
+        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16, BLOCK_TOKENS, TENSOR_CORES,
+        ROTATION_ROWS,
     )
     page, slot, valid = _destinations(page_ids_ptr, slots_ptr, token, token_ok, num_pages, PAGE_SIZE)
     packed, scale, minimum = encode_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
@@ -273,7 +293,7 @@ def write_pages_rows(
         kernel_view(x), _rotation_operand(rotation, x), page_ids, slots, codes, scale, minimum,
         num_tokens, num_pages,
         NUM_HEADS=num_heads, PAGE_SIZE=page_size, ROTATE=rotate, INPUT_BF16=x.dtype == torch.bfloat16,
-        TENSOR_CORES=not interpreting(),
+        TENSOR_CORES=not interpreting(), ROTATION_ROWS=_rotation_rows(rows),
         BLOCK_TOKENS=rows, **_encode_constants(d, group_size, clip_index, levels, order_statistic, x.dtype, rotate),
         num_warps=num_warps,
     )

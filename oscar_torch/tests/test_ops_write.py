@@ -151,6 +151,34 @@ def test_write_pages_rotation_equals_write_int2_scattered():
         assert torch.equal(pool[torch.as_tensor(page_ids).long(), :, torch.as_tensor(slots).long()], value)
 
 
+def test_rotated_write_in_one_block_is_16_token_blocks(monkeypatch):
+    """float32 rows rotated in the kernel, 500 tokens (a ragged last block): the default launch
+    (interpreted: one block of 512 tokens rotated in 16-row slices, kernels.write._rotation_rows;
+    compiled: blocks of 16) writes the bytes of blocks of 16, bit for bit, in both fused writes.
+    Interpreted, one 512-row product would not: numpy's float32 product rounds by its rows, and
+    here it moves a minimum by an ulp (checked below, so the case keeps its teeth)."""
+    rng = np.random.default_rng(1)
+    rows = to_torch(rng.standard_normal((500, 3, 64)).astype(F32) * 3.0)
+    rotation = to_torch(random_rotations(rng, 3, 64))
+    common = dict(group_size=32, clip_index=clip_index(0.96, 64), levels="minmax")
+    by_16 = kwrite.write_int2_rows(rows, rotation, **common, block_tokens=16)
+    default = kwrite.write_int2_rows(rows, rotation, **common)
+    for a, b, name in zip(default, by_16, ("codes", "scale", "minimum")):
+        assert_same_bits(to_numpy(a), to_numpy(b), f"write_int2 {name}")
+    page_ids = to_torch(np.arange(500, dtype=np.int32) // 16)
+    slots = to_torch(np.arange(500, dtype=np.int32) % 16)
+    pools = [to_torch(np.zeros((32, 3, 16, w), dt)) for w, dt in ((16, np.uint8), (2, np.float16), (2, np.float16))]
+    kwrite.write_pages_rows(*pools, rows, page_ids, slots, rotation, **common)
+    for pool, value, name in zip(pools, by_16, ("codes", "scale", "minimum")):
+        assert_same_bits(to_numpy(pool.permute(0, 2, 1, 3).reshape(32 * 16, 3, -1)[:500]), to_numpy(value),
+                         f"write_pages {name}")
+    if not ON_GPU:
+        assert kwrite._token_block_rows(500, None, True, torch.float32) == 512 and kwrite._rotation_rows(512) == 16
+        monkeypatch.setattr(kwrite, "_rotation_rows", lambda block_rows: block_rows)  # one 512-row product
+        whole = kwrite.write_int2_rows(rows, rotation, **common)
+        assert any(not torch.equal(a, b) for a, b in zip(whole, by_16))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_write_pages_input_dtypes(dtype):
     case = WRITE_CASES[0]
@@ -169,8 +197,7 @@ def test_write_pages_input_dtypes(dtype):
 def test_write_pages_in_blocks_of_16_tokens():
     """The scatter in several programs and a ragged last block (77 tokens in blocks of 16), bit
     for bit: the interpreter's default for unrotated rows is one block (kernels.codec.
-    INTERPRET_BLOCK_ROWS), the GPU's 16. (Rotated writes keep 16 interpreted too:
-    test_write_pages_rotation_equals_write_int2_scattered.)"""
+    INTERPRET_BLOCK_ROWS), the GPU's 16. (Rotated rows: test_rotated_write_in_one_block_is_16_token_blocks.)"""
     case = WRITE_CASES[4]
     rows = case.rows()
     page_ids, slots = case.destinations()
