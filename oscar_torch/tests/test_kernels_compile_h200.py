@@ -113,7 +113,7 @@ def test_write_kernel_compiles_for_h200_without_spills(kernel, rows_bf16, rotate
     order_statistic = select_order_statistic(128, 123, rows_bf16=rows_bf16 and not rotate)  # as the launchers
     constants = dict(NUM_HEADS=8, PAGE_SIZE=64, D=128, GROUP_SIZE=128, CLIP_INDEX=123, LEVELS="minmax",
                      ORDER_STATISTIC=order_statistic, ROTATE=rotate, INPUT_BF16=rows_bf16, BLOCK_TOKENS=block_tokens,
-                     TENSOR_CORES=True)
+                     TENSOR_CORES=True, ROTATION_ROWS=block_tokens)  # compiled: one product a block
     pointers = dict(WRITE_POINTERS, x_ptr="*i16" if rows_bf16 else "*fp32",
                     rotation_ptr="*i16" if rows_bf16 else "*fp32")
     usage = _compile_in_fresh_process(kernel, constants, 4, 1, module="write", pointers=pointers)
