@@ -56,7 +56,8 @@ BF16_SPLIT_PARTS_C = tl.constexpr(BF16_SPLIT_PARTS)
 def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x_dtype=None) -> int:
     """Tokens per program. By default DEFAULT_BLOCK_ROWS, or SPLIT_ROTATION_BLOCK_TOKENS for
     the split rotation of bfloat16 rows (its parts are read once per program); interpreted,
-    INTERPRET_BLOCK_ROWS, except for the split rotation (see _rotation_rows)."""
+    INTERPRET_BLOCK_ROWS (float32 rows rotated in slices: _rotation_rows), but the split rotation
+    keeps its block."""
     if block_tokens is None:
         split = rotate and x_dtype == torch.bfloat16
         block_tokens = SPLIT_ROTATION_BLOCK_TOKENS if split else DEFAULT_BLOCK_ROWS
@@ -69,7 +70,7 @@ def _rotation_rows(block_rows: int) -> int:
     """Rows per product of the fused float32 rotation. Compiled: the whole block (one dot).
     Interpreted: DEFAULT_BLOCK_ROWS-row slices of the block, one batched product — the interpreter's
     float32 product (numpy's sgemm) rounds with the operand's rows, so a 512-row product moves an fp16
-    scale by an ulp against 16-row blocks (which the tiny-model HF test's 1e-3 logit bound against its
+    scale or minimum by an ulp against 16-row blocks (which the tiny-model HF test's 1e-3 logit bound against its
     float64 emulation does not absorb, benchmarks/NOTES.md v18), while slices of 16 give the 16-row
     blocks' bytes and leave the encode its big block (NOTES v22)."""
     return min(block_rows, DEFAULT_BLOCK_ROWS) if interpreting() else block_rows
