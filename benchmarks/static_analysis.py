@@ -83,6 +83,28 @@ def loop_profile(sass_text: str) -> dict:
     return {"instructions": len(body), "opcodes": dict(opcodes.most_common())}
 
 
+# The ALU pipe's opcodes on sm_90 (integer and logic work, compares, selects, min/max, shuffles of
+# bits): Nsight Compute found the write's encode bound by this pipe (benchmarks/NOTES.md v9–v10),
+# which issues half a warp instruction a cycle per scheduler. IMAD / VIADD / float arithmetic
+# issue on the FMA pipes.
+ALU_OPCODES = frozenset({"ISETP", "SEL", "VIMNMX", "VIMNMX3", "VIADDMNMX", "LOP3", "SHF", "FSETP", "FSEL", "FMNMX",
+                         "PRMT", "IADD3", "LEA", "SGXT", "POPC", "FLO", "BMSK", "PLOP3", "P2R", "R2P", "IABS"})
+
+
+def entry_path_profile(sass_text: str) -> dict:
+    """The instructions from a kernel's entry to its first EXIT: what a program runs when it
+    takes no branch placed after that exit (ptxas puts a uniform `if`'s rarely taken side there:
+    the encode's fallback to encode_block, NOTES v23). Count, ALU-pipe count, count per opcode."""
+    instructions = [text for _, text in _INSTRUCTION.findall(sass_text)]
+    end = next((i for i, text in enumerate(instructions) if text.split()[-1] == "EXIT"), None)
+    if end is None:
+        raise ValueError("no EXIT in the SASS")
+    body = [_PREDICATE.sub("", text) for text in instructions[: end + 1]]
+    opcodes = collections.Counter(text.split()[0].split(".")[0] for text in body)
+    return {"instructions": len(body), "alu": sum(n for op, n in opcodes.items() if op in ALU_OPCODES),
+            "opcodes": dict(opcodes.most_common())}
+
+
 def pallas_triton_kernels(fn, *args) -> list[tuple[str, str, int, int]]:
     """Lower jax.jit(fn)(*args) for an H200: (name, Triton IR text, num_warps, num_stages) of
     every Pallas kernel in it."""
@@ -203,14 +225,16 @@ def compile_triton_source(kernel, constants: dict, num_warps: int, num_stages: i
 
 
 def triton_kernel_usage(kernel, constants: dict, num_warps: int, num_stages: int, *, loop: bool = False,
-                        pointers: dict | None = None) -> dict:
+                        pointers: dict | None = None, entry_path: bool = False) -> dict:
     """{"registers", "spills", "shared", "async_copies"} of a compiled Triton kernel (async copies:
-    the loads its software pipeliner issued ahead), plus its loop profile if asked."""
+    the loads its software pipeliner issued ahead), plus its loop / entry path profile if asked."""
     compiled = compile_triton_source(kernel, constants, num_warps, num_stages, pointers)
     usage = {**resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
              "async_copies": async_copies(compiled.asm["ttgir"])}
     if loop:
         usage["loop"] = loop_profile(sass(compiled.asm["cubin"]))
+    if entry_path:
+        usage["entry_path"] = entry_path_profile(sass(compiled.asm["cubin"]))
     return usage
 
 

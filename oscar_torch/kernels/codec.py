@@ -385,6 +385,133 @@ def encode_block(
     )
 
 
+# ------------------------------------------------------------------------ encode by planes
+#
+# encode_block spends ~50 ALU-pipe instructions an element (sm_90 SASS; Nsight Compute found the
+# encode bound by that pipe: benchmarks/NOTES.md v9–v10), most of them making rare inputs exact for
+# every element: the sanitize, the clamp, keys for signed zeros, and a layout where the four codes
+# of a byte live in four threads. `encode_planes` takes the common case, rows of one group (G = D)
+# with levels="minmax", in ~19 a element (NOTES v23), and says which rows it cannot take exactly;
+# a block holding one of those is encoded again by encode_block. It reads each row as its four
+# quarter planes (plane p: elements p·Q … p·Q + Q − 1), so the elements a byte packs are in one
+# thread, and:
+#   * sanitize is the identity on rows whose largest |x| is at most FP16_MAX (no NaN, no ±Inf);
+#   * τ by max rounds as tagged_max / checked_max, each round one fused add-and-min: the largest
+#     key below `top` is top − 1 − min(top − 1 − key) over the keys read as unsigned (keys ≥ top
+#     wrap around to the top of the range);
+#   * the clipped group's extremes are the clipped extremes (clipping is monotone): the largest
+#     value is the signed max of the bit patterns when the row holds a value with the sign bit
+#     clear, the smallest the unsigned max when it holds one with the sign bit set (−0 included,
+#     so −0 < +0 as FORMAT.md orders them);
+#   * codes compare the unclipped keys against thresholds moved off the clip range: a threshold at
+#     or below −τ counts for every value, one above τ for none; between, clip(x) ≥ t ⇔ x ≥ t.
+# Rows it declines: a NaN or |x| > FP16_MAX, τ = 0 (clipping to zeros), a row without a sign bit
+# set or without one clear, and (float32 rows) ties among the largest values (checked_max's test).
+
+PLANES_C = tl.constexpr(CODES_PER_BYTE)
+KEY_BELOW_ALL_C = tl.constexpr(-(2**31))  # an ordered key ≤ every key: the threshold always met
+KEY_ABOVE_ALL_C = tl.constexpr(2**31 - 1)  # > every key of a value |x| ≤ FP16_MAX: never met
+
+
+def encode_planes_applies(head_dim: int, group_size: int, levels: str) -> bool:
+    """Whether `encode_planes` encodes these rows (else encode_block does)."""
+    return levels == "minmax" and group_size == head_dim
+
+
+@triton.jit
+def _row_max4(p0, p1, p2, p3):
+    """Largest element of each row over its four planes [R, Q] → [R, 1]."""
+    return tl.max(tl.maximum(tl.maximum(p0, p1), tl.maximum(p2, p3)), axis=1, keep_dims=True)
+
+
+@triton.jit
+def _gap_below(keys, top):
+    """min over the row of top − 1 − key, unsigned ([R, 1] uint32): keys ≥ top wrap high."""
+    return tl.min((top - 1 - keys).to(tl.uint32, bitcast=True), axis=1, keep_dims=True)
+
+
+@triton.jit
+def _largest_below_rounds(k0, k1, k2, k3, top, ROUNDS: tl.constexpr):
+    """ROUNDS times: top ← the largest key of the row below top (keys non-negative int32)."""
+    for _ in tl.static_range(ROUNDS):
+        gap = tl.minimum(tl.minimum(_gap_below(k0, top), _gap_below(k1, top)),
+                         tl.minimum(_gap_below(k2, top), _gap_below(k3, top)))  # unsigned, as the gaps
+        top = top - 1 - gap.to(tl.int32, bitcast=True)
+    return top
+
+
+@triton.jit
+def _plane_codes(bits, t0, t1, t2):
+    """Σ_j [key(x) ≥ t_j] for one plane (ordered keys; the thresholds [R, 1])."""
+    key = _ordered_key(bits)
+    return (key >= t0).to(tl.int32) + (key >= t1).to(tl.int32) + (key >= t2).to(tl.int32)
+
+
+@triton.jit
+def _threshold_key(m, s, J: tl.constexpr, tau_bits):
+    """Ordered key to compare unclipped keys with for threshold j = m + (j + 0.5)·s ([R, 1])."""
+    t_bits = (m + (FIRST_THRESHOLD_C + J * THRESHOLD_STEP_C) * s).to(tl.int32, bitcast=True)
+    t_key = tl.where(t_bits == 0, -1, _ordered_key(t_bits))  # x ≥ +0 holds for −0 (key −1) too
+    below_clip = t_key <= _ordered_key(tau_bits | F32_SIGN_BIT_C)
+    return tl.where(below_clip, KEY_BELOW_ALL_C, tl.where(t_key > tau_bits, KEY_ABOVE_ALL_C, t_key))
+
+
+@triton.jit
+def encode_planes(b0, b1, b2, b3, CLIP_INDEX: tl.constexpr, ROWS_BF16: tl.constexpr):
+    """Encode rows of one group (G = D, levels="minmax") given as their four quarter planes of
+    float32 bit patterns (int32 [R, Q]). ROWS_BF16: every value is a bfloat16 (low bits zero).
+    Returns packed int32 [R, Q] (byte values), scale and minimum float16 [R, 1], and `exact` bool
+    [R, 1]: where false the outputs are not the format's and the row needs encode_block."""
+    Q: tl.constexpr = b0.shape[1]
+    D: tl.constexpr = Q * PLANES_C
+    SKIP: tl.constexpr = D - 1 - CLIP_INDEX
+    a0 = b0 & F32_MAGNITUDE_MASK_C
+    a1 = b1 & F32_MAGNITUDE_MASK_C
+    a2 = b2 & F32_MAGNITUDE_MASK_C
+    a3 = b3 & F32_MAGNITUDE_MASK_C
+    # 1–2. τ, and whether sanitize leaves the row as it is.
+    if ROWS_BF16:  # tagged with the column (tagged_max): every key differs
+        column = tl.arange(0, Q)[None, :]
+        a0 = a0 | column
+        a1 = a1 | (column + Q)
+        a2 = a2 | (column + 2 * Q)
+        a3 = a3 | (column + 3 * Q)
+        top = _row_max4(a0, a1, a2, a3)
+        sane = (top & ~BF16_LOW_MASK_C) <= FP16_MAX_BITS_C
+        tau = _largest_below_rounds(a0, a1, a2, a3, top, SKIP) & ~BF16_LOW_MASK_C
+        exact = sane
+    else:  # distinct values (checked_max): exact where no tie hid among the largest
+        top = _row_max4(a0, a1, a2, a3)
+        tau = _largest_below_rounds(a0, a1, a2, a3, top, SKIP)
+        above = tl.sum((a0 > tau).to(tl.int32) + (a1 > tau).to(tl.int32) + (a2 > tau).to(tl.int32)
+                       + (a3 > tau).to(tl.int32), axis=1, keep_dims=True)
+        exact = (top <= FP16_MAX_BITS_C) & (above == SKIP)
+    # 3. the clipped extremes (see the section comment).
+    hi = _row_max4(b0, b1, b2, b3)
+    lo = _row_max4(b0.to(tl.uint32, bitcast=True), b1.to(tl.uint32, bitcast=True),
+                   b2.to(tl.uint32, bitcast=True), b3.to(tl.uint32, bitcast=True)).to(tl.int32, bitcast=True)
+    exact = exact & (tau != 0) & (hi >= 0) & (lo < 0)
+    hi = tl.minimum(hi, tau).to(tl.float32, bitcast=True)
+    lo = tl.where((lo & F32_MAGNITUDE_MASK_C) > tau, tau | F32_SIGN_BIT_C, lo).to(tl.float32, bitcast=True)
+    scale = to_f16_saturating((hi - lo) * ONE_THIRD_C)
+    minimum = lo.to(tl.float16)
+    # 4–5. codes against the thresholds moved off the clip range, packed plane by plane.
+    s = scale.to(tl.float32)
+    m = minimum.to(tl.float32)
+    t0 = _threshold_key(m, s, 0, tau)
+    t1 = _threshold_key(m, s, 1, tau)
+    t2 = _threshold_key(m, s, 2, tau)
+    packed = (_plane_codes(b0, t0, t1, t2) + (_plane_codes(b1, t0, t1, t2) << CODE_BITS_C)
+              + (_plane_codes(b2, t0, t1, t2) << 2 * CODE_BITS_C) + (_plane_codes(b3, t0, t1, t2) << 3 * CODE_BITS_C))
+    return packed, scale, minimum, exact
+
+
+@triton.jit
+def load_plane_bits(ptrs, mask, INPUT_BF16: tl.constexpr):
+    """A plane's float32 bit patterns (int32), widened exactly as load_rows_f32."""
+    return load_rows_f32(ptrs, mask, INPUT_BF16).to(tl.int32, bitcast=True)
+
+
 @triton.jit
 def unpack_codes(packed):
     """packed int32 [R, D/4] byte values → codes int32 [R, D] (plane p holds elements p·Q …)."""
@@ -410,6 +537,16 @@ def decode_block(packed, scale, minimum, GROUP_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _store_encoded(packed_ptr, scale_ptr, minimum_ptr, row, row_ok, packed, scale, minimum):
+    QUARTER: tl.constexpr = packed.shape[1]
+    NUM_GROUPS: tl.constexpr = scale.shape[1]
+    tl.store(packed_ptr + row * QUARTER + tl.arange(0, QUARTER)[None, :], packed.to(tl.uint8), mask=row_ok)
+    group = tl.arange(0, NUM_GROUPS)[None, :]
+    tl.store(scale_ptr + row * NUM_GROUPS + group, scale, mask=row_ok)
+    tl.store(minimum_ptr + row * NUM_GROUPS + group, minimum, mask=row_ok)
+
+
+@triton.jit
 def _encode_kernel(
     x_ptr,  # [N, D] float32 / float16, or bfloat16 as int16 bit patterns
     packed_ptr,  # [N, D/4] uint8
@@ -423,17 +560,28 @@ def _encode_kernel(
     ORDER_STATISTIC: tl.constexpr,
     INPUT_BF16: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    PLANES: tl.constexpr = False,
 ):
     QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
-    NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
     row = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS))[:, None]  # [R, 1]
     row_ok = row < num_rows
-    x = load_rows_f32(x_ptr + row * D + tl.arange(0, D)[None, :], row_ok, INPUT_BF16)
-    packed, scale, minimum = encode_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
-    tl.store(packed_ptr + row * QUARTER + tl.arange(0, QUARTER)[None, :], packed.to(tl.uint8), mask=row_ok)
-    group = tl.arange(0, NUM_GROUPS)[None, :]
-    tl.store(scale_ptr + row * NUM_GROUPS + group, scale, mask=row_ok)
-    tl.store(minimum_ptr + row * NUM_GROUPS + group, minimum, mask=row_ok)
+    rows = x_ptr + row * D + tl.arange(0, D)[None, :]
+    if PLANES:  # encode_planes, unless a row of the block needs encode_block
+        plane = x_ptr + row * D + tl.arange(0, QUARTER)[None, :]
+        packed, scale, minimum, exact = encode_planes(
+            load_plane_bits(plane, row_ok, INPUT_BF16), load_plane_bits(plane + QUARTER, row_ok, INPUT_BF16),
+            load_plane_bits(plane + 2 * QUARTER, row_ok, INPUT_BF16),
+            load_plane_bits(plane + 3 * QUARTER, row_ok, INPUT_BF16), CLIP_INDEX, INPUT_BF16)
+        if tl.min((exact | ~row_ok).to(tl.int32)) == 1:
+            _store_encoded(packed_ptr, scale_ptr, minimum_ptr, row, row_ok, packed, scale, minimum)
+        else:
+            packed, scale, minimum = encode_block(load_rows_f32(rows, row_ok, INPUT_BF16), GROUP_SIZE, CLIP_INDEX,
+                                                  LEVELS, ORDER_STATISTIC)
+            _store_encoded(packed_ptr, scale_ptr, minimum_ptr, row, row_ok, packed, scale, minimum)
+    else:
+        packed, scale, minimum = encode_block(load_rows_f32(rows, row_ok, INPUT_BF16), GROUP_SIZE, CLIP_INDEX, LEVELS,
+                                              ORDER_STATISTIC)
+        _store_encoded(packed_ptr, scale_ptr, minimum_ptr, row, row_ok, packed, scale, minimum)
 
 
 def kernel_view(x: torch.Tensor) -> torch.Tensor:
@@ -450,10 +598,16 @@ def encode_rows(
     order_statistic: str | None = None,
     block_rows: int = DEFAULT_BLOCK_ROWS,
     num_warps: int = DEFAULT_NUM_WARPS,
+    planes: bool = False,
 ):
     """Launch encode over x [N, D] (N ≥ 1, contiguous float32/float16/bfloat16). Arguments are
-    validated by oscar_torch.ops.encode. Returns packed u8 [N, D/4], scale, minimum f16 [N, D/G]."""
+    validated by oscar_torch.ops.encode. Returns packed u8 [N, D/4], scale, minimum f16 [N, D/G].
+    planes: take `encode_planes` where it applies (G = D, levels="minmax"; an error elsewhere).
+    Off by default until measured on the GPU (benchmarks/NOTES.md v23)."""
     num_rows, d = x.shape
+    if planes and not encode_planes_applies(d, group_size, levels):
+        raise ValueError(f"planes=True needs group_size == head_dim and levels='minmax', got "
+                         f"{group_size=}, head_dim={d}, {levels=}")
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype)
     rows = block_rows_for(num_rows, block_rows)
     packed = torch.empty((num_rows, d // CODES_PER_BYTE), dtype=torch.uint8, device=x.device)
@@ -463,7 +617,7 @@ def encode_rows(
         kernel_view(x), packed, scale, minimum, num_rows,
         D=d, GROUP_SIZE=group_size, CLIP_INDEX=clip_index, LEVELS=levels,
         ORDER_STATISTIC=order_statistic, INPUT_BF16=x.dtype == torch.bfloat16, BLOCK_ROWS=rows,
-        num_warps=num_warps,
+        PLANES=planes, num_warps=num_warps,
     )
     return packed, scale, minimum
 

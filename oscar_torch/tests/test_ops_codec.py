@@ -8,6 +8,8 @@ parity suite), plus the FORMAT.md worked examples and every error path.
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -15,9 +17,10 @@ from hypothesis.extra import numpy as hnp
 from oscar_torch import ops
 from oscar_torch.kernels import codec as kcodec
 from oscar_torch.tests.util import DEVICE, to_numpy, to_torch
-from parity_tests.cases import CODEC_CASES, DATA, LEVELS, assert_same_bits, checked_max_rows, order_statistic_rows
+from parity_tests.cases import (CODEC_CASES, DATA, LEVELS, assert_same_bits, checked_max_rows, normal_rows,
+                                order_statistic_rows)
 from shared_math import codec as ref
-from shared_math.spec import clip_index
+from shared_math.spec import FP16_MAX, clip_index
 
 F32 = np.float32
 
@@ -226,3 +229,97 @@ META = torch.device("meta")
 def test_bad_inputs_raise_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ------------------------------------------------------------------------- encode by planes
+
+
+@triton.jit
+def _encode_planes_probe(x_ptr, packed_ptr, scale_ptr, minimum_ptr, exact_ptr, CLIP_INDEX: tl.constexpr,
+                         D: tl.constexpr, ROWS: tl.constexpr, ROWS_BF16: tl.constexpr):
+    """encode_planes on ROWS rows of float32 x, with its per-row `exact` claim (no fallback)."""
+    Q: tl.constexpr = D // 4
+    row = tl.arange(0, ROWS)[:, None]
+    plane = x_ptr + row * D + tl.arange(0, Q)[None, :]
+    bits = [tl.load(plane + p * Q).to(tl.int32, bitcast=True) for p in tl.static_range(4)]
+    packed, scale, minimum, exact = kcodec.encode_planes(bits[0], bits[1], bits[2], bits[3], CLIP_INDEX, ROWS_BF16)
+    tl.store(packed_ptr + row * Q + tl.arange(0, Q)[None, :], packed.to(tl.uint8))
+    tl.store(scale_ptr + row, scale)
+    tl.store(minimum_ptr + row, minimum)
+    tl.store(exact_ptr + row, exact.to(tl.int32))
+
+
+def _planes_probe_rows(bf16: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of d 128 (as float32; bfloat16 values when `bf16`) and, per row, whether
+    encode_planes must take it (N(0, 1) and heavy-tailed rows, tie-free in float32): every DATA
+    kind, the order-statistic edge rows, and rows that each break one of its conditions."""
+    rng = np.random.default_rng(23)
+    kinds = [DATA[name](rng, (8, 128)) for name in sorted(DATA)] + [order_statistic_rows(128)]
+    x = np.concatenate(kinds).astype(F32)
+    declined = np.zeros((16, 128), F32) + rng.standard_normal((16, 128)).astype(F32)
+    declined[0, 5] = np.nan
+    declined[1, 9] = np.inf
+    declined[2, 3] = -70000.0  # |x| > FP16_MAX
+    declined[3] = np.abs(declined[3]) + 0.5  # no sign bit set
+    declined[4] = -np.abs(declined[4]) - 0.5  # no sign bit clear
+    declined[5, :125] = 0.0  # τ = 0 at c = 0.96
+    if not bf16:
+        declined[6, :3] = 7.0  # ties among the largest |x|: checked_max's test fails
+    takes = np.ones(len(declined), bool)
+    takes[:6 if bf16 else 7] = False
+    x = np.concatenate([x, declined])
+    ordinary = np.concatenate([np.repeat([name in ("heavy", "random") for name in sorted(DATA)], 8), np.zeros(24, bool)])
+    fine = np.concatenate([ordinary, takes])
+    special = np.isnan(x).any(-1) | (np.abs(x) > FP16_MAX).any(-1)
+    if bf16:
+        x = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    return x, fine & ~special
+
+
+@pytest.mark.parametrize("clip_ratio", [0.96, 0.92, 0.5])
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16_rows", "f32_rows"])
+def test_encode_planes_is_exact_where_it_says_so(bf16, clip_ratio):
+    """encode_planes on its own: every row it calls exact has shared_math's bytes (all data kinds,
+    NaN/Inf/huge/subnormal/zeros included), and it takes the rows it is for (N(0, 1)-like rows,
+    ties between bfloat16 values) while declining each condition it cannot meet."""
+    x, should_take = _planes_probe_rows(bf16)
+    rows = 1 << (len(x) - 1).bit_length()
+    x = np.concatenate([x, np.ones((rows - len(x), 128), F32)])
+    k = clip_index(clip_ratio, 128)
+    packed = torch.empty((rows, 32), dtype=torch.uint8, device=DEVICE)
+    scale, minimum = (torch.empty(rows, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    exact = torch.empty(rows, dtype=torch.int32, device=DEVICE)
+    _encode_planes_probe[(1,)](to_torch(x), packed, scale, minimum, exact, CLIP_INDEX=k, D=128, ROWS=rows,
+                               ROWS_BF16=bf16)
+    exact = to_numpy(exact)[: len(should_take)].astype(bool)
+    want = ref.encode(x, group_size=128, clip_ratio=clip_ratio)
+    for name, a, e in zip(("packed", "scale", "minimum"), (packed, scale, minimum), want):
+        a, e = to_numpy(a)[: len(exact)], e.reshape(rows, -1)[: len(exact)].reshape(to_numpy(a)[: len(exact)].shape)
+        assert_same_bits(a[exact], e[exact], f"{name} of the rows called exact")
+    declined = should_take & ~exact
+    assert not declined.any(), f"declined rows it is for: {np.flatnonzero(declined)}"
+    if clip_ratio == 0.96:
+        assert not exact[-16:][: 6 if bf16 else 7].any(), "took a row it cannot encode exactly"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_encode_rows_by_planes_bit_identical(dtype):
+    """encode_rows(planes=True): blocks of ordinary rows by planes, blocks holding a row that
+    encode_planes declines (NaN, Inf, huge, ties, zeros) by encode_block: shared_math's bytes."""
+    rng = np.random.default_rng(31)
+    x = np.concatenate([DATA[name](rng, (13, 128)) for name in sorted(DATA)] + [normal_rows(rng, (51, 128))])
+    x = torch.from_numpy(x.astype(F32)).to(dtype)
+    for clip_ratio in (0.96, 0.92):
+        want = ref.encode(x.float().numpy(), group_size=128, clip_ratio=clip_ratio)
+        got = kcodec.encode_rows(x.to(DEVICE), group_size=128, clip_index=clip_index(clip_ratio, 128), levels="minmax",
+                                 block_rows=16, planes=True)
+        for name, a, e in zip(("packed", "scale", "minimum"), got, want):
+            assert_same_bits(to_numpy(a), e, f"{name} c={clip_ratio}")
+
+
+def test_encode_rows_by_planes_needs_one_group_and_minmax():
+    x = torch.zeros((4, 128), device=DEVICE)
+    with pytest.raises(ValueError, match="group_size=64.*head_dim=128"):
+        kcodec.encode_rows(x, group_size=64, clip_index=122, levels="minmax", planes=True)
+    with pytest.raises(ValueError, match="levels='moments'"):
+        kcodec.encode_rows(x, group_size=128, clip_index=122, levels="moments", planes=True)

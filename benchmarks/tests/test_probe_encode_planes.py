@@ -1,0 +1,22 @@
+"""probe_encode_planes: the variants it times and the rows it feeds them (its timing needs a GPU)."""
+
+import numpy as np
+import pytest
+
+from benchmarks import probe_encode_planes as probe
+
+
+def test_variants_start_from_the_shipped_encode_and_end_with_every_block_falling_back():
+    variants = probe.variants([16, 32, 64])
+    assert variants[0] == {"planes": False, "block_rows": 16, "rows": "normal"}
+    assert [v["block_rows"] for v in variants if v["planes"] and v["rows"] == "normal"] == [16, 32, 64]
+    assert variants[-1] == {"planes": True, "block_rows": 64, "rows": "nan_every_64"}
+
+
+def test_nan_rows_put_one_declined_row_in_every_block():
+    x = probe.make_rows(256, "nan_every_64")  # 2,048 rows
+    bad = np.flatnonzero(np.isnan(x).any(axis=1))
+    assert np.array_equal(bad, np.arange(0, 2048, 64))
+    assert not np.isnan(probe.make_rows(256, "normal")).any()
+    with pytest.raises(ValueError, match="rows='ties'"):
+        probe.make_rows(4, "ties")
