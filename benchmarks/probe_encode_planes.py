@@ -1,13 +1,15 @@
-"""The codec's encode by planes against encode_block on the GPU (Triton `encode_rows`, NOTES v23).
+"""The codec's encode by planes against encode_block on the GPU, both backends (NOTES v23).
 
     python3 -m benchmarks.probe_encode_planes --out OUT.json
 
-Encodes 65,536 tokens × 8 KV heads of d 128 (the bench_write shape; N(0, 1) rows, so every block
+The codec launchers' `encode_rows` (Pallas and Triton) encode 65,536 tokens × 8 KV heads of d 128 (the bench_write shape; N(0, 1) rows, so every block
 takes encode_planes) as bfloat16 and float32 rows, at the key and value clip ratios, with
 `planes` off (encode_block at its shipped 16 rows a program) and on (16 / 32 / 64 rows), and a
 last variant where one row in 64 holds a NaN (every block falls back). Each variant's bytes are
-checked against shared_math.encode of the same rows before it is timed; times are CUDA-graph
-medians, against the bytes the kernel must move and the copy bandwidth measured in the same run.
+checked against shared_math.encode of the same rows before it is timed; times are medians (Triton:
+CUDA-graph replays; Pallas: each call's device span in a jax.profiler trace, harness.
+trace_program_seconds), against the bytes the kernel must move and the copy bandwidth measured in
+the same run.
 The static prediction (sm_90 SASS of the path a program runs): results/static_encode_planes_v23.txt.
 """
 
@@ -50,12 +52,10 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--block-rows", default="16,32,64")
     parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--backends", default="pallas,triton")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    import torch
-
-    from oscar_torch.kernels import codec as kcodec
     from shared_math import codec
     from shared_math.spec import clip_index
 
@@ -64,31 +64,66 @@ def main(argv=None) -> None:
                "variants": []}
     copy_gb_per_s = results["copy_bandwidth"]["gb_per_s"]
     n_check = 8192  # rows checked against shared_math (the same rows, float32 values)
-    for dtype_name, (tensor, ratio), variant in itertools.product(
-            args.dtypes.split(","), CLIP_RATIOS.items(), variants([int(b) for b in args.block_rows.split(",")])):
-        dtype = getattr(torch, dtype_name)
-        x = torch.from_numpy(make_rows(args.tokens, variant["rows"])).to(dtype).cuda()
-        k = clip_index(ratio, HEAD_DIM)
-        kw = dict(group_size=HEAD_DIM, clip_index=k, levels="minmax", block_rows=variant["block_rows"],
-                  planes=variant["planes"])
-        entry = dict(variant, dtype=dtype_name, tensor=tensor, clip_ratio=ratio,
-                     bytes_moved=x.numel() * x.element_size() + x.shape[0] * (HEAD_DIM // 4 + 4))
-        got = kcodec.encode_rows(x, **kw)
-        want = codec.encode(x[:n_check].float().cpu().numpy(), group_size=HEAD_DIM, clip_ratio=ratio)
+    for backend, dtype, (tensor, ratio), variant in itertools.product(
+            args.backends.split(","), args.dtypes.split(","), CLIP_RATIOS.items(),
+            variants([int(b) for b in args.block_rows.split(",")])):
+        rows = make_rows(args.tokens, variant["rows"])
+        kw = dict(group_size=HEAD_DIM, clip_index=clip_index(ratio, HEAD_DIM), levels="minmax",
+                  block_rows=variant["block_rows"], planes=variant["planes"])
+        encode, values = (_pallas if backend == "pallas" else _triton)(rows, dtype, kw)
+        entry = dict(variant, backend=backend, dtype=dtype, tensor=tensor, clip_ratio=ratio,
+                     bytes_moved=rows.shape[0] * (HEAD_DIM * (2 if dtype == "bfloat16" else 4) + HEAD_DIM // 4 + 4))
+        want = codec.encode(values[:n_check], group_size=HEAD_DIM, clip_ratio=ratio)
         entry["bytes_equal_shared_math"] = all(
-            np.array_equal(g[:n_check].cpu().numpy().view(np.uint8), w.view(np.uint8)) for g, w in zip(got, want))
+            np.array_equal(g[:n_check].view(np.uint8), w.view(np.uint8)) for g, w in zip(encode(check=True), want))
+        name = f"{backend:6s} {dtype:8s} {tensor:5s} planes={variant['planes']!s:5s} rows {variant['block_rows']:3d} " \
+               f"{variant['rows']:12s}"
         if entry["bytes_equal_shared_math"]:
-            copies = [x] + [x.clone() for _ in range(harness.copies_to_defeat_l2(entry["bytes_moved"]) - 1)]
-            entry["timing"] = harness.time_torch_graph([lambda c=c: kcodec.encode_rows(c, **kw) for c in copies])
+            entry["timing"] = encode(check=False)
             entry["gb_per_s"] = entry["bytes_moved"] / entry["timing"]["median_s"] / 1e9
             entry["fraction_of_copy"] = entry["gb_per_s"] / copy_gb_per_s
-            print(f"{dtype_name:8s} {tensor:5s} planes={variant['planes']!s:5s} rows {variant['block_rows']:3d} "
-                  f"{variant['rows']:12s}: {entry['timing']['median_s'] * 1e6:7.1f} us {entry['gb_per_s']:6.0f} GB/s "
+            print(f"{name}: {entry['timing']['median_s'] * 1e6:7.1f} us {entry['gb_per_s']:6.0f} GB/s "
                   f"({entry['fraction_of_copy']:.1%} of copy)", flush=True)
         else:
-            print(f"{dtype_name} {tensor} {variant}: BYTES DIFFER from shared_math, not timed", flush=True)
+            print(f"{name}: BYTES DIFFER from shared_math, not timed", flush=True)
         results["variants"].append(entry)
         args.out.write_text(json.dumps(results, indent=1))
+
+
+def _triton(rows: np.ndarray, dtype: str, kw: dict):
+    """(encode(check) → outputs as numpy, or the timing; the rows' float32 values) for Triton."""
+    import torch
+
+    from oscar_torch.kernels import codec as kcodec
+
+    x = torch.from_numpy(rows).to(getattr(torch, dtype)).cuda()
+
+    def encode(check: bool):
+        if check:
+            return [t.cpu().numpy() for t in kcodec.encode_rows(x, **kw)]
+        return harness.time_torch_graph([lambda: kcodec.encode_rows(x, **kw)])
+
+    return encode, x.float().cpu().numpy()
+
+
+def _pallas(rows: np.ndarray, dtype: str, kw: dict):
+    """As _triton, for the Pallas kernel: each call's device span in a profiler trace."""
+    import statistics
+
+    import jax.numpy as jnp
+
+    from oscar_jax.kernels import codec as kcodec
+
+    x = jnp.asarray(rows).astype(getattr(jnp, dtype))
+
+    def encode(check: bool):
+        if check:
+            return [np.asarray(a) for a in kcodec.encode_rows(x, **kw)]
+        spans = [span for span, _ in harness.trace_program_seconds(lambda: kcodec.encode_rows(x, **kw), 10)]
+        return {"median_s": statistics.median(spans), "min_s": min(spans), "max_s": max(spans), "calls": len(spans),
+                "method": harness.DEVICE_TIMING_METHOD}
+
+    return encode, np.asarray(x.astype(jnp.float32))
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ an instruction-bound kernel's time without a GPU run.
 
     python -m benchmarks.static_analysis            # the Pallas INT2 kernel over num_warps 1, 2, 4
     python -m benchmarks.static_analysis --sass DIR  # also keep .ttir / .ttgir / .ptx / .sass there
+    python -m benchmarks.static_analysis --encode    # the codec's encode kernels, by planes or not
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import re
 import subprocess
@@ -91,15 +93,39 @@ ALU_OPCODES = frozenset({"ISETP", "SEL", "VIMNMX", "VIMNMX3", "VIADDMNMX", "LOP3
                          "PRMT", "IADD3", "LEA", "SGXT", "POPC", "FLO", "BMSK", "PLOP3", "P2R", "R2P", "IABS"})
 
 
-def entry_path_profile(sass_text: str) -> dict:
-    """The instructions from a kernel's entry to its first EXIT: what a program runs when it
-    takes no branch placed after that exit (ptxas puts a uniform `if`'s rarely taken side there:
-    the encode's fallback to encode_block, NOTES v23). Count, ALU-pipe count, count per opcode."""
-    instructions = [text for _, text in _INSTRUCTION.findall(sass_text)]
-    end = next((i for i, text in enumerate(instructions) if text.split()[-1] == "EXIT"), None)
-    if end is None:
-        raise ValueError("no EXIT in the SASS")
-    body = [_PREDICATE.sub("", text) for text in instructions[: end + 1]]
+def shortest_path_profile(sass_text: str) -> dict:
+    """The shortest way from a kernel's entry to an EXIT, following forward branches both ways
+    (taken or not; backward branches are not followed: the kernels this is for unroll their
+    loops): what a program runs when it skips every optional region, e.g. the encode's fallback to
+    encode_block, wherever ptxas placed it (after the first EXIT for a Triton `if`, jumped over for
+    Pallas's `lax.cond`; NOTES v23). Count, ALU-pipe count, count per opcode."""
+    instructions = [(int(address, 16), text.strip()) for address, text in _INSTRUCTION.findall(sass_text)]
+    index = {address: i for i, (address, _) in enumerate(instructions)}
+    # cost[i]: instructions from i to an EXIT along the shortest way (i included); filled backwards.
+    inf = float("inf")
+    cost, step = [inf] * (len(instructions) + 1), [None] * len(instructions)
+    for i in range(len(instructions) - 1, -1, -1):
+        text = instructions[i][1]
+        predicated = text.startswith("@")
+        opcode = _PREDICATE.sub("", text).split()[0]
+        ways = []
+        if opcode == "EXIT":
+            ways.append((0, None))
+        if opcode.startswith("BRA") and (m := _BRANCH.search(text)) and int(m.group(1), 16) > instructions[i][0]:
+            target = index.get(int(m.group(1), 16))
+            if target is not None:
+                ways.append((cost[target], target))
+        # Fall through unless unconditional; BRA.DIV leaves only a diverged warp (its target).
+        if predicated or opcode.startswith("BRA.DIV") or not (opcode == "EXIT" or opcode.startswith("BRA")):
+            ways.append((cost[i + 1], i + 1))
+        best = min(ways, key=lambda way: way[0], default=(inf, None))  # none: a backward jump
+        cost[i], step[i] = 1 + best[0], best[1]
+    if cost[0] == inf:
+        raise ValueError("no way from the entry to an EXIT in the SASS")
+    body, i = [], 0
+    while i is not None:
+        body.append(_PREDICATE.sub("", instructions[i][1]))
+        i = step[i]
     opcodes = collections.Counter(text.split()[0].split(".")[0] for text in body)
     return {"instructions": len(body), "alu": sum(n for op, n in opcodes.items() if op in ALU_OPCODES),
             "opcodes": dict(opcodes.most_common())}
@@ -225,16 +251,16 @@ def compile_triton_source(kernel, constants: dict, num_warps: int, num_stages: i
 
 
 def triton_kernel_usage(kernel, constants: dict, num_warps: int, num_stages: int, *, loop: bool = False,
-                        pointers: dict | None = None, entry_path: bool = False) -> dict:
+                        pointers: dict | None = None, shortest_path: bool = False) -> dict:
     """{"registers", "spills", "shared", "async_copies"} of a compiled Triton kernel (async copies:
-    the loads its software pipeliner issued ahead), plus its loop / entry path profile if asked."""
+    the loads its software pipeliner issued ahead), plus its loop / shortest path profile if asked."""
     compiled = compile_triton_source(kernel, constants, num_warps, num_stages, pointers)
     usage = {**resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
              "async_copies": async_copies(compiled.asm["ttgir"])}
     if loop:
         usage["loop"] = loop_profile(sass(compiled.asm["cubin"]))
-    if entry_path:
-        usage["entry_path"] = entry_path_profile(sass(compiled.asm["cubin"]))
+    if shortest_path:
+        usage["shortest_path"] = shortest_path_profile(sass(compiled.asm["cubin"]))
     return usage
 
 
@@ -275,14 +301,72 @@ def qwen3_decode_case(num_warps: int | None, pages_per_block: int = 1, unpack_as
     return fn, (q, *arrays)
 
 
+ENCODE_POINTERS = {"packed_ptr": "*u8", "scale_ptr": "*fp16", "minimum_ptr": "*fp16", "num_rows": "i32"}
+
+
+def encode_table(clip_indices=(122, 117), block_rows=(16, 32, 64), num_warps: int = 4) -> list[dict]:
+    """The codec's encode kernels for sm_90 at d 128 (G 128, minmax), both backends: encode_block at
+    its shipped 16 rows and encode by planes at each of `block_rows` (NOTES v23). Per element, the
+    instructions and ALU-pipe instructions of the shortest path (a block that takes its common case:
+    no fallback, no ties)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from oscar_jax.kernels import codec as jax_codec
+    from shared_math.tiling import select_order_statistic
+
+    rows_of = {"bfloat16": True, "float32": False}
+    table = []
+    for dtype, k in itertools.product(rows_of, clip_indices):
+        for planes, rows in [(False, 16)] + [(True, r) for r in block_rows]:
+            fn = functools.partial(jax_codec.encode_rows, group_size=128, clip_index=k, levels="minmax", block_rows=rows,
+                                   planes=planes, interpret=False, num_warps=num_warps)
+            (usage,) = compile_pallas_for_h200(fn, jax.ShapeDtypeStruct((4096, 128), getattr(jnp, dtype))).values()
+            usage["shortest_path"] = shortest_path_profile(sass(usage.pop("compiled").asm["cubin"]))
+            found = [("pallas", usage)]
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                from oscar_torch.kernels import codec as torch_codec
+
+                constants = dict(D=128, GROUP_SIZE=128, CLIP_INDEX=k, LEVELS="minmax", INPUT_BF16=rows_of[dtype],
+                                 ORDER_STATISTIC=select_order_statistic(128, k, rows_bf16=rows_of[dtype]),
+                                 BLOCK_ROWS=rows, PLANES=planes)
+                pointers = dict(ENCODE_POINTERS, x_ptr="*i16" if rows_of[dtype] else "*fp32")
+                found.append(("triton", triton_kernel_usage(torch_codec._encode_kernel, constants, num_warps, 1,
+                                                            pointers=pointers, shortest_path=True)))
+            elements_per_thread = rows * 128 / (num_warps * 32)
+            for backend, usage in found:
+                path = usage["shortest_path"]
+                table.append(dict(backend=backend, rows_dtype=dtype, clip_index=k, planes=planes, block_rows=rows,
+                                  registers=usage["registers"], spills=usage["spills"],
+                                  instructions_per_element=path["instructions"] / elements_per_thread,
+                                  alu_per_element=path["alu"] / elements_per_thread))
+    return table
+
+
+def _print_encode_table() -> None:
+    print("| backend | rows | k | encode | rows a program | registers | spills | instructions / element "
+          "| ALU-pipe / element |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in encode_table():
+        print(f"| {r['backend']} | {r['rows_dtype']} | {r['clip_index']} | {'planes' if r['planes'] else 'encode_block'} "
+              f"| {r['block_rows']} | {r['registers']} | {r['spills']} | {r['instructions_per_element']:.1f} "
+              f"| {r['alu_per_element']:.1f} |", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-warps", default="default,2",
                         help="comma-separated num_warps to compile; 'default': each tier's default launch")
     parser.add_argument("--unpack", default="jnp,asm", help="comma-separated: jnp (default kernel), asm (unpack_asm)")
     parser.add_argument("--sass", default=None, help="directory to keep the IR, PTX and SASS in")
+    parser.add_argument("--encode", action="store_true", help="the codec's encode kernels instead (NOTES v23)")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.encode:
+        _print_encode_table()
+        return
     page = 64
     print("| kernel | unpack | warps | registers | spill B | SASS per loop iteration per warp "
           "| warp-instr per (token, head) |")

@@ -140,6 +140,34 @@ DATA = {
 }
 
 
+def encode_planes_rows(bf16: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of d 128 (as float32; bfloat16 values when `bf16`) and, per row, whether
+    encode_planes must take it (N(0, 1) and heavy-tailed rows, tie-free in float32): every DATA
+    kind, the order-statistic edge rows, and rows that each break one of its conditions."""
+    rng = np.random.default_rng(23)
+    kinds = [DATA[name](rng, (8, 128)) for name in sorted(DATA)] + [order_statistic_rows(128)]
+    x = np.concatenate(kinds).astype(F32)
+    declined = np.zeros((16, 128), F32) + rng.standard_normal((16, 128)).astype(F32)
+    declined[0, 5] = np.nan
+    declined[1, 9] = np.inf
+    declined[2, 3] = -70000.0  # |x| > FP16_MAX
+    declined[3] = np.abs(declined[3]) + 0.5  # no sign bit set
+    declined[4] = -np.abs(declined[4]) - 0.5  # no sign bit clear
+    declined[5, :125] = 0.0  # τ = 0 at c = 0.96
+    if not bf16:
+        declined[6, :3] = 7.0  # ties among the largest |x|: checked_max's test fails
+    takes = np.ones(len(declined), bool)
+    takes[:6 if bf16 else 7] = False
+    x = np.concatenate([x, declined])
+    ordinary = np.concatenate([np.repeat([name in ("heavy", "random") for name in sorted(DATA)], 8),
+                               np.zeros(len(kinds[-1]), bool)])
+    fine = np.concatenate([ordinary, takes])
+    special = np.isnan(x).any(-1) | (np.abs(x) > FP16_MAX).any(-1)
+    if bf16:
+        x = bf16_values(bf16_bits(x))
+    return x, fine & ~special
+
+
 @dataclasses.dataclass(frozen=True)
 class CodecCase:
     name: str

@@ -22,6 +22,9 @@ F32_SIGN_SHIFT = _INT32.bits - 1  # arithmetic shift: 0 for x ≥ +0, all ones f
 F32_MANTISSA_MASK = (1 << int(_F32.nmant)) - 1
 F32_EXPONENT_MASK = F32_MAGNITUDE_MASK & ~F32_MANTISSA_MASK
 FP16_MAX_BITS = int(np.float32(FP16_MAX).view(np.int32))  # largest |x| bits after sanitize
+# Thresholds in ordered-key space that every key meets / that no key of |x| ≤ FP16_MAX meets.
+ORDERED_KEY_BELOW_ALL = int(_INT32.min)
+ORDERED_KEY_ABOVE_ALL = int(_INT32.max)
 
 BF16_DROPPED_BITS = int(_F32.nmant) - BF16_MANTISSA_BITS  # 16: a bfloat16 is the top half of a float32
 BF16_ROUNDING_BIAS = (1 << (BF16_DROPPED_BITS - 1)) - 1  # round-to-nearest-even: + 0x7FFF + lsb

@@ -245,6 +245,19 @@ def select_order_statistic(head_dim: int, clip_index: int, rows_bf16: bool) -> s
     return min(candidates, key=lambda m: order_statistic_reductions(m, head_dim, clip_index))
 
 
+def encode_planes_applies(head_dim: int, group_size: int, levels: str) -> bool:
+    """Whether the kernels' `encode_planes` (the encode's common case, rows read as their four
+    quarter planes; benchmarks/NOTES.md v23) can encode these rows: one group a row, min/max levels."""
+    return levels == "minmax" and group_size == head_dim
+
+
+def check_encode_planes(head_dim: int, group_size: int, levels: str) -> None:
+    """The launchers' check of `planes=True`: a ValueError naming what does not apply."""
+    if not encode_planes_applies(head_dim, group_size, levels):
+        raise ValueError(f"planes=True needs group_size == head_dim and levels='minmax', got "
+                         f"{group_size=}, {head_dim=}, {levels=}")
+
+
 def resolve_order_statistic(order_statistic: str | None, head_dim: int, clip_index: int, *, rows_bf16: bool,
                             rows: str) -> str:
     """The encode launchers' order statistic: `None` picks select_order_statistic's; an explicit

@@ -20,3 +20,15 @@ def test_nan_rows_put_one_declined_row_in_every_block():
     assert not np.isnan(probe.make_rows(256, "normal")).any()
     with pytest.raises(ValueError, match="rows='ties'"):
         probe.make_rows(4, "ties")
+
+
+@pytest.mark.parametrize("planes", [False, True])
+def test_pallas_variant_checks_the_bytes_it_times(planes):
+    """The probe's Pallas check path (interpreted here): the outputs it compares with shared_math."""
+    from shared_math import codec
+
+    rows = probe.make_rows(8, "nan_every_64")  # 64 rows: one falls back
+    kw = dict(group_size=128, clip_index=122, levels="minmax", block_rows=32, planes=planes)
+    encode, values = probe._pallas(rows, "bfloat16", kw)
+    for got, want in zip(encode(check=True), codec.encode(values, group_size=128, clip_ratio=0.96)):
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))

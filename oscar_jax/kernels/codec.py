@@ -50,6 +50,8 @@ from shared_math.float_bits import (
     F32_SIGN_BIT,
     F32_SIGN_SHIFT,
     FP16_MAX_BITS,
+    ORDERED_KEY_ABOVE_ALL,
+    ORDERED_KEY_BELOW_ALL,
 )
 from shared_math.spec import CODE_BITS, CODE_MASK, CODES_PER_BYTE, FP16_MAX, MOMENTS_MAD_TO_SIGMA
 from shared_math import tiling
@@ -301,6 +303,94 @@ def encode_block(x, *, group_size: int, clip_index: int, levels: str, order_stat
     )
 
 
+# ------------------------------------------------------------------------ encode by planes
+#
+# encode_block makes every rare input exact for every element (sanitize, the clamp, keys for signed
+# zeros) and packs codes that sit in four threads: ~50 ALU-pipe instructions an element in sm_90
+# SASS, the pipe that bounds the encode (benchmarks/NOTES.md v9–v10, v23). `encode_planes` takes
+# the common case — rows of one group (G = D), levels="minmax" — read as their four quarter planes
+# (plane p: elements p·Q … p·Q + Q − 1, so the elements a byte packs are in one thread) and says
+# which rows it cannot take exactly; a block holding one is encoded again by encode_block. The
+# same body as oscar_torch/kernels/codec.py's (see its section comment for the derivation):
+#   * sanitize is the identity on rows whose largest |x| is at most FP16_MAX;
+#   * τ by max rounds whose step is one add-and-min: the largest key below `top` is
+#     top − 1 − min(top − 1 − key), the keys read as unsigned (keys ≥ top wrap high);
+#   * the clipped extremes: the signed max of the bit patterns (the row holds a sign bit clear)
+#     and the unsigned max (it holds one set, −0 included: −0 < +0 as FORMAT.md orders them);
+#   * codes compare unclipped keys with thresholds moved off the clip range.
+# Declined rows: a NaN or |x| > FP16_MAX, τ = 0, no sign bit set or none clear, and (float32
+# rows) ties among the largest values.
+
+
+def _row_max4(planes):
+    """Largest element of each row over its four planes [R, Q] → [R, 1]."""
+    p0, p1, p2, p3 = planes
+    return jnp.max(jnp.maximum(jnp.maximum(p0, p1), jnp.maximum(p2, p3)), axis=1, keepdims=True)
+
+
+def _largest_below_rounds(keys, top, rounds: int):
+    """`rounds` times: top ← the largest key of the row below top (keys non-negative int32)."""
+
+    def gap_below(k, top):  # unsigned [R, 1]: keys ≥ top wrap high
+        return jnp.min(lax.bitcast_convert_type(top - 1 - k, jnp.uint32), axis=1, keepdims=True)
+
+    k0, k1, k2, k3 = keys
+    for _ in range(rounds):  # unrolled, as Triton's static_range: a loop costs ~1.5x (NOTES v23)
+        gap = jnp.minimum(jnp.minimum(gap_below(k0, top), gap_below(k1, top)),
+                          jnp.minimum(gap_below(k2, top), gap_below(k3, top)))  # unsigned, as the gaps
+        top = top - 1 - lax.bitcast_convert_type(gap, jnp.int32)
+    return top
+
+
+def _threshold_key(m, s, offset, tau_bits):
+    """Ordered key to compare unclipped keys with for threshold m + offset·s ([R, 1])."""
+    t_bits = lax.bitcast_convert_type(m + offset * s, jnp.int32)
+    t_key = jnp.where(t_bits == 0, -1, _ordered_key(t_bits))  # x ≥ +0 holds for −0 (key −1) too
+    below_clip = t_key <= _ordered_key(tau_bits | F32_SIGN_BIT)
+    return jnp.where(below_clip, ORDERED_KEY_BELOW_ALL, jnp.where(t_key > tau_bits, ORDERED_KEY_ABOVE_ALL, t_key))
+
+
+def encode_planes(planes, *, clip_index: int, rows_bf16: bool):
+    """Encode rows of one group (G = D, levels="minmax") given as their four quarter planes of
+    float32 bit patterns (4 × int32 [R, Q]). rows_bf16: every value is a bfloat16 (low bits zero).
+    Returns packed uint8 [R, Q], scale and minimum float16 [R, 1], and `exact` bool [R, 1]: where
+    false the outputs are not the format's and the row needs encode_block."""
+    rows, quarter = planes[0].shape
+    d = quarter * CODES_PER_BYTE
+    skip = d - 1 - clip_index
+    magnitudes = [p & F32_MAGNITUDE_MASK for p in planes]
+    # 1–2. τ, and whether sanitize leaves the row as it is.
+    if rows_bf16:  # tagged with the column (tagged_max): every key differs
+        column = lax.broadcasted_iota(jnp.int32, (rows, quarter), 1)
+        keys = [a | (column + p * quarter) for p, a in enumerate(magnitudes)]
+        top = _row_max4(keys)
+        exact = (top & ~BF16_LOW_MASK) <= FP16_MAX_BITS
+        tau = _largest_below_rounds(keys, top, skip) & ~BF16_LOW_MASK
+    else:  # distinct values (checked_max): exact where no tie hid among the largest
+        top = _row_max4(magnitudes)
+        tau = _largest_below_rounds(magnitudes, top, skip)
+        above = sum((a > tau).astype(jnp.int32) for a in magnitudes)
+        exact = (top <= FP16_MAX_BITS) & (jnp.sum(above, axis=1, keepdims=True) == skip)
+    # 3. the clipped extremes.
+    hi = _row_max4(planes)
+    lo = lax.bitcast_convert_type(_row_max4([lax.bitcast_convert_type(p, jnp.uint32) for p in planes]), jnp.int32)
+    exact = exact & (tau != 0) & (hi >= 0) & (lo < 0)
+    hi = lax.bitcast_convert_type(jnp.minimum(hi, tau), jnp.float32)
+    lo = lax.bitcast_convert_type(jnp.where((lo & F32_MAGNITUDE_MASK) > tau, tau | F32_SIGN_BIT, lo), jnp.float32)
+    scale = _to_f16_saturating((hi - lo) * ONE_THIRD_F32)
+    minimum = lo.astype(jnp.float16)
+    # 4–5. codes against the thresholds moved off the clip range, packed plane by plane.
+    s = scale.astype(jnp.float32)
+    m = minimum.astype(jnp.float32)
+    thresholds = [_threshold_key(m, s, offset, tau) for offset in THRESHOLD_OFFSETS]
+    packed = jnp.zeros((rows, quarter), jnp.int32)
+    for p, plane in enumerate(planes):
+        key = _ordered_key(plane)
+        codes = sum((key >= t).astype(jnp.int32) for t in thresholds)
+        packed = packed + (codes << (p * CODE_BITS))
+    return packed.astype(jnp.uint8), scale, minimum, exact
+
+
 def decode_block(packed, scale, minimum, *, group_size: int):
     """packed uint8 [R, D/4], scale/minimum float16 [R, D/G] → float32 [R, D], x̂ = m + code·s."""
     rows, quarter = packed.shape
@@ -359,15 +449,27 @@ def _encode_kernel(
     clip_index: int,
     levels: str,
     order_statistic: str,
+    planes: bool = False,
 ):
     mask = row_mask(x_ref.shape[0], num_rows)
-    packed, scale, minimum = encode_block(
-        load_block(x_ref, mask),
-        group_size=group_size,
-        clip_index=clip_index,
-        levels=levels,
-        order_statistic=order_statistic,
-    )
+
+    def by_encode_block():
+        return encode_block(load_block(x_ref, mask), group_size=group_size, clip_index=clip_index, levels=levels,
+                            order_statistic=order_statistic)
+
+    if planes:  # encode_planes, unless a row of the block needs encode_block
+        quarter = x_ref.shape[1] // CODES_PER_BYTE
+        bits = [lax.bitcast_convert_type(load_block(x_ref.at[:, pl.ds(p * quarter, quarter)], mask)
+                                         .astype(jnp.float32), jnp.int32) for p in range(CODES_PER_BYTE)]
+        packed, scale, minimum, exact = encode_planes(bits, clip_index=clip_index,
+                                                      rows_bf16=x_ref.dtype == jnp.bfloat16)
+        if mask is not None:
+            exact = exact | ~mask
+        # One axis per reduction (the Triton lowering's multi-axis reductions fail under a mesh).
+        all_exact = jnp.min(jnp.min(exact.astype(jnp.int32), axis=0), axis=0) == 1
+        packed, scale, minimum = lax.cond(all_exact, lambda: (packed, scale, minimum), by_encode_block)
+    else:
+        packed, scale, minimum = by_encode_block()
     store_block(packed_ref, packed, mask)
     store_block(scale_ref, scale, mask)
     store_block(minimum_ref, minimum, mask)
@@ -376,7 +478,7 @@ def _encode_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "group_size", "clip_index", "levels", "order_statistic", "block_rows", "num_warps", "interpret",
+        "group_size", "clip_index", "levels", "order_statistic", "block_rows", "num_warps", "interpret", "planes",
     ),
 )
 def encode_rows(
@@ -389,10 +491,15 @@ def encode_rows(
     block_rows: int = DEFAULT_BLOCK_ROWS,
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool | None = None,
+    planes: bool = False,
 ):
-    """Launch encode over x [N, D] (N ≥ 1). Arguments are validated by oscar_jax.ops.encode."""
+    """Launch encode over x [N, D] (N ≥ 1). Arguments are validated by oscar_jax.ops.encode.
+    planes: take `encode_planes` where it applies (G = D, levels="minmax"; an error elsewhere).
+    Off by default until measured on the GPU (benchmarks/NOTES.md v23)."""
     num_rows, d = x.shape
     quarter, num_groups = d // CODES_PER_BYTE, d // group_size
+    if planes:
+        tiling.check_encode_planes(d, group_size, levels)
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype)
     rows = block_rows_for(num_rows, block_rows)
     kernel = functools.partial(
@@ -402,6 +509,7 @@ def encode_rows(
         clip_index=clip_index,
         levels=levels,
         order_statistic=order_statistic,
+        planes=planes,
     )
     return pl.pallas_call(
         kernel,
@@ -419,7 +527,8 @@ def encode_rows(
         ],
         interpret=resolve_interpret(interpret),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"oscar_encode_d{d}_g{group_size}_k{clip_index}_{levels}_{order_statistic}_r{rows}",
+        name=f"oscar_encode_d{d}_g{group_size}_k{clip_index}_{levels}_{order_statistic}_r{rows}"
+             + ("_planes" if planes else ""),
     )(x)
 
 

@@ -55,6 +55,8 @@ from shared_math.float_bits import (
     F32_SIGN_BIT,
     F32_SIGN_SHIFT,
     FP16_MAX_BITS,
+    ORDERED_KEY_ABOVE_ALL,
+    ORDERED_KEY_BELOW_ALL,
 )
 from shared_math.spec import (
     CODE_BITS,
@@ -409,13 +411,8 @@ def encode_block(
 # set or without one clear, and (float32 rows) ties among the largest values (checked_max's test).
 
 PLANES_C = tl.constexpr(CODES_PER_BYTE)
-KEY_BELOW_ALL_C = tl.constexpr(-(2**31))  # an ordered key ≤ every key: the threshold always met
-KEY_ABOVE_ALL_C = tl.constexpr(2**31 - 1)  # > every key of a value |x| ≤ FP16_MAX: never met
-
-
-def encode_planes_applies(head_dim: int, group_size: int, levels: str) -> bool:
-    """Whether `encode_planes` encodes these rows (else encode_block does)."""
-    return levels == "minmax" and group_size == head_dim
+KEY_BELOW_ALL_C = tl.constexpr(ORDERED_KEY_BELOW_ALL)  # a threshold every key meets
+KEY_ABOVE_ALL_C = tl.constexpr(ORDERED_KEY_ABOVE_ALL)  # a threshold no key of |x| ≤ FP16_MAX meets
 
 
 @triton.jit
@@ -605,9 +602,8 @@ def encode_rows(
     planes: take `encode_planes` where it applies (G = D, levels="minmax"; an error elsewhere).
     Off by default until measured on the GPU (benchmarks/NOTES.md v23)."""
     num_rows, d = x.shape
-    if planes and not encode_planes_applies(d, group_size, levels):
-        raise ValueError(f"planes=True needs group_size == head_dim and levels='minmax', got "
-                         f"{group_size=}, head_dim={d}, {levels=}")
+    if planes:
+        tiling.check_encode_planes(d, group_size, levels)
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype)
     rows = block_rows_for(num_rows, block_rows)
     packed = torch.empty((num_rows, d // CODES_PER_BYTE), dtype=torch.uint8, device=x.device)
