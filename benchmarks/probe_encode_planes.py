@@ -1,21 +1,25 @@
-"""The codec's encode by planes against encode_block on the GPU, both backends (NOTES v23).
+"""The encode by planes against encode_block on the GPU, both backends (NOTES v23).
 
     python3 -m benchmarks.probe_encode_planes --out OUT.json
 
-The codec launchers' `encode_rows` (Pallas and Triton) encode 65,536 tokens × 8 KV heads of d 128 (the bench_write shape; N(0, 1) rows, so every block
-takes encode_planes) as bfloat16 and float32 rows, at the key and value clip ratios, with
-`planes` off (encode_block at its shipped 16 rows a program) and on (16 / 32 / 64 rows), and a
-last variant where one row in 64 holds a NaN (every block falls back). Each variant's bytes are
-checked against shared_math.encode of the same rows before it is timed; times are medians (Triton:
-CUDA-graph replays; Pallas: each call's device span in a jax.profiler trace, harness.
-trace_program_seconds), against the bytes the kernel must move and the copy bandwidth measured in
-the same run.
-The static prediction (sm_90 SASS of the path a program runs): results/static_encode_planes_v23.txt.
+Section `codec`: the codec launchers' `encode_rows` (Pallas and Triton) encode 65,536 tokens × 8
+KV heads of d 128 (the bench_write shape; N(0, 1) rows, so every block takes encode_planes) as
+bfloat16 and float32 rows, at the key and value clip ratios, with `planes` off (encode_block at
+its shipped 16 rows a program) and on (16 / 32 / 64 rows), and a last variant where one row in 64
+holds a NaN (every block falls back). Section `write`: the write kernels that can take planes —
+the unrotated `write_pages_rows` (the values' prefill write) at 16 / 32 / 64 tokens a program and
+`demote_pages_rows` (256 pages × 36 layers, bench_write's case) — planes off and on, at the value
+clip ratio. Each variant's bytes are checked against shared_math.encode of the same rows before
+it is timed; times are medians (Triton: CUDA-graph replays; Pallas codec: each call's device span
+in a jax.profiler trace, harness.trace_program_seconds; Pallas writes: harness.time_jax_loop, as
+bench_write), against the bytes the kernel must move and the copy bandwidth measured in the same
+run. The static prediction (sm_90 SASS of the path a program runs): results/static_encode_planes_v23.txt.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 from pathlib import Path
@@ -53,6 +57,7 @@ def main(argv=None) -> None:
     parser.add_argument("--block-rows", default="16,32,64")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--backends", default="pallas,triton")
+    parser.add_argument("--sections", default="codec,write", help="comma-separated: codec (encode_rows), write")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -64,9 +69,10 @@ def main(argv=None) -> None:
                "variants": []}
     copy_gb_per_s = results["copy_bandwidth"]["gb_per_s"]
     n_check = 8192  # rows checked against shared_math (the same rows, float32 values)
-    for backend, dtype, (tensor, ratio), variant in itertools.product(
-            args.backends.split(","), args.dtypes.split(","), CLIP_RATIOS.items(),
-            variants([int(b) for b in args.block_rows.split(",")])):
+    codec_variants = itertools.product(
+        args.backends.split(","), args.dtypes.split(","), CLIP_RATIOS.items(),
+        variants([int(b) for b in args.block_rows.split(",")]))
+    for backend, dtype, (tensor, ratio), variant in codec_variants if "codec" in args.sections.split(",") else ():
         rows = make_rows(args.tokens, variant["rows"])
         kw = dict(group_size=HEAD_DIM, clip_index=clip_index(ratio, HEAD_DIM), levels="minmax",
                   block_rows=variant["block_rows"], planes=variant["planes"])
@@ -88,6 +94,131 @@ def main(argv=None) -> None:
             print(f"{name}: BYTES DIFFER from shared_math, not timed", flush=True)
         results["variants"].append(entry)
         args.out.write_text(json.dumps(results, indent=1))
+    if "write" in args.sections.split(","):
+        results["write_kernels"] = write_kernel_variants(args.tokens, [int(b) for b in args.block_rows.split(",")],
+                                                         args.backends.split(","), copy_gb_per_s)
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+def write_kernel_variants(tokens: int, block_rows: list[int], backends: list[str], copy_gb_per_s: float,
+                          demote_pages: int = 256, layers: int | None = None) -> list[dict]:
+    """write_pages_rows (unrotated bf16 rows) and demote_pages_rows with planes off / on; each
+    variant's pools bit-identical to planes off's (checked against shared_math on a subset)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import bench_write
+    from oscar_jax.kernels import write as jax_write
+    from shared_math import codec
+    from shared_math.spec import clip_index
+
+    page, ratio = bench_write.PAGE, CLIP_RATIOS["value"]
+    kw = dict(group_size=HEAD_DIM, clip_index=clip_index(ratio, HEAD_DIM), levels="minmax")
+    rows = jnp.asarray(make_rows(tokens, "normal").reshape(tokens, KV_HEADS, HEAD_DIM)).astype(jnp.bfloat16)
+    pages = tokens // page
+    page_ids = jnp.asarray(np.repeat(np.random.default_rng(1).permutation(pages).astype(np.int32), page))
+    slots = jnp.asarray(np.tile(np.arange(page, dtype=np.int32), pages))
+    shape, meta = (pages, KV_HEADS, page, HEAD_DIM // 4), (pages, KV_HEADS, page, 1)
+    pools = (jnp.zeros(shape, jnp.uint8), jnp.zeros(meta, jnp.float16), jnp.zeros(meta, jnp.float16))
+    write_bytes = rows.size * 2 + bench_write._int2_bytes(tokens, KV_HEADS, HEAD_DIM, HEAD_DIM)
+    n_check = 4096
+    want = codec.encode(np.asarray(rows[:n_check].astype(jnp.float32)), group_size=HEAD_DIM, clip_ratio=ratio)
+    out = []
+    for backend, planes, block in [(b, False, 16) for b in backends] + [(b, True, r) for b in backends
+                                                                        for r in block_rows]:
+        entry = {"kernel": "write_pages_rows", "backend": backend, "planes": planes, "block_tokens": block,
+                 "dtype": "bfloat16", "clip_ratio": ratio, "bytes_moved": write_bytes}
+        if backend == "pallas":
+            call = functools.partial(jax_write.write_pages_rows, rotation=None, block_tokens=block, planes=planes, **kw)
+            got = [np.asarray(p) for p in call(*pools, rows, page_ids, slots)]
+
+            def step(i, carry, rows, page_ids, slots):
+                return call(*carry, rows, page_ids, slots)
+
+            timing = lambda: harness.time_jax_loop(step, pools, reps=20, operands=(rows, page_ids, slots))  # noqa: E731
+        else:
+            got, timing = _triton_write(rows, page_ids, slots, pools, block, planes, kw)
+        written = [g[np.asarray(page_ids[:n_check]), :, np.asarray(slots[:n_check])] for g in got]
+        entry["bytes_equal_shared_math"] = all(np.array_equal(a.view(np.uint8), b.view(np.uint8))
+                                               for a, b in zip(written, want))
+        _time(entry, timing, copy_gb_per_s)
+        out.append(entry)
+    del pools, rows
+    layers = bench_write.LAYERS if layers is None else layers
+    demoted = demote_pages
+    bf16 = jax.random.normal(jax.random.key(0), (layers, 2 * demoted, KV_HEADS, page, HEAD_DIM)).astype(jnp.bfloat16)
+    src = jnp.asarray(np.random.default_rng(2).permutation(2 * demoted)[:demoted].astype(np.int32))
+    dst = jnp.arange(demoted, dtype=jnp.int32)[::-1]
+    shape, meta = (layers, demoted, KV_HEADS, page, HEAD_DIM // 4), (layers, demoted, KV_HEADS, page, 1)
+    pools = (jnp.zeros(shape, jnp.uint8), jnp.zeros(meta, jnp.float16), jnp.zeros(meta, jnp.float16))
+    demote_tokens = layers * demoted * page
+    demote_bytes = demote_tokens * KV_HEADS * HEAD_DIM * 2 + bench_write._int2_bytes(demote_tokens, KV_HEADS,
+                                                                                     HEAD_DIM, HEAD_DIM)
+    checked = min(4, demoted)
+    want = codec.encode(np.asarray(bf16[0, src[:checked]].astype(jnp.float32)), group_size=HEAD_DIM, clip_ratio=ratio)
+    for backend, planes in itertools.product(backends, (False, True)):
+        entry = {"kernel": "demote_pages_rows", "backend": backend, "planes": planes, "pages": demoted,
+                 "layers": layers, "clip_ratio": ratio, "bytes_moved": demote_bytes}
+        if backend == "pallas":
+            call = functools.partial(jax_write.demote_pages_rows, planes=planes, **kw)
+            got = [np.asarray(p) for p in call(bf16, *pools, src, dst)]
+
+            def step(i, carry, bf16, src, dst):
+                return call(bf16, *carry, src, dst)
+
+            timing = lambda: harness.time_jax_loop(step, pools, reps=20, operands=(bf16, src, dst))  # noqa: E731
+        else:
+            got, timing = _triton_demote(bf16, src, dst, pools, planes, kw)
+        written = [g[0, np.asarray(dst[:checked])] for g in got]
+        entry["bytes_equal_shared_math"] = all(np.array_equal(a.view(np.uint8), b.view(np.uint8))
+                                               for a, b in zip(written, want))
+        _time(entry, timing, copy_gb_per_s)
+        out.append(entry)
+    return out
+
+
+def _time(entry: dict, timing, copy_gb_per_s: float) -> None:
+    name = " ".join(f"{entry[k]}" for k in ("kernel", "backend", "planes", "block_tokens") if k in entry)
+    if not entry["bytes_equal_shared_math"]:
+        print(f"{name}: BYTES DIFFER from shared_math, not timed", flush=True)
+        return
+    entry["timing"] = timing()
+    entry["gb_per_s"] = entry["bytes_moved"] / entry["timing"]["median_s"] / 1e9
+    entry["fraction_of_copy"] = entry["gb_per_s"] / copy_gb_per_s
+    print(f"{name}: {entry['timing']['median_s'] * 1e6:8.1f} us {entry['gb_per_s']:6.0f} GB/s "
+          f"({entry['fraction_of_copy']:.1%} of copy)", flush=True)
+
+
+def _torch_pools(pools):
+    import torch
+
+    return tuple(torch.zeros(tuple(p.shape), dtype=t, device="cuda")
+                 for p, t in zip(pools, (torch.uint8, torch.float16, torch.float16)))
+
+
+def _triton_write(rows, page_ids, slots, pools, block: int, planes: bool, kw: dict):
+    import torch
+
+    from oscar_torch.kernels import write as torch_write
+
+    tpools, trows = _torch_pools(pools), torch.from_dlpack(rows)
+    tpage, tslot = torch.from_dlpack(page_ids), torch.from_dlpack(slots)
+    call = functools.partial(torch_write.write_pages_rows, *tpools, trows, tpage, tslot, None, block_tokens=block,
+                             planes=planes, **kw)
+    call()
+    return [p.cpu().numpy() for p in tpools], lambda: harness.time_torch_graph([call])
+
+
+def _triton_demote(bf16, src, dst, pools, planes: bool, kw: dict):
+    import torch
+
+    from oscar_torch.kernels import write as torch_write
+
+    tpools = _torch_pools(pools)
+    call = functools.partial(torch_write.demote_pages_rows, torch.from_dlpack(bf16), *tpools, torch.from_dlpack(src),
+                             torch.from_dlpack(dst), planes=planes, **kw)
+    call()
+    return [p.cpu().numpy() for p in tpools], lambda: harness.time_torch_graph([call])
 
 
 def _triton(rows: np.ndarray, dtype: str, kw: dict):

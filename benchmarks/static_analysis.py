@@ -98,7 +98,8 @@ def shortest_path_profile(sass_text: str) -> dict:
     (taken or not; backward branches are not followed: the kernels this is for unroll their
     loops): what a program runs when it skips every optional region, e.g. the encode's fallback to
     encode_block, wherever ptxas placed it (after the first EXIT for a Triton `if`, jumped over for
-    Pallas's `lax.cond`; NOTES v23). Count, ALU-pipe count, count per opcode."""
+    Pallas's `lax.cond`; NOTES v23). Count, ALU-pipe count, count per opcode, and `loops`: back
+    edges on the path (each loop's body counted once: the count is then a lower bound)."""
     instructions = [(int(address, 16), text.strip()) for address, text in _INSTRUCTION.findall(sass_text)]
     index = {address: i for i, (address, _) in enumerate(instructions)}
     # cost[i]: instructions from i to an EXIT along the shortest way (i included); filled backwards.
@@ -122,13 +123,16 @@ def shortest_path_profile(sass_text: str) -> dict:
         cost[i], step[i] = 1 + best[0], best[1]
     if cost[0] == inf:
         raise ValueError("no way from the entry to an EXIT in the SASS")
-    body, i = [], 0
+    body, i, loops = [], 0, 0
     while i is not None:
-        body.append(_PREDICATE.sub("", instructions[i][1]))
+        text = instructions[i][1]
+        body.append(_PREDICATE.sub("", text))
+        if (m := _BRANCH.search(text)) and int(m.group(1), 16) < instructions[i][0]:
+            loops += 1  # a loop's back edge on the path: its body is counted once, not per iteration
         i = step[i]
     opcodes = collections.Counter(text.split()[0].split(".")[0] for text in body)
     return {"instructions": len(body), "alu": sum(n for op, n in opcodes.items() if op in ALU_OPCODES),
-            "opcodes": dict(opcodes.most_common())}
+            "loops": loops, "opcodes": dict(opcodes.most_common())}
 
 
 def pallas_triton_kernels(fn, *args) -> list[tuple[str, str, int, int]]:
@@ -304,6 +308,22 @@ def qwen3_decode_case(num_warps: int | None, pages_per_block: int = 1, unpack_as
 ENCODE_POINTERS = {"packed_ptr": "*u8", "scale_ptr": "*fp16", "minimum_ptr": "*fp16", "num_rows": "i32"}
 
 
+def _pallas_path_usage(fn, *args) -> dict:
+    """compile_pallas_for_h200 of a one-kernel fn, with the kernel's shortest path in place of the cubin."""
+    (usage,) = compile_pallas_for_h200(fn, *args).values()
+    usage["shortest_path"] = shortest_path_profile(sass(usage.pop("compiled").asm["cubin"]))
+    return usage
+
+
+def _per_element(usage: dict, rows: int, head_dim: int, num_warps: int) -> dict:
+    """A kernel's registers, spills and shortest path per element of its [rows, head_dim] block."""
+    elements_per_thread = rows * head_dim / (num_warps * 32)
+    path = usage["shortest_path"]
+    return dict(registers=usage["registers"], spills=usage["spills"], loops=path["loops"],
+                instructions_per_element=path["instructions"] / elements_per_thread,
+                alu_per_element=path["alu"] / elements_per_thread)
+
+
 def encode_table(clip_indices=(122, 117), block_rows=(16, 32, 64), num_warps: int = 4) -> list[dict]:
     """The codec's encode kernels for sm_90 at d 128 (G 128, minmax), both backends: encode_block at
     its shipped 16 rows and encode by planes at each of `block_rows` (NOTES v23). Per element, the
@@ -323,9 +343,7 @@ def encode_table(clip_indices=(122, 117), block_rows=(16, 32, 64), num_warps: in
         for planes, rows in [(False, 16)] + [(True, r) for r in block_rows]:
             fn = functools.partial(jax_codec.encode_rows, group_size=128, clip_index=k, levels="minmax", block_rows=rows,
                                    planes=planes, interpret=False, num_warps=num_warps)
-            (usage,) = compile_pallas_for_h200(fn, jax.ShapeDtypeStruct((4096, 128), getattr(jnp, dtype))).values()
-            usage["shortest_path"] = shortest_path_profile(sass(usage.pop("compiled").asm["cubin"]))
-            found = [("pallas", usage)]
+            found = [("pallas", _pallas_path_usage(fn, jax.ShapeDtypeStruct((4096, 128), getattr(jnp, dtype))))]
             if os.environ.get("TRITON_INTERPRET") != "1":
                 from oscar_torch.kernels import codec as torch_codec
 
@@ -335,24 +353,74 @@ def encode_table(clip_indices=(122, 117), block_rows=(16, 32, 64), num_warps: in
                 pointers = dict(ENCODE_POINTERS, x_ptr="*i16" if rows_of[dtype] else "*fp32")
                 found.append(("triton", triton_kernel_usage(torch_codec._encode_kernel, constants, num_warps, 1,
                                                             pointers=pointers, shortest_path=True)))
-            elements_per_thread = rows * 128 / (num_warps * 32)
-            for backend, usage in found:
-                path = usage["shortest_path"]
-                table.append(dict(backend=backend, rows_dtype=dtype, clip_index=k, planes=planes, block_rows=rows,
-                                  registers=usage["registers"], spills=usage["spills"],
-                                  instructions_per_element=path["instructions"] / elements_per_thread,
-                                  alu_per_element=path["alu"] / elements_per_thread))
+            table += [dict(backend=backend, rows_dtype=dtype, clip_index=k, planes=planes, block_rows=rows,
+                           **_per_element(usage, rows, 128, num_warps)) for backend, usage in found]
     return table
 
 
-def _print_encode_table() -> None:
-    print("| backend | rows | k | encode | rows a program | registers | spills | instructions / element "
-          "| ALU-pipe / element |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in encode_table():
-        print(f"| {r['backend']} | {r['rows_dtype']} | {r['clip_index']} | {'planes' if r['planes'] else 'encode_block'} "
+WRITE_POINTERS = {"rotation_ptr": "*i16", "page_ids_ptr": "*i32", "slots_ptr": "*i32", "codes_ptr": "*u8",
+                  "scale_ptr": "*fp16", "minimum_ptr": "*fp16", "num_tokens": "i32", "num_pages": "i32",
+                  "x_ptr": "*i16", "src_pages_ptr": "*i32", "dst_pages_ptr": "*i32", "bf16_ptr": "*i16",
+                  "src_pool_pages": "i32", "dst_pool_pages": "i32"}
+
+
+def write_table(clip_index: int = 117, block_tokens=(16, 32), num_warps: int = 4) -> list[dict]:
+    """The unrotated page write (bf16 rows) and the demotion (pages of 64) for sm_90, planes off /
+    on, as encode_table: per element along the shortest path (NOTES v23)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from oscar_jax.kernels import write as jax_write
+
+    heads, page, d = 8, 64, 128
+    pools = [jax.ShapeDtypeStruct((16, heads, page, w), t) for w, t in ((d // 4, jnp.uint8), (1, jnp.float16),
+                                                                       (1, jnp.float16))]
+    kw = dict(group_size=d, clip_index=clip_index, levels="minmax", interpret=False, num_warps=num_warps)
+    cases = [("write_pages", planes, rows) for planes in (False, True) for rows in block_tokens]
+    cases += [("demote_pages", planes, page) for planes in (False, True)]
+    table = []
+    for kernel, planes, rows in cases:
+        if kernel == "write_pages":
+            fn = functools.partial(jax_write.write_pages_rows, rotation=None, block_tokens=rows, planes=planes, **kw)
+            args = (*pools, jax.ShapeDtypeStruct((256, heads, d), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((256,), jnp.int32))
+        else:
+            fn = functools.partial(jax_write.demote_pages_rows, planes=planes, **kw)
+            args = (jax.ShapeDtypeStruct((2, 16, heads, page, d), jnp.bfloat16),
+                    *[jax.ShapeDtypeStruct((2,) + p.shape, p.dtype) for p in pools],
+                    jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
+        found = [("pallas", _pallas_path_usage(fn, *args))]
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            from oscar_torch.kernels import write as torch_write
+
+            constants = dict(NUM_HEADS=heads, PAGE_SIZE=page, D=d, GROUP_SIZE=d, CLIP_INDEX=clip_index,
+                             LEVELS="minmax", ORDER_STATISTIC="tagged_max", PLANES=planes)
+            if kernel == "write_pages":
+                constants.update(ROTATE=False, INPUT_BF16=True, BLOCK_TOKENS=rows, TENSOR_CORES=True,
+                                 ROTATION_ROWS=rows)
+            found.append(("triton", triton_kernel_usage(getattr(torch_write, f"_{kernel}_kernel"), constants,
+                                                        num_warps, 1, pointers=WRITE_POINTERS, shortest_path=True)))
+        table += [dict(backend=backend, kernel=kernel, planes=planes, block_rows=rows, clip_index=clip_index,
+                       **_per_element(usage, rows, d, num_warps)) for backend, usage in found]
+    return table
+
+
+def _print_table(rows: list[dict], first: str, columns: str) -> None:
+    print(f"| backend | {columns} | encode | rows a program | registers | spills | instructions / element "
+          "| ALU-pipe / element | loops on the path |")
+    print("|---" * 10 + "|")
+    for r in rows:
+        print(f"| {r['backend']} | {r[first]} | {r['clip_index']} | {'planes' if r['planes'] else 'encode_block'} "
               f"| {r['block_rows']} | {r['registers']} | {r['spills']} | {r['instructions_per_element']:.1f} "
-              f"| {r['alu_per_element']:.1f} |", flush=True)
+              f"| {r['alu_per_element']:.1f} | {r['loops']} |", flush=True)
+
+
+def _print_encode_tables() -> None:
+    _print_table(encode_table(), "rows_dtype", "rows | k")
+    print()
+    _print_table(write_table(), "kernel", "kernel (bf16 rows, unrotated) | k")
 
 
 def main(argv=None) -> None:
@@ -365,7 +433,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.encode:
-        _print_encode_table()
+        _print_encode_tables()
         return
     page = 64
     print("| kernel | unpack | warps | registers | spill B | SASS per loop iteration per warp "

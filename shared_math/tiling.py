@@ -251,11 +251,14 @@ def encode_planes_applies(head_dim: int, group_size: int, levels: str) -> bool:
     return levels == "minmax" and group_size == head_dim
 
 
-def check_encode_planes(head_dim: int, group_size: int, levels: str) -> None:
-    """The launchers' check of `planes=True`: a ValueError naming what does not apply."""
+def check_encode_planes(head_dim: int, group_size: int, levels: str, rotated: bool = False) -> None:
+    """The launchers' check of `planes=True`: a ValueError naming what does not apply. Rows the
+    kernel rotates come from one [R, D] product, not from four plane loads."""
     if not encode_planes_applies(head_dim, group_size, levels):
         raise ValueError(f"planes=True needs group_size == head_dim and levels='minmax', got "
                          f"{group_size=}, {head_dim=}, {levels=}")
+    if rotated:
+        raise ValueError("planes=True needs rows the kernel does not rotate (rotation=None)")
 
 
 def resolve_order_statistic(order_statistic: str | None, head_dim: int, clip_index: int, *, rows_bf16: bool,

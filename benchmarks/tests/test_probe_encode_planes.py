@@ -32,3 +32,16 @@ def test_pallas_variant_checks_the_bytes_it_times(planes):
     encode, values = probe._pallas(rows, "bfloat16", kw)
     for got, want in zip(encode(check=True), codec.encode(values, group_size=128, clip_ratio=0.96)):
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_write_section_checks_every_variant_it_would_time(monkeypatch):
+    """The write section on a small case, Pallas interpreted: every variant (planes off / on,
+    write_pages_rows and demote_pages_rows) writes shared_math's bytes; the timer is stubbed."""
+    from benchmarks import harness
+
+    monkeypatch.setattr(harness, "time_jax_loop", lambda *a, **k: {"median_s": 1.0})
+    out = probe.write_kernel_variants(128, [32], ["pallas"], copy_gb_per_s=1.0, demote_pages=2, layers=1)
+    assert [(e["kernel"], e["planes"]) for e in out] == [
+        ("write_pages_rows", False), ("write_pages_rows", True), ("demote_pages_rows", False),
+        ("demote_pages_rows", True)]
+    assert all(e["bytes_equal_shared_math"] and e["timing"] == {"median_s": 1.0} for e in out), out

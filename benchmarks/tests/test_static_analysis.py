@@ -57,6 +57,51 @@ def test_loop_profile_rejects_straight_line_code():
         sa.loop_profile(SNIPPET.replace("BRA 0x20", "BRA 0x70"))
 
 
+FALLBACK_AFTER_EXIT = """
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x4, PT ;
+        /*0020*/                   BRA.DIV UR7, 0xc0 ;
+        /*0030*/               @P0 BRA 0x80 ;
+        /*0040*/                   LOP3.LUT R2, R0, 0x3, RZ, 0xc0, !PT ;
+        /*0050*/                   STG.E desc[UR4][R4.64], R2 ;
+        /*0060*/              @!P1 EXIT ;
+        /*0070*/                   EXIT ;
+        /*0080*/                   SEL R2, R0, RZ, P2 ;
+        /*0090*/                   VIMNMX R2, R2, R3, !PT ;
+        /*00a0*/              @!P2 BRA 0x80 ;
+        /*00b0*/                   BRA 0x50 ;
+        /*00c0*/                   WARPSYNC.ALL ;
+        /*00d0*/                   BRA 0x30 ;
+"""
+
+
+def test_shortest_path_skips_a_fallback_placed_after_the_exit():
+    """A Triton `if` whose rare side ptxas put after the first EXIT (and a diverged warp's BRA.DIV
+    detour): the path runs entry → EXIT through the common side, ALU ops counted."""
+    profile = sa.shortest_path_profile(FALLBACK_AFTER_EXIT)
+    assert profile["instructions"] == 7  # 0x00 … 0x60, leaving at the predicated EXIT
+    assert profile["opcodes"] == {"S2R": 1, "ISETP": 1, "BRA": 2, "LOP3": 1, "STG": 1, "EXIT": 1}
+    assert profile["alu"] == 2 and profile["loops"] == 0
+
+
+def test_shortest_path_jumps_over_a_fallback_and_flags_loops():
+    """A Pallas lax.cond whose rare side is jumped over; a loop on the path is counted once and flagged."""
+    jumped = """
+        /*0000*/              @!P0 BRA 0x40 ;
+        /*0010*/                   SEL R2, R0, RZ, P2 ;
+        /*0020*/                   SEL R2, R0, RZ, P2 ;
+        /*0030*/                   SEL R2, R0, RZ, P2 ;
+        /*0040*/                   VIADDMNMX R2, R2, R3, R4, PT ;
+        /*0050*/              @!P1 BRA 0x40 ;
+        /*0060*/                   EXIT ;
+"""
+    profile = sa.shortest_path_profile(jumped)
+    assert profile["opcodes"] == {"BRA": 2, "VIADDMNMX": 1, "EXIT": 1}
+    assert profile["alu"] == 1 and profile["loops"] == 1
+    with pytest.raises(ValueError, match="no way from the entry"):
+        sa.shortest_path_profile(jumped.replace("EXIT", "BRA 0x60"))
+
+
 @pytest.mark.parametrize("unpack_asm,budget", [(False, 34), (True, 24)])
 def test_int2_decode_kernel_instruction_budget(unpack_asm, budget):
     """The INT2 kernel at Qwen3-8B shapes as decode launches it (scores with tokens on M, one warp):

@@ -391,6 +391,34 @@ def encode_planes(planes, *, clip_index: int, rows_bf16: bool):
     return packed.astype(jnp.uint8), scale, minimum, exact
 
 
+def encode_planes_or_block(load_planes, load_rows, mask, *, planes: bool, rows_bf16: bool, group_size: int,
+                           clip_index: int, levels: str, order_statistic: str):
+    """(packed, scale, minimum) of a block: encode_planes of `load_planes()` (four float32 [R, Q])
+    when `planes` and every row that exists (`mask` [R, 1] or None) takes it, else encode_block of
+    `load_rows()` (float32 [R, D]) — read only in the block that needs it."""
+
+    def by_encode_block():
+        return encode_block(load_rows(), group_size=group_size, clip_index=clip_index, levels=levels,
+                            order_statistic=order_statistic)
+
+    if not planes:
+        return by_encode_block()
+    bits = [lax.bitcast_convert_type(p, jnp.int32) for p in load_planes()]
+    packed, scale, minimum, exact = encode_planes(bits, clip_index=clip_index, rows_bf16=rows_bf16)
+    if mask is not None:
+        exact = exact | ~mask
+    # One axis per reduction (the Triton lowering's multi-axis reductions fail under a mesh).
+    all_exact = jnp.min(jnp.min(exact.astype(jnp.int32), axis=0), axis=0) == 1
+    return lax.cond(all_exact, lambda: (packed, scale, minimum), by_encode_block)
+
+
+def load_planes(ref, mask):
+    """The four quarter planes of a block ref [R, D] as float32 [R, Q] (exact widening)."""
+    quarter = ref.shape[1] // CODES_PER_BYTE
+    return [load_block(ref.at[:, pl.ds(p * quarter, quarter)], mask).astype(jnp.float32)
+            for p in range(CODES_PER_BYTE)]
+
+
 def decode_block(packed, scale, minimum, *, group_size: int):
     """packed uint8 [R, D/4], scale/minimum float16 [R, D/G] → float32 [R, D], x̂ = m + code·s."""
     rows, quarter = packed.shape
@@ -452,24 +480,10 @@ def _encode_kernel(
     planes: bool = False,
 ):
     mask = row_mask(x_ref.shape[0], num_rows)
-
-    def by_encode_block():
-        return encode_block(load_block(x_ref, mask), group_size=group_size, clip_index=clip_index, levels=levels,
-                            order_statistic=order_statistic)
-
-    if planes:  # encode_planes, unless a row of the block needs encode_block
-        quarter = x_ref.shape[1] // CODES_PER_BYTE
-        bits = [lax.bitcast_convert_type(load_block(x_ref.at[:, pl.ds(p * quarter, quarter)], mask)
-                                         .astype(jnp.float32), jnp.int32) for p in range(CODES_PER_BYTE)]
-        packed, scale, minimum, exact = encode_planes(bits, clip_index=clip_index,
-                                                      rows_bf16=x_ref.dtype == jnp.bfloat16)
-        if mask is not None:
-            exact = exact | ~mask
-        # One axis per reduction (the Triton lowering's multi-axis reductions fail under a mesh).
-        all_exact = jnp.min(jnp.min(exact.astype(jnp.int32), axis=0), axis=0) == 1
-        packed, scale, minimum = lax.cond(all_exact, lambda: (packed, scale, minimum), by_encode_block)
-    else:
-        packed, scale, minimum = by_encode_block()
+    packed, scale, minimum = encode_planes_or_block(
+        lambda: load_planes(x_ref, mask), lambda: load_block(x_ref, mask), mask, planes=planes,
+        rows_bf16=x_ref.dtype == jnp.bfloat16, group_size=group_size, clip_index=clip_index, levels=levels,
+        order_statistic=order_statistic)
     store_block(packed_ref, packed, mask)
     store_block(scale_ref, scale, mask)
     store_block(minimum_ref, minimum, mask)

@@ -34,6 +34,8 @@ from oscar_jax.kernels.codec import (
     DEFAULT_NUM_WARPS,
     block_rows_for,
     encode_block,
+    encode_planes_or_block,
+    load_planes,
     load_block,
     resolve_interpret,
     resolve_order_statistic,
@@ -42,7 +44,7 @@ from oscar_jax.kernels.codec import (
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.rotation import split_bf16
 from shared_math.spec import CODES_PER_BYTE
-from shared_math.tiling import SPLIT_ROTATION_BLOCK_TOKENS
+from shared_math.tiling import SPLIT_ROTATION_BLOCK_TOKENS, check_encode_planes
 
 # tl.dot needs M, N, K ≥ 16: the fused rotation runs on blocks of at least this many tokens.
 MIN_DOT_ROWS = 16
@@ -121,22 +123,29 @@ def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x
 # ------------------------------------------------------------------- fused write to dense rows
 
 
+def _encode_token_rows(x_ref, rotation_ref, mask, planes: bool, encode_args: dict):
+    """Encode a block of token rows x_ref [R, D]: rotated by rotation_ref (None: not rotated) and
+    encode_block, or, unrotated with `planes`, codec.encode_planes_or_block."""
+    if rotation_ref is not None:
+        return encode_block(_rotate(load_block(x_ref, mask).astype(jnp.float32), rotation_ref), **encode_args)
+    return encode_planes_or_block(lambda: load_planes(x_ref, mask), lambda: load_block(x_ref, mask), mask,
+                                  planes=planes, rows_bf16=x_ref.dtype == jnp.bfloat16, **encode_args)
+
+
 def _write_int2_kernel(
     x_ref,  # [R, D] float (tokens of one kv head)
     *refs,  # [rotation_ref (_rotation_operand)], packed_ref [R, D/4], scale_ref [R, D/G], minimum_ref [R, D/G]
     num_tokens: int,
     rotate: bool,
     encode_args: dict,
+    planes: bool = False,
 ):
     if rotate:
         rotation_ref, packed_ref, scale_ref, minimum_ref = refs
     else:
         rotation_ref, (packed_ref, scale_ref, minimum_ref) = None, refs
     mask = _token_mask(x_ref.shape[0], num_tokens, grid_axis=1)
-    x = load_block(x_ref, mask).astype(jnp.float32)
-    if rotate:
-        x = _rotate(x, rotation_ref)
-    packed, scale, minimum = encode_block(x, **encode_args)
+    packed, scale, minimum = _encode_token_rows(x_ref, rotation_ref, mask, planes, encode_args)
     store_block(packed_ref, packed, mask)
     store_block(scale_ref, scale, mask)
     store_block(minimum_ref, minimum, mask)
@@ -144,7 +153,7 @@ def _write_int2_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "group_size", "clip_index", "levels", "order_statistic", "block_tokens", "num_warps", "interpret",
+        "group_size", "clip_index", "levels", "order_statistic", "block_tokens", "num_warps", "interpret", "planes",
     ),
 )
 def write_int2_rows(
@@ -158,11 +167,15 @@ def write_int2_rows(
     block_tokens: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool | None = None,
+    planes: bool = False,
 ):
-    """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G]."""
+    """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G].
+    planes: unrotated rows by codec.encode_planes where it applies (off until measured, NOTES v23)."""
     num_tokens, num_heads, d = x.shape
     quarter, num_groups = d // CODES_PER_BYTE, d // group_size
     rotate = rotation is not None
+    if planes:
+        check_encode_planes(d, group_size, levels, rotated=rotate)
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype, rotated=rotate)
     rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
     encode_args = dict(
@@ -176,7 +189,7 @@ def write_int2_rows(
         operands.append(rotation)
     return pl.pallas_call(
         functools.partial(
-            _write_int2_kernel, num_tokens=num_tokens, rotate=rotate, encode_args=encode_args
+            _write_int2_kernel, num_tokens=num_tokens, rotate=rotate, encode_args=encode_args, planes=planes
         ),
         grid=(num_heads, pl.cdiv(num_tokens, rows)),
         in_specs=in_specs,
@@ -192,7 +205,8 @@ def write_int2_rows(
         ],
         interpret=resolve_interpret(interpret),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"oscar_write_int2_d{d}_g{group_size}_k{clip_index}_{levels}_rot{int(rotate)}_r{rows}",
+        name=f"oscar_write_int2_d{d}_g{group_size}_k{clip_index}_{levels}_rot{int(rotate)}_r{rows}"
+             + ("_planes" if planes else ""),
     )(*operands)
 
 
@@ -231,6 +245,7 @@ def _write_pages_kernel(
     num_tokens: int,
     rotate: bool,
     encode_args: dict,
+    planes: bool = False,
 ):
     rotation_ref = refs[0] if rotate else None
     page_ref, slot_ref, _, _, _, codes_ref, scale_ref, minimum_ref = refs[int(rotate) :]
@@ -240,10 +255,7 @@ def _write_pages_kernel(
     page, slot, valid = _destinations(
         page_ref, slot_ref, mask, num_pages=num_pages, page_size=page_size
     )
-    x = load_block(x_ref, mask).astype(jnp.float32)
-    if rotate:
-        x = _rotate(x, rotation_ref)
-    packed, scale, minimum = encode_block(x, **encode_args)
+    packed, scale, minimum = _encode_token_rows(x_ref, rotation_ref, mask, planes, encode_args)
     _scatter_rows(codes_ref, head, page, slot, valid, packed)
     _scatter_rows(scale_ref, head, page, slot, valid, scale)
     _scatter_rows(minimum_ref, head, page, slot, valid, minimum)
@@ -252,6 +264,7 @@ def _write_pages_kernel(
     jax.jit,
     static_argnames=(
         "group_size", "clip_index", "levels", "order_statistic", "block_tokens", "num_warps", "interpret", "layer",
+        "planes",
     ),
 )
 def write_pages_rows(
@@ -271,12 +284,16 @@ def write_pages_rows(
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool | None = None,
     layer: int | None = None,
+    planes: bool = False,
 ):
     """Encode x [T, K, D] (rotated by rotation [K, D, D] unless None) into the INT2 pools at
     (page_ids[t], slots[t]); returns the updated (codes, scale, minimum). With `layer`, the
-    pools are stacked [Y, P, K, L, ·] and only layer `layer` is written (in place)."""
+    pools are stacked [Y, P, K, L, ·] and only layer `layer` is written (in place). planes:
+    unrotated rows by codec.encode_planes where it applies (off until measured, NOTES v23)."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
+    if planes:
+        check_encode_planes(d, group_size, levels, rotated=rotate)
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype, rotated=rotate)
     rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
     encode_args = dict(
@@ -298,7 +315,7 @@ def write_pages_rows(
     operands += [page_ids, slots, codes, scale, minimum]
     return pl.pallas_call(
         functools.partial(
-            _write_pages_kernel, num_tokens=num_tokens, rotate=rotate, encode_args=encode_args
+            _write_pages_kernel, num_tokens=num_tokens, rotate=rotate, encode_args=encode_args, planes=planes
         ),
         grid=(num_heads, pl.cdiv(num_tokens, rows)),
         in_specs=in_specs,
@@ -311,7 +328,8 @@ def write_pages_rows(
         input_output_aliases=_alias_int2_pools(len(operands)),
         interpret=resolve_interpret(interpret),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"oscar_write_pages_d{d}_g{group_size}_k{clip_index}_{levels}_rot{int(rotate)}_r{rows}",
+        name=f"oscar_write_pages_d{d}_g{group_size}_k{clip_index}_{levels}_rot{int(rotate)}_r{rows}"
+             + ("_planes" if planes else ""),
     )(*operands)
 
 def _write_bf16_pages_kernel(
@@ -379,6 +397,7 @@ def _demote_pages_kernel(
     minimum_ref,  # [Y, P', K, L, D/G] float16
     *,
     encode_args: dict,
+    planes: bool = False,
 ):
     layer, head = pl.program_id(0), pl.program_id(2)
     src, dst = src_ref[0], dst_ref[0]
@@ -386,16 +405,22 @@ def _demote_pages_kernel(
     dst_pages = codes_ref.shape[1]
     valid = (src >= 0) & (src < src_pages) & (dst >= 0) & (dst < dst_pages)
     slot = lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
-    column = lax.broadcasted_iota(jnp.int32, (1, d), 1)
-    shape = (page_size, d)
-    rows = plgpu.load(
-        bf16_ref.at[
-            layer, jnp.where(valid, src, 0), head, jnp.broadcast_to(slot, shape), jnp.broadcast_to(column, shape)
-        ],
-        mask=jnp.broadcast_to(valid, shape),
-        other=0,
-    )
-    packed, scale, minimum = encode_block(rows.astype(jnp.float32), **encode_args)  # exact widening
+
+    def load_columns(first: int, width: int):  # the page's rows, columns first … first + width − 1
+        column = first + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        shape = (page_size, width)
+        return plgpu.load(
+            bf16_ref.at[
+                layer, jnp.where(valid, src, 0), head, jnp.broadcast_to(slot, shape), jnp.broadcast_to(column, shape)
+            ],
+            mask=jnp.broadcast_to(valid, shape),
+            other=0,
+        ).astype(jnp.float32)  # exact widening
+
+    quarter = d // CODES_PER_BYTE
+    packed, scale, minimum = encode_planes_or_block(
+        lambda: [load_columns(p * quarter, quarter) for p in range(CODES_PER_BYTE)], lambda: load_columns(0, d),
+        None, planes=planes, rows_bf16=True, **encode_args)
     page = jnp.where(valid, dst, dst_pages)  # one past the pool when skipped (see _destinations)
     for pool_ref, value in ((codes_ref, packed), (scale_ref, scale), (minimum_ref, minimum)):
         width = value.shape[1]
@@ -411,7 +436,7 @@ def _demote_pages_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("group_size", "clip_index", "levels", "order_statistic", "num_warps", "interpret"),
+    static_argnames=("group_size", "clip_index", "levels", "order_statistic", "num_warps", "interpret", "planes"),
 )
 def demote_pages_rows(
     bf16_pool,
@@ -427,11 +452,15 @@ def demote_pages_rows(
     order_statistic: str | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool | None = None,
+    planes: bool = False,
 ):
     """Quantize BF16 pages bf16_pool[y, src_pages[n]] into INT2 pages [y, dst_pages[n]] for every
     layer y and kv head: pools carry a leading layer axis Y (pass Y = 1 for one layer). Grid
-    (Y, N, K): one program encodes the L rows of one (layer, page, head) block."""
+    (Y, N, K): one program encodes the L rows of one (layer, page, head) block. planes: by
+    codec.encode_planes where it applies (off until measured, NOTES v23)."""
     num_layers, _, num_heads, page_size, d = bf16_pool.shape
+    if planes:
+        check_encode_planes(d, group_size, levels)
     (num_demoted,) = src_pages.shape
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, bf16_pool.dtype)
     encode_args = dict(
@@ -439,7 +468,7 @@ def demote_pages_rows(
     )
     operands = (src_pages, dst_pages, bf16_pool, codes, scale, minimum)
     return pl.pallas_call(
-        functools.partial(_demote_pages_kernel, encode_args=encode_args),
+        functools.partial(_demote_pages_kernel, encode_args=encode_args, planes=planes),
         grid=(num_layers, num_demoted, num_heads),
         in_specs=[
             pl.BlockSpec((1,), lambda y, n, h: (n,)),  # source page id of demotion n
@@ -458,5 +487,5 @@ def demote_pages_rows(
         input_output_aliases=_alias_int2_pools(len(operands)),
         interpret=resolve_interpret(interpret),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"oscar_demote_pages_d{d}_g{group_size}_k{clip_index}_{levels}_l{page_size}",
+        name=f"oscar_demote_pages_d{d}_g{group_size}_k{clip_index}_{levels}_l{page_size}" + ("_planes" if planes else ""),
     )(*operands)

@@ -17,6 +17,7 @@ from oscar_jax.kernels import write as kwrite
 from oscar_jax.kernels.codec import resolve_interpret
 from shared_math import codec as ref
 from shared_math.rotation import split_bf16
+from shared_math.spec import clip_index
 
 F32 = np.float32
 INTERPRET = resolve_interpret(None)
@@ -400,3 +401,77 @@ def test_uint8_arrays_of_2_to_4_gib_are_refused_when_compiled():
         else:
             check(spec, "codes", interpret=False)
     check(jax.ShapeDtypeStruct((2**31 + 1,), jnp.float16), "scale", interpret=False)  # 2-byte: fine
+
+
+# ------------------------------------------------------------------------- encode by planes
+
+
+def _planes_rows(rng, num_tokens, num_heads, d, dtype):
+    """Rows as the write kernels see them, one token's head with a NaN (its block falls back)."""
+    rows = (rng.standard_normal((num_tokens, num_heads, d)) * 3).astype(F32)
+    rows[num_tokens // 2, num_heads - 1, 5] = np.nan
+    return np.asarray(jnp.asarray(rows).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32], ids=["bf16", "f32"])
+def test_write_kernels_by_planes_land_exactly(dtype):
+    """write_int2_rows, write_pages_rows and demote_pages_rows with planes=True (unrotated rows,
+    G = D): shared_math's bytes, a partial last block and a falling-back block included."""
+    rng = np.random.default_rng(41)
+    num_tokens, num_heads, d, page_size, num_pages = 37, 3, 64, 16, 4
+    kw = dict(group_size=d, clip_index=clip_index(0.92, d), levels="minmax", block_tokens=16, planes=True)
+    rows = _planes_rows(rng, num_tokens, num_heads, d, dtype)
+    want = ref.encode(rows.astype(F32), group_size=d, clip_ratio=0.92)
+    assert_encoding(kwrite.write_int2_rows(rows, None, **kw), want, "write_int2 planes")
+
+    pools = int2_pools(rng, num_pages, num_heads, page_size, d, d)
+    page_ids, slots = destinations(rng, num_tokens, num_pages, page_size)
+    got = kwrite.write_pages_rows(*pools, rows, page_ids, slots, None, **kw)
+    for name, a, e in zip(("codes", "scale", "minimum"), got, expected_pools(pools, want, page_ids, slots)):
+        assert_same_bits(a, e, f"write_pages planes {name}")
+
+    bf16_pool = np.asarray(jnp.asarray(rows[:32].reshape(2, page_size, num_heads, d).transpose(0, 2, 1, 3))
+                           .astype(jnp.bfloat16))[None]  # [1 layer, 2 pages, K, L, d]
+    pools = int2_pools(rng, 3, num_heads, page_size, d, d, (1,))
+    kw.pop("block_tokens")
+    got = kwrite.demote_pages_rows(bf16_pool, *pools, jnp.array([1, 0]), jnp.array([0, 2]), **kw)
+    source = bf16_pool[0, [1, 0]].astype(F32)
+    encoded = ref.encode(source, group_size=d, clip_ratio=0.92)
+    for name, pool, a, e in zip(("codes", "scale", "minimum"), pools, got, encoded):
+        expected = np.array(pool, copy=True)
+        expected[0, [0, 2]] = e
+        assert_same_bits(a, expected, f"demote planes {name}")
+
+
+def test_write_by_planes_is_refused_for_rotated_rows_and_groups():
+    x = np.zeros((4, 2, 64), F32)
+    with pytest.raises(ValueError, match="does not rotate"):
+        kwrite.write_int2_rows(x, np.eye(64, dtype=F32)[None].repeat(2, 0), group_size=64, clip_index=58,
+                               levels="minmax", planes=True)
+    with pytest.raises(ValueError, match="group_size=32, head_dim=64"):
+        kwrite.write_int2_rows(x, None, group_size=32, clip_index=58, levels="minmax", planes=True)
+
+
+@pytest.mark.parametrize("launcher", ["write_pages_rows", "demote_pages_rows"])
+def test_write_by_planes_compiles_for_h200(launcher):
+    """The unrotated write and the demotion with planes=True (bf16 rows, Qwen3-8B value clip k 117)
+    lowered and compiled for sm_90 on the CPU: no spills (interpret mode applies no GPU rule)."""
+    pytest.importorskip("triton")
+    from benchmarks.static_analysis import compile_pallas_for_h200
+
+    heads, page, d = 8, 64, 128
+    pools = (jax.ShapeDtypeStruct((16, heads, page, d // 4), jnp.uint8),
+             jax.ShapeDtypeStruct((16, heads, page, 1), jnp.float16),
+             jax.ShapeDtypeStruct((16, heads, page, 1), jnp.float16))
+    kw = dict(group_size=d, clip_index=117, levels="minmax", interpret=False, planes=True)
+    if launcher == "write_pages_rows":
+        fn = functools.partial(kwrite.write_pages_rows, rotation=None, block_tokens=32, **kw)
+        args = (*pools, jax.ShapeDtypeStruct((256, heads, d), jnp.bfloat16), jax.ShapeDtypeStruct((256,), jnp.int32),
+                jax.ShapeDtypeStruct((256,), jnp.int32))
+    else:
+        fn = functools.partial(kwrite.demote_pages_rows, **kw)
+        pools = tuple(jax.ShapeDtypeStruct((2,) + p.shape, p.dtype) for p in pools)
+        args = (jax.ShapeDtypeStruct((2, 16, heads, page, d), jnp.bfloat16), *pools,
+                jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
+    (usage,) = compile_pallas_for_h200(fn, *args).values()
+    assert usage["spills"] == 0 and 0 < usage["registers"] <= 255, usage

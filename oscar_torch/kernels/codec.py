@@ -510,6 +510,38 @@ def load_plane_bits(ptrs, mask, INPUT_BF16: tl.constexpr):
 
 
 @triton.jit
+def encode_loaded_rows(
+    row_ptrs,  # [R, 1] pointers to each row's first element (D contiguous values)
+    row_ok,  # [R, 1] which rows exist
+    D: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    CLIP_INDEX: tl.constexpr,
+    LEVELS: tl.constexpr,
+    ORDER_STATISTIC: tl.constexpr,
+    INPUT_BF16: tl.constexpr,
+    PLANES: tl.constexpr,
+):
+    """Load and encode a block of rows: with PLANES by encode_planes (the rows read as their four
+    quarter planes) unless a row that exists needs encode_block, which then encodes the block
+    (the rows read whole, only there). Returns encode_block's (packed, scale, minimum)."""
+    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
+    rows = row_ptrs + tl.arange(0, D)[None, :]
+    if PLANES:
+        plane = row_ptrs + tl.arange(0, QUARTER)[None, :]
+        packed, scale, minimum, exact = encode_planes(
+            load_plane_bits(plane, row_ok, INPUT_BF16), load_plane_bits(plane + QUARTER, row_ok, INPUT_BF16),
+            load_plane_bits(plane + 2 * QUARTER, row_ok, INPUT_BF16),
+            load_plane_bits(plane + 3 * QUARTER, row_ok, INPUT_BF16), CLIP_INDEX, INPUT_BF16)
+        if tl.min((exact | ~row_ok).to(tl.int32)) == 0:
+            packed, scale, minimum = encode_block(load_rows_f32(rows, row_ok, INPUT_BF16), GROUP_SIZE, CLIP_INDEX,
+                                                  LEVELS, ORDER_STATISTIC)
+    else:
+        packed, scale, minimum = encode_block(load_rows_f32(rows, row_ok, INPUT_BF16), GROUP_SIZE, CLIP_INDEX, LEVELS,
+                                              ORDER_STATISTIC)
+    return packed, scale, minimum
+
+
+@triton.jit
 def unpack_codes(packed):
     """packed int32 [R, D/4] byte values → codes int32 [R, D] (plane p holds elements p·Q …)."""
     ROWS: tl.constexpr = packed.shape[0]
@@ -559,26 +591,11 @@ def _encode_kernel(
     BLOCK_ROWS: tl.constexpr,
     PLANES: tl.constexpr = False,
 ):
-    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
     row = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS))[:, None]  # [R, 1]
     row_ok = row < num_rows
-    rows = x_ptr + row * D + tl.arange(0, D)[None, :]
-    if PLANES:  # encode_planes, unless a row of the block needs encode_block
-        plane = x_ptr + row * D + tl.arange(0, QUARTER)[None, :]
-        packed, scale, minimum, exact = encode_planes(
-            load_plane_bits(plane, row_ok, INPUT_BF16), load_plane_bits(plane + QUARTER, row_ok, INPUT_BF16),
-            load_plane_bits(plane + 2 * QUARTER, row_ok, INPUT_BF16),
-            load_plane_bits(plane + 3 * QUARTER, row_ok, INPUT_BF16), CLIP_INDEX, INPUT_BF16)
-        if tl.min((exact | ~row_ok).to(tl.int32)) == 1:
-            _store_encoded(packed_ptr, scale_ptr, minimum_ptr, row, row_ok, packed, scale, minimum)
-        else:
-            packed, scale, minimum = encode_block(load_rows_f32(rows, row_ok, INPUT_BF16), GROUP_SIZE, CLIP_INDEX,
-                                                  LEVELS, ORDER_STATISTIC)
-            _store_encoded(packed_ptr, scale_ptr, minimum_ptr, row, row_ok, packed, scale, minimum)
-    else:
-        packed, scale, minimum = encode_block(load_rows_f32(rows, row_ok, INPUT_BF16), GROUP_SIZE, CLIP_INDEX, LEVELS,
-                                              ORDER_STATISTIC)
-        _store_encoded(packed_ptr, scale_ptr, minimum_ptr, row, row_ok, packed, scale, minimum)
+    packed, scale, minimum = encode_loaded_rows(x_ptr + row * D, row_ok, D, GROUP_SIZE, CLIP_INDEX, LEVELS,
+                                                ORDER_STATISTIC, INPUT_BF16, PLANES)
+    _store_encoded(packed_ptr, scale_ptr, minimum_ptr, row, row_ok, packed, scale, minimum)
 
 
 def kernel_view(x: torch.Tensor) -> torch.Tensor:

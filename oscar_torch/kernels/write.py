@@ -35,6 +35,7 @@ from oscar_torch.kernels.codec import (
     block_rows_for,
     default_block_rows,
     encode_block,
+    encode_loaded_rows,
     interpreting,
     kernel_view,
     load_rows_f32,
@@ -44,7 +45,7 @@ from oscar_torch.kernels.codec import (
 from oscar_torch.kernels.decode_attention import dot_f32, dot_operand
 from shared_math.rotation import BF16_SPLIT_PARTS, split_bf16
 from shared_math.spec import CODES_PER_BYTE
-from shared_math.tiling import SPLIT_ROTATION_BLOCK_TOKENS
+from shared_math.tiling import SPLIT_ROTATION_BLOCK_TOKENS, check_encode_planes
 
 # tl.dot needs M, N, K ≥ 16: the fused rotation runs on blocks of at least this many tokens.
 MIN_DOT_ROWS = 16
@@ -141,6 +142,37 @@ def _load_token_rows(
 
 
 @triton.jit
+def _encode_token_rows(
+    x_ptr, rotation_ptr, head, num_tokens,
+    NUM_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    CLIP_INDEX: tl.constexpr,
+    LEVELS: tl.constexpr,
+    ORDER_STATISTIC: tl.constexpr,
+    ROTATE: tl.constexpr,
+    INPUT_BF16: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
+    ROTATION_ROWS: tl.constexpr,
+    PLANES: tl.constexpr,
+):
+    """Encode this program's tokens of kv head `head`: rotated (_load_token_rows) and encode_block,
+    or unrotated through codec.encode_loaded_rows (by planes with PLANES; the launchers refuse
+    PLANES with ROTATE). Returns packed, scale, minimum, the tokens [R, 1] and which exist."""
+    if PLANES:
+        token = (tl.program_id(1) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS))[:, None]  # [R, 1]
+        token_ok = token < num_tokens
+        packed, scale, minimum = encode_loaded_rows(x_ptr + (token * NUM_HEADS + head) * D, token_ok, D, GROUP_SIZE,
+                                                    CLIP_INDEX, LEVELS, ORDER_STATISTIC, INPUT_BF16, True)
+    else:
+        x, token, token_ok = _load_token_rows(x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16,
+                                              BLOCK_TOKENS, TENSOR_CORES, ROTATION_ROWS)
+        packed, scale, minimum = encode_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
+    return packed, scale, minimum, token, token_ok
+
+
+@triton.jit
 def _store_rows(ptr, page, head, slot, valid, value, NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """pool [P, K, L, W] ← value [R, W] at (page[r], head, slot[r], :) where valid[r]."""
     WIDTH: tl.constexpr = value.shape[1]
@@ -170,13 +202,13 @@ def _write_int2_kernel(
     BLOCK_TOKENS: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
     ROTATION_ROWS: tl.constexpr,
+    PLANES: tl.constexpr = False,
 ):
     head = tl.program_id(0)
-    x, token, token_ok = _load_token_rows(
-        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16, BLOCK_TOKENS, TENSOR_CORES,
-        ROTATION_ROWS,
+    packed, scale, minimum, token, token_ok = _encode_token_rows(
+        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC, ROTATE,
+        INPUT_BF16, BLOCK_TOKENS, TENSOR_CORES, ROTATION_ROWS, PLANES,
     )
-    packed, scale, minimum = encode_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
     # Dense outputs [T, K, W] are pools with T pages of one slot.
     _store_rows(packed_ptr, token, head, 0, token_ok, packed.to(tl.uint8), NUM_HEADS, 1)
     _store_rows(scale_ptr, token, head, 0, token_ok, scale, NUM_HEADS, 1)
@@ -184,10 +216,13 @@ def _write_int2_kernel(
 
 
 def _encode_constants(d: int, group_size: int, clip_index: int, levels: str, order_statistic: str | None,
-                      rows_dtype: torch.dtype, rotated: bool):
+                      rows_dtype: torch.dtype, rotated: bool, planes: bool = False):
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, rows_dtype, rotated)
+    if planes:
+        check_encode_planes(d, group_size, levels, rotated=rotated)
     return dict(
-        D=d, GROUP_SIZE=group_size, CLIP_INDEX=clip_index, LEVELS=levels, ORDER_STATISTIC=order_statistic
+        D=d, GROUP_SIZE=group_size, CLIP_INDEX=clip_index, LEVELS=levels, ORDER_STATISTIC=order_statistic,
+        PLANES=planes,
     )
 
 
@@ -201,8 +236,10 @@ def write_int2_rows(
     order_statistic: str | None = None,
     block_tokens: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
+    planes: bool = False,
 ):
-    """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G]."""
+    """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G].
+    planes: unrotated rows by codec.encode_planes where it applies (off until measured, NOTES v23)."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
     rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
@@ -213,7 +250,7 @@ def write_int2_rows(
         kernel_view(x), _rotation_operand(rotation, x), packed, scale, minimum, num_tokens,
         NUM_HEADS=num_heads, ROTATE=rotate, INPUT_BF16=x.dtype == torch.bfloat16, BLOCK_TOKENS=rows,
         TENSOR_CORES=not interpreting(), ROTATION_ROWS=_rotation_rows(rows),
-        **_encode_constants(d, group_size, clip_index, levels, order_statistic, x.dtype, rotate),
+        **_encode_constants(d, group_size, clip_index, levels, order_statistic, x.dtype, rotate, planes),
         num_warps=num_warps,
     )
     return packed, scale, minimum
@@ -255,14 +292,14 @@ def _write_pages_kernel(
     BLOCK_TOKENS: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
     ROTATION_ROWS: tl.constexpr,
+    PLANES: tl.constexpr = False,
 ):
     head = tl.program_id(0)
-    x, token, token_ok = _load_token_rows(
-        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE, INPUT_BF16, BLOCK_TOKENS, TENSOR_CORES,
-        ROTATION_ROWS,
+    packed, scale, minimum, token, token_ok = _encode_token_rows(
+        x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC, ROTATE,
+        INPUT_BF16, BLOCK_TOKENS, TENSOR_CORES, ROTATION_ROWS, PLANES,
     )
     page, slot, valid = _destinations(page_ids_ptr, slots_ptr, token, token_ok, num_pages, PAGE_SIZE)
-    packed, scale, minimum = encode_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
     _store_rows(codes_ptr, page, head, slot, valid, packed.to(tl.uint8), NUM_HEADS, PAGE_SIZE)
     _store_rows(scale_ptr, page, head, slot, valid, scale, NUM_HEADS, PAGE_SIZE)
     _store_rows(minimum_ptr, page, head, slot, valid, minimum, NUM_HEADS, PAGE_SIZE)
@@ -283,9 +320,11 @@ def write_pages_rows(
     order_statistic: str | None = None,
     block_tokens: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
+    planes: bool = False,
 ) -> None:
     """Encode x [T, K, D] (rotated by rotation [K, D, D] unless None) into the INT2 pools at
-    (page_ids[t], slots[t]) (int32 [T]), in place."""
+    (page_ids[t], slots[t]) (int32 [T]), in place. planes: unrotated rows by codec.encode_planes
+    where it applies (off until measured, NOTES v23)."""
     num_tokens, num_heads, d = x.shape
     num_pages, _, page_size, _ = codes.shape
     rotate = rotation is not None
@@ -295,7 +334,8 @@ def write_pages_rows(
         num_tokens, num_pages,
         NUM_HEADS=num_heads, PAGE_SIZE=page_size, ROTATE=rotate, INPUT_BF16=x.dtype == torch.bfloat16,
         TENSOR_CORES=not interpreting(), ROTATION_ROWS=_rotation_rows(rows),
-        BLOCK_TOKENS=rows, **_encode_constants(d, group_size, clip_index, levels, order_statistic, x.dtype, rotate),
+        BLOCK_TOKENS=rows, **_encode_constants(d, group_size, clip_index, levels, order_statistic, x.dtype, rotate,
+                                               planes),
         num_warps=num_warps,
     )
 
@@ -367,6 +407,7 @@ def _demote_pages_kernel(
     CLIP_INDEX: tl.constexpr,
     LEVELS: tl.constexpr,
     ORDER_STATISTIC: tl.constexpr,
+    PLANES: tl.constexpr = False,
 ):
     layer, n, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     src = tl.load(src_pages_ptr + n)
@@ -378,9 +419,8 @@ def _demote_pages_kernel(
     dst_page = layer.to(tl.int64) * dst_pool_pages + tl.where(valid, dst, 0)
     row_start = ((src_page * NUM_HEADS + head) * PAGE_SIZE + slot) * D
     valid_rows = (slot >= 0) & valid  # [L, 1]
-    bits = tl.load(bf16_ptr + row_start + tl.arange(0, D)[None, :], mask=valid_rows, other=0)
-    rows = widen_bf16_bits(bits)  # exact widening
-    packed, scale, minimum = encode_block(rows, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
+    packed, scale, minimum = encode_loaded_rows(bf16_ptr + row_start, valid_rows, D, GROUP_SIZE, CLIP_INDEX, LEVELS,
+                                                ORDER_STATISTIC, True, PLANES)  # bf16: widened exactly
     _store_rows(codes_ptr, dst_page, head, slot, valid_rows, packed.to(tl.uint8), NUM_HEADS, PAGE_SIZE)
     _store_rows(scale_ptr, dst_page, head, slot, valid_rows, scale, NUM_HEADS, PAGE_SIZE)
     _store_rows(minimum_ptr, dst_page, head, slot, valid_rows, minimum, NUM_HEADS, PAGE_SIZE)
@@ -399,17 +439,19 @@ def demote_pages_rows(
     levels: str,
     order_statistic: str | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
+    planes: bool = False,
 ) -> None:
     """Quantize BF16 pages bf16_pool[y, src_pages[n]] into INT2 pages [y, dst_pages[n]] for every
     layer y and kv head, in place: pools carry a leading layer axis Y (Y = 1 for one layer).
-    Grid (Y, N, K): one program encodes the L rows of one (layer, page, head) block."""
+    Grid (Y, N, K): one program encodes the L rows of one (layer, page, head) block. planes: by
+    codec.encode_planes where it applies (off until measured, NOTES v23)."""
     num_layers, src_pool_pages, num_heads, page_size, d = bf16_pool.shape
     (num_demoted,) = src_pages.shape
     _demote_pages_kernel[(num_layers, num_demoted, num_heads)](
         src_pages, dst_pages, bf16_pool.view(torch.int16), codes, scale, minimum,
         src_pool_pages, codes.shape[1],
         NUM_HEADS=num_heads, PAGE_SIZE=page_size,
-        **_encode_constants(d, group_size, clip_index, levels, order_statistic, bf16_pool.dtype, False),
+        **_encode_constants(d, group_size, clip_index, levels, order_statistic, bf16_pool.dtype, False, planes),
         num_warps=num_warps,
     )
 

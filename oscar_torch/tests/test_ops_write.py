@@ -464,3 +464,49 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
     monkeypatch.setattr(kcodec, "INTERPRETING", False)
     with pytest.raises(ValueError, match="x is on device cpu: oscar_torch kernels run on cuda, or on cpu under"):
         ops.encode(torch.zeros((2, 64)), group_size=32, clip_ratio=0.9)
+
+
+# ------------------------------------------------------------------------- encode by planes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_write_kernels_by_planes_land_exactly(dtype):
+    """write_int2_rows, write_pages_rows and demote_pages_rows with planes=True (unrotated rows,
+    G = D): shared_math's bytes, a partial last block and a block falling back (a NaN) included."""
+    rng = np.random.default_rng(41)
+    num_tokens, num_heads, d, page_size, num_pages = 37, 3, 64, 16, 4
+    kw = dict(group_size=d, clip_index=clip_index(0.92, d), levels="minmax")
+    rows = (rng.standard_normal((num_tokens, num_heads, d)) * 3).astype(np.float32)
+    rows[num_tokens // 2, num_heads - 1, 5] = np.nan
+    x = torch.from_numpy(rows).to(dtype).to(DEVICE)
+    values = x.float().cpu().numpy()
+    want = ref.encode(values, group_size=d, clip_ratio=0.92)
+    got = kwrite.write_int2_rows(x, None, block_tokens=16, planes=True, **kw)
+    for name, a, e in zip(("packed", "scale", "minimum"), got, want):
+        assert_same_bits(to_numpy(a), e, f"write_int2 planes {name}")
+
+    pools = [torch.zeros((num_pages, num_heads, page_size, w), dtype=t, device=DEVICE)
+             for w, t in ((d // 4, torch.uint8), (1, torch.float16), (1, torch.float16))]
+    flat = rng.permutation(num_pages * page_size)[:num_tokens]
+    page_ids, slots = (torch.from_numpy((a).astype(np.int32)).to(DEVICE) for a in (flat // page_size, flat % page_size))
+    kwrite.write_pages_rows(*pools, x, page_ids, slots, None, block_tokens=16, planes=True, **kw)
+    for name, pool, e in zip(("codes", "scale", "minimum"), pools, want):
+        assert_same_bits(to_numpy(pool)[flat // page_size, :, flat % page_size], e, f"write_pages planes {name}")
+
+    bf16_pool = x[:32].to(torch.bfloat16).reshape(2, page_size, num_heads, d).transpose(1, 2).contiguous()[None]
+    pools = [torch.zeros((1, 3, num_heads, page_size, w), dtype=t, device=DEVICE)
+             for w, t in ((d // 4, torch.uint8), (1, torch.float16), (1, torch.float16))]
+    kwrite.demote_pages_rows(bf16_pool, *pools, torch.tensor([1, 0], dtype=torch.int32, device=DEVICE),
+                             torch.tensor([0, 2], dtype=torch.int32, device=DEVICE), planes=True, **kw)
+    encoded = ref.encode(bf16_pool[0, [1, 0]].float().cpu().numpy(), group_size=d, clip_ratio=0.92)
+    for name, pool, e in zip(("codes", "scale", "minimum"), pools, encoded):
+        assert_same_bits(to_numpy(pool)[0, [0, 2]], e, f"demote planes {name}")
+
+
+def test_write_by_planes_is_refused_for_rotated_rows_and_groups():
+    x = torch.zeros((4, 2, 64), device=DEVICE)
+    with pytest.raises(ValueError, match="does not rotate"):
+        kwrite.write_int2_rows(x, torch.eye(64, device=DEVICE).repeat(2, 1, 1), group_size=64, clip_index=58,
+                               levels="minmax", planes=True)
+    with pytest.raises(ValueError, match="group_size=32, head_dim=64"):
+        kwrite.write_int2_rows(x, None, group_size=32, clip_index=58, levels="minmax", planes=True)
