@@ -341,8 +341,8 @@ def encode_table(clip_indices=(122, 117), block_rows=(16, 32, 64), num_warps: in
     table = []
     for dtype, k in itertools.product(rows_of, clip_indices):
         for planes, rows in [(False, 16)] + [(True, r) for r in block_rows]:
-            fn = functools.partial(jax_codec.encode_rows, group_size=128, clip_index=k, levels="minmax", block_rows=rows,
-                                   planes=planes, interpret=False, num_warps=num_warps)
+            fn = functools.partial(jax_codec.encode_rows, group_size=128, clip_index=k, levels="minmax",
+                                   block_rows=rows, planes=planes, interpret=False, num_warps=num_warps)
             found = [("pallas", _pallas_path_usage(fn, jax.ShapeDtypeStruct((4096, 128), getattr(jnp, dtype))))]
             if os.environ.get("TRITON_INTERPRET") != "1":
                 from oscar_torch.kernels import codec as torch_codec

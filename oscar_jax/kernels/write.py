@@ -487,5 +487,6 @@ def demote_pages_rows(
         input_output_aliases=_alias_int2_pools(len(operands)),
         interpret=resolve_interpret(interpret),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"oscar_demote_pages_d{d}_g{group_size}_k{clip_index}_{levels}_l{page_size}" + ("_planes" if planes else ""),
+        name=f"oscar_demote_pages_d{d}_g{group_size}_k{clip_index}_{levels}_l{page_size}"
+             + ("_planes" if planes else ""),
     )(*operands)

@@ -393,8 +393,8 @@ def encode_block(
 # encode bound by that pipe: benchmarks/NOTES.md v9–v10), most of them making rare inputs exact for
 # every element: the sanitize, the clamp, keys for signed zeros, and a layout where the four codes
 # of a byte live in four threads. `encode_planes` takes the common case, rows of one group (G = D)
-# with levels="minmax", in ~19 a element (NOTES v23), and says which rows it cannot take exactly;
-# a block holding one of those is encoded again by encode_block. It reads each row as its four
+# with levels="minmax", in ~20 an element at 32 rows (NOTES v23), and says which rows it cannot
+# take exactly; a block holding one of those is encoded again by encode_block. It reads each row as its four
 # quarter planes (plane p: elements p·Q … p·Q + Q − 1), so the elements a byte packs are in one
 # thread, and:
 #   * sanitize is the identity on rows whose largest |x| is at most FP16_MAX (no NaN, no ±Inf);
