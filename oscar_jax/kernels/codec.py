@@ -378,7 +378,7 @@ def encode_planes(planes, *, clip_index: int, rows_bf16: bool):
     hi = lax.bitcast_convert_type(jnp.minimum(hi, tau), jnp.float32)
     lo = lax.bitcast_convert_type(jnp.where((lo & F32_MAGNITUDE_MASK) > tau, tau | F32_SIGN_BIT, lo), jnp.float32)
     scale = _to_f16_saturating((hi - lo) * ONE_THIRD_F32)
-    minimum = lo.astype(jnp.float16)
+    minimum = _to_f16_saturating(lo)  # = f16(lo) where exact; saturating keeps declined rows quiet
     # 4–5. codes against the thresholds moved off the clip range, packed plane by plane.
     s = scale.astype(jnp.float32)
     m = minimum.astype(jnp.float32)

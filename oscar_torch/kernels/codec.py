@@ -491,7 +491,7 @@ def encode_planes(b0, b1, b2, b3, CLIP_INDEX: tl.constexpr, ROWS_BF16: tl.conste
     hi = tl.minimum(hi, tau).to(tl.float32, bitcast=True)
     lo = tl.where((lo & F32_MAGNITUDE_MASK_C) > tau, tau | F32_SIGN_BIT_C, lo).to(tl.float32, bitcast=True)
     scale = to_f16_saturating((hi - lo) * ONE_THIRD_C)
-    minimum = lo.to(tl.float16)
+    minimum = to_f16_saturating(lo)  # = f16(lo) where exact; saturating keeps declined rows quiet
     # 4–5. codes against the thresholds moved off the clip range, packed plane by plane.
     s = scale.to(tl.float32)
     m = minimum.to(tl.float32)
