@@ -388,3 +388,29 @@ def test_encode_by_planes_compiles_for_h200_and_runs_fewer_instructions(dtype):
         path = shortest_path_profile(sass(usage["compiled"].asm["cubin"]))
         alu_per_element[planes] = path["alu"] * usage["num_warps"] * 32 / (rows * 128)
     assert alu_per_element[True] <= 0.6 * alu_per_element[False], alu_per_element
+
+
+def test_encode_by_planes_falls_back_only_where_a_row_declines():
+    """Which path a block takes: encode_planes_or_block with `load_rows` giving zeros, so that
+    a fallback shows — a block of N(0, 1) rows has shared_math's bytes (encode_planes), a block
+    holding a NaN row, or a masked-out row only among N(0, 1) rows, as the masks say."""
+    x = np.random.default_rng(3).standard_normal((16, 128)).astype(F32)
+    zeros = jnp.zeros((16, 128), jnp.float32)
+    kw = dict(planes=True, rows_bf16=False, group_size=128, clip_index=122, levels="minmax",
+              order_statistic="checked_max")
+
+    def encode(rows, mask=None):
+        planes = [jnp.asarray(p) for p in np.split(rows, 4, axis=1)]
+        return jax.jit(lambda: kcodec.encode_planes_or_block(lambda: planes, lambda: zeros, mask, **kw))()
+
+    want = ref.encode(x, group_size=128, clip_ratio=0.96)
+    for name, a, e in zip(("packed", "scale", "minimum"), encode(x), want):
+        assert_same_bits(np.asarray(a), e, f"{name} (planes)")
+    declined = x.copy()
+    declined[5, 7] = np.nan
+    fallback = ref.encode(np.zeros((16, 128), F32), group_size=128, clip_ratio=0.96)
+    for name, a, e in zip(("packed", "scale", "minimum"), encode(declined), fallback):
+        assert_same_bits(np.asarray(a), e, f"{name} (a NaN row: encode_block)")
+    masked = jnp.asarray(np.arange(16)[:, None] != 5)  # the NaN row does not exist: planes again
+    for name, a, e in zip(("packed", "scale", "minimum"), encode(declined, masked), want):
+        assert_same_bits(np.asarray(a)[np.arange(16) != 5], e[np.arange(16) != 5], f"{name} (masked NaN row)")

@@ -296,3 +296,29 @@ def test_encode_rows_by_planes_needs_one_group_and_minmax():
         kcodec.encode_rows(x, group_size=64, clip_index=122, levels="minmax", planes=True)
     with pytest.raises(ValueError, match="levels='moments'"):
         kcodec.encode_rows(x, group_size=128, clip_index=122, levels="moments", planes=True)
+
+
+@triton.jit
+def _zeros_encode_block(x, GROUP_SIZE: tl.constexpr, CLIP_INDEX: tl.constexpr, LEVELS: tl.constexpr,
+                        ORDER_STATISTIC: tl.constexpr):
+    """A stand-in for encode_block that marks its blocks: every output zero."""
+    ROWS: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    return (tl.zeros((ROWS, D // 4), tl.int32), tl.zeros((ROWS, D // GROUP_SIZE), tl.float16),
+            tl.zeros((ROWS, D // GROUP_SIZE), tl.float16))
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="swaps a kernel function, which only the interpreter sees")
+def test_encode_by_planes_falls_back_only_where_a_row_declines(monkeypatch):
+    """Which path each block takes (encode_block swapped for a stand-in that writes zeros): blocks
+    of N(0, 1) rows come from encode_planes (shared_math's bytes), the block with a NaN row and
+    only it from encode_block — so a decision that always fell back could not pass unseen."""
+    monkeypatch.setattr(kcodec, "encode_block", _zeros_encode_block)
+    x = np.random.default_rng(3).standard_normal((48, 128)).astype(F32)
+    x[20, 7] = np.nan  # in the second block of 16
+    got = kcodec.encode_rows(to_torch(x), group_size=128, clip_index=122, levels="minmax", block_rows=16, planes=True)
+    want = ref.encode(x, group_size=128, clip_ratio=0.96)
+    for name, a, e in zip(("packed", "scale", "minimum"), got, want):
+        a = to_numpy(a)
+        assert_same_bits(np.delete(a, np.s_[16:32], axis=0), np.delete(e, np.s_[16:32], axis=0), name)
+        assert not a[16:32].view(f"u{a.itemsize}").any(), f"{name}: the NaN block did not fall back"
