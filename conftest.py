@@ -14,6 +14,55 @@ if os.environ.get("OSCAR_TEST_GPU") != "1":
 import pytest
 
 
+def _patch_triton_language_once_per_launch() -> bool:
+    """The Triton interpreter (3.6) patches triton.language — inspect.getmembers over its modules,
+    ~2 ms — at the launch of a kernel and again at every call of a nested @triton.jit function,
+    whose patches are the launch's over again (the same modules, the same interpreter builder) and
+    are never restored by themselves. A decode step of the HF SmolLM2 test made 50,796 such calls
+    (95 s of a 546 s profile; `python -m benchmarks.probe_interpret_hf`, NOTES v23). Here a nested
+    call whose language modules the running launch has patched skips it; anything else (a launch, a
+    function that sees other modules) patches as before. The CPU suite's torch decode tests: 112 →
+    74 s. Returns whether the interpreter had the functions this relies on (else nothing changes)."""
+    import inspect
+
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    if not (callable(getattr(interpreter, "_patch_lang", None)) and hasattr(interpreter, "GridExecutor")):
+        return False
+    patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    patched: list[set[int]] = []  # the language modules each running launch has patched
+
+    def languages(fn) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    class AlreadyPatched:
+        def restore(self) -> None:
+            pass
+
+    def patch_lang_once(fn):
+        if patched and languages(fn) <= patched[-1]:
+            return AlreadyPatched()
+        scope = patch_lang(fn)
+        patched.append(languages(fn))
+        return scope
+
+    def launch_with_one_patch(self, *args, **kwargs):
+        depth = len(patched)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            del patched[depth:]
+
+    interpreter._patch_lang = patch_lang_once
+    interpreter.GridExecutor.__call__ = launch_with_one_patch
+    return True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_triton_language_once_per_launch()
+
+
 def _gpu_missing() -> str | None:
     """Why OSCAR_TEST_GPU=1 cannot be honoured (None when JAX and torch both see a GPU)."""
     try:
