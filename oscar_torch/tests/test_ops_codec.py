@@ -241,8 +241,10 @@ def _encode_planes_probe(x_ptr, packed_ptr, scale_ptr, minimum_ptr, exact_ptr, C
     Q: tl.constexpr = D // 4
     row = tl.arange(0, ROWS)[:, None]
     plane = x_ptr + row * D + tl.arange(0, Q)[None, :]
-    bits = [tl.load(plane + p * Q).to(tl.int32, bitcast=True) for p in tl.static_range(4)]
-    packed, scale, minimum, exact = kcodec.encode_planes(bits[0], bits[1], bits[2], bits[3], CLIP_INDEX, ROWS_BF16)
+    packed, scale, minimum, exact = kcodec.encode_planes(
+        tl.load(plane).to(tl.int32, bitcast=True), tl.load(plane + Q).to(tl.int32, bitcast=True),
+        tl.load(plane + 2 * Q).to(tl.int32, bitcast=True), tl.load(plane + 3 * Q).to(tl.int32, bitcast=True),
+        CLIP_INDEX, ROWS_BF16)
     tl.store(packed_ptr + row * Q + tl.arange(0, Q)[None, :], packed.to(tl.uint8))
     tl.store(scale_ptr + row, scale)
     tl.store(minimum_ptr + row, minimum)
