@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     parser.add_argument("--block-rows", default="16,32,64")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--backends", default="pallas,triton")
-    parser.add_argument("--sections", default="codec,write", help="comma-separated: codec (encode_rows), write")
+    parser.add_argument("--sections", default="codec,write", help="comma-separated: codec (encode_rows), write, xla (encode_planes compiled by XLA outside a kernel)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -94,10 +94,45 @@ def main(argv=None) -> None:
             print(f"{name}: BYTES DIFFER from shared_math, not timed", flush=True)
         results["variants"].append(entry)
         args.out.write_text(json.dumps(results, indent=1))
+    if "xla" in args.sections.split(","):
+        results["xla_jit"] = xla_jit_rows()
+        args.out.write_text(json.dumps(results, indent=1))
     if "write" in args.sections.split(","):
         results["write_kernels"] = write_kernel_variants(args.tokens, [int(b) for b in args.block_rows.split(",")],
                                                          args.backends.split(","), copy_gb_per_s)
         args.out.write_text(json.dumps(results, indent=1))
+
+
+def xla_jit_rows() -> list[dict]:
+    """encode_planes as a jnp function compiled by XLA (not in a Pallas kernel): the rows of
+    parity_tests.cases.encode_planes_rows it calls exact whose bytes differ from shared_math's, by
+    data kind and output (the v24 GPU run: XLA:GPU differs on some rows, the kernels on none)."""
+    import jax
+    import jax.numpy as jnp
+
+    from oscar_jax.kernels import codec as kcodec
+    from parity_tests.cases import DATA, encode_planes_rows
+    from shared_math import codec
+    from shared_math.spec import clip_index
+
+    kinds = [name for name in sorted(DATA) for _ in range(8)]
+    out = []
+    for bf16, ratio in itertools.product((True, False), (0.96, 0.92, 0.5)):
+        x, _ = encode_planes_rows(bf16)
+        planes = [jax.lax.bitcast_convert_type(jnp.asarray(p), jnp.int32) for p in np.split(x, 4, axis=1)]
+        fn = jax.jit(functools.partial(kcodec.encode_planes, clip_index=clip_index(ratio, HEAD_DIM), rows_bf16=bf16))
+        *got, exact = (np.asarray(a) for a in fn(planes))
+        want = codec.encode(x, group_size=HEAD_DIM, clip_ratio=ratio)
+        differ = {name: [int(r) for r in np.flatnonzero(exact[:, 0] & np.any(
+            g.reshape(len(x), -1).view(np.uint8) != w.reshape(len(x), -1).view(np.uint8), axis=1))]
+            for name, g, w in zip(("packed", "scale", "minimum"), got, want)}
+        rows = sorted(set(sum(differ.values(), [])))
+        entry = {"rows_bf16": bf16, "clip_ratio": ratio, "rows_called_exact": int(exact.sum()), "differ": differ,
+                 "kinds_of_differing_rows": sorted({kinds[r] if r < len(kinds) else "edge/declined" for r in rows})}
+        print(f"xla jit bf16={bf16} c={ratio}: {len(rows)} of {entry['rows_called_exact']} exact rows differ "
+              f"{ {k: len(v) for k, v in differ.items()} } kinds {entry['kinds_of_differing_rows']}", flush=True)
+        out.append(entry)
+    return out
 
 
 def write_kernel_variants(tokens: int, block_rows: list[int], backends: list[str], copy_gb_per_s: float,

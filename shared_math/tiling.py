@@ -251,6 +251,28 @@ def encode_planes_applies(head_dim: int, group_size: int, levels: str) -> bool:
     return levels == "minmax" and group_size == head_dim
 
 
+# Rows (tokens) per program of the encode by planes: the codec's encode_rows and the unrotated
+# write. H200, 65,536 tokens x 8 KV heads x d 128, medians in µs at 16 / 32 / 64 rows (Pallas ·
+# Triton; results/probe_encode_planes_h200.json, benchmarks/NOTES.md v24): bf16 keys 127.3 / 104.7 /
+# 107.2 · 127.8 / 100.0 / 105.9; float32 keys 127.9 / 108.5 / 138.1 · 129.1 / 104.2 / 120.3; the
+# unrotated page write of bf16 rows 163.6 / 123.0 / 125.1 · 171.0 / 135.0 / 145.2.
+ENCODE_PLANES_BLOCK_ROWS = 32
+
+
+def resolve_encode_planes(planes: bool | None, head_dim: int, group_size: int, levels: str,
+                          rotated: bool = False) -> bool:
+    """The launchers' `planes`: None (the default) takes encode_planes wherever it applies — 1.9-2.2x
+    faster than encode_block on the H200 (benchmarks/NOTES.md v24) and the same bytes —; True insists
+    (check_encode_planes' ValueError where it does not apply); False never takes it."""
+    if planes is None:
+        return encode_planes_applies(head_dim, group_size, levels) and not rotated
+    if not isinstance(planes, bool):
+        raise ValueError(f"planes={planes!r} must be None (where it applies), True or False")
+    if planes:
+        check_encode_planes(head_dim, group_size, levels, rotated)
+    return planes
+
+
 def check_encode_planes(head_dim: int, group_size: int, levels: str, rotated: bool = False) -> None:
     """The launchers' check of `planes=True`: a ValueError naming what does not apply. Rows the
     kernel rotates come from one [R, D] product, not from four plane loads."""

@@ -44,7 +44,7 @@ from oscar_jax.kernels.codec import (
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.rotation import split_bf16
 from shared_math.spec import CODES_PER_BYTE
-from shared_math.tiling import SPLIT_ROTATION_BLOCK_TOKENS, check_encode_planes
+from shared_math.tiling import ENCODE_PLANES_BLOCK_ROWS, SPLIT_ROTATION_BLOCK_TOKENS, resolve_encode_planes
 
 # tl.dot needs M, N, K ≥ 16: the fused rotation runs on blocks of at least this many tokens.
 MIN_DOT_ROWS = 16
@@ -110,12 +110,15 @@ def _pool_spec(shape, layer: int | None):
     return layer_block_spec(block, lambda *_: (0,) * len(block), layer)
 
 
-def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x_dtype=None) -> int:
-    """Tokens per program. By default DEFAULT_BLOCK_ROWS, or SPLIT_ROTATION_BLOCK_TOKENS for
-    the split rotation of bfloat16 rows (its parts are read once per program)."""
+def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x_dtype=None,
+                      planes: bool = False) -> int:
+    """Tokens per program. By default DEFAULT_BLOCK_ROWS, SPLIT_ROTATION_BLOCK_TOKENS for the
+    split rotation of bfloat16 rows (its parts are read once per program), or
+    ENCODE_PLANES_BLOCK_ROWS for rows encoded by planes."""
     if block_tokens is None:
         split = rotate and x_dtype == jnp.bfloat16
-        block_tokens = SPLIT_ROTATION_BLOCK_TOKENS if split else DEFAULT_BLOCK_ROWS
+        block_tokens = (SPLIT_ROTATION_BLOCK_TOKENS if split else ENCODE_PLANES_BLOCK_ROWS if planes
+                        else DEFAULT_BLOCK_ROWS)
     rows = block_rows_for(num_tokens, block_tokens)
     return max(rows, MIN_DOT_ROWS) if rotate else rows
 
@@ -167,17 +170,16 @@ def write_int2_rows(
     block_tokens: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool | None = None,
-    planes: bool = False,
+    planes: bool | None = None,
 ):
     """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G].
-    planes: unrotated rows by codec.encode_planes where it applies (off until measured, NOTES v23)."""
+    planes: unrotated rows by codec.encode_planes (tiling.resolve_encode_planes: None where it applies)."""
     num_tokens, num_heads, d = x.shape
     quarter, num_groups = d // CODES_PER_BYTE, d // group_size
     rotate = rotation is not None
-    if planes:
-        check_encode_planes(d, group_size, levels, rotated=rotate)
+    planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate)
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype, rotated=rotate)
-    rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
+    rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype, planes)
     encode_args = dict(
         group_size=group_size, clip_index=clip_index, levels=levels, order_statistic=order_statistic
     )
@@ -284,18 +286,17 @@ def write_pages_rows(
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool | None = None,
     layer: int | None = None,
-    planes: bool = False,
+    planes: bool | None = None,
 ):
     """Encode x [T, K, D] (rotated by rotation [K, D, D] unless None) into the INT2 pools at
     (page_ids[t], slots[t]); returns the updated (codes, scale, minimum). With `layer`, the
     pools are stacked [Y, P, K, L, ·] and only layer `layer` is written (in place). planes:
-    unrotated rows by codec.encode_planes where it applies (off until measured, NOTES v23)."""
+    unrotated rows by codec.encode_planes (tiling.resolve_encode_planes: None where it applies)."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
-    if planes:
-        check_encode_planes(d, group_size, levels, rotated=rotate)
+    planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate)
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype, rotated=rotate)
-    rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
+    rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype, planes)
     encode_args = dict(
         group_size=group_size, clip_index=clip_index, levels=levels, order_statistic=order_statistic
     )
@@ -452,15 +453,14 @@ def demote_pages_rows(
     order_statistic: str | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool | None = None,
-    planes: bool = False,
+    planes: bool | None = None,
 ):
     """Quantize BF16 pages bf16_pool[y, src_pages[n]] into INT2 pages [y, dst_pages[n]] for every
     layer y and kv head: pools carry a leading layer axis Y (pass Y = 1 for one layer). Grid
     (Y, N, K): one program encodes the L rows of one (layer, page, head) block. planes: by
-    codec.encode_planes where it applies (off until measured, NOTES v23)."""
+    codec.encode_planes (tiling.resolve_encode_planes: None where it applies)."""
     num_layers, _, num_heads, page_size, d = bf16_pool.shape
-    if planes:
-        check_encode_planes(d, group_size, levels)
+    planes = resolve_encode_planes(planes, d, group_size, levels)
     (num_demoted,) = src_pages.shape
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, bf16_pool.dtype)
     encode_args = dict(

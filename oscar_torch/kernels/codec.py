@@ -610,18 +610,20 @@ def encode_rows(
     clip_index: int,
     levels: str,
     order_statistic: str | None = None,
-    block_rows: int = DEFAULT_BLOCK_ROWS,
+    block_rows: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
-    planes: bool = False,
+    planes: bool | None = None,
 ):
     """Launch encode over x [N, D] (N ≥ 1, contiguous float32/float16/bfloat16). Arguments are
     validated by oscar_torch.ops.encode. Returns packed u8 [N, D/4], scale, minimum f16 [N, D/G].
-    planes: take `encode_planes` where it applies (G = D, levels="minmax"; an error elsewhere).
-    Off by default until measured on the GPU (benchmarks/NOTES.md v23)."""
+    planes: `encode_planes` where it applies (None; G = D, levels="minmax"), insisted on (True: an
+    error elsewhere) or never (False); see shared_math.tiling.resolve_encode_planes. block_rows:
+    None → ENCODE_PLANES_BLOCK_ROWS by planes, else DEFAULT_BLOCK_ROWS."""
     num_rows, d = x.shape
-    if planes:
-        tiling.check_encode_planes(d, group_size, levels)
+    planes = tiling.resolve_encode_planes(planes, d, group_size, levels)
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype)
+    if block_rows is None:
+        block_rows = tiling.ENCODE_PLANES_BLOCK_ROWS if planes else DEFAULT_BLOCK_ROWS
     rows = block_rows_for(num_rows, block_rows)
     packed = torch.empty((num_rows, d // CODES_PER_BYTE), dtype=torch.uint8, device=x.device)
     scale = torch.empty((num_rows, d // group_size), dtype=torch.float16, device=x.device)

@@ -45,7 +45,7 @@ from oscar_torch.kernels.codec import (
 from oscar_torch.kernels.decode_attention import dot_f32, dot_operand
 from shared_math.rotation import BF16_SPLIT_PARTS, split_bf16
 from shared_math.spec import CODES_PER_BYTE
-from shared_math.tiling import SPLIT_ROTATION_BLOCK_TOKENS, check_encode_planes
+from shared_math.tiling import ENCODE_PLANES_BLOCK_ROWS, SPLIT_ROTATION_BLOCK_TOKENS, resolve_encode_planes
 
 # tl.dot needs M, N, K ≥ 16: the fused rotation runs on blocks of at least this many tokens.
 MIN_DOT_ROWS = 16
@@ -54,14 +54,16 @@ MIN_DOT_ROWS = 16
 BF16_SPLIT_PARTS_C = tl.constexpr(BF16_SPLIT_PARTS)
 
 
-def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x_dtype=None) -> int:
-    """Tokens per program. By default DEFAULT_BLOCK_ROWS, or SPLIT_ROTATION_BLOCK_TOKENS for
-    the split rotation of bfloat16 rows (its parts are read once per program); interpreted,
-    INTERPRET_BLOCK_ROWS (float32 rows rotated in slices: _rotation_rows), but the split rotation
-    keeps its block."""
+def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x_dtype=None,
+                      planes: bool = False) -> int:
+    """Tokens per program. By default DEFAULT_BLOCK_ROWS, SPLIT_ROTATION_BLOCK_TOKENS for the
+    split rotation of bfloat16 rows (its parts are read once per program), or
+    ENCODE_PLANES_BLOCK_ROWS for rows encoded by planes; interpreted, INTERPRET_BLOCK_ROWS (float32
+    rows rotated in slices: _rotation_rows), but the split rotation keeps its block."""
     if block_tokens is None:
         split = rotate and x_dtype == torch.bfloat16
-        block_tokens = SPLIT_ROTATION_BLOCK_TOKENS if split else DEFAULT_BLOCK_ROWS
+        block_tokens = (SPLIT_ROTATION_BLOCK_TOKENS if split else ENCODE_PLANES_BLOCK_ROWS if planes
+                        else DEFAULT_BLOCK_ROWS)
         block_tokens = block_tokens if split else default_block_rows(block_tokens)
     rows = block_rows_for(num_tokens, block_tokens)
     return max(rows, MIN_DOT_ROWS) if rotate else rows
@@ -216,10 +218,9 @@ def _write_int2_kernel(
 
 
 def _encode_constants(d: int, group_size: int, clip_index: int, levels: str, order_statistic: str | None,
-                      rows_dtype: torch.dtype, rotated: bool, planes: bool = False):
+                      rows_dtype: torch.dtype, rotated: bool, planes: bool):
+    """The launch's encode constexprs; `planes` as resolved by tiling.resolve_encode_planes."""
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, rows_dtype, rotated)
-    if planes:
-        check_encode_planes(d, group_size, levels, rotated=rotated)
     return dict(
         D=d, GROUP_SIZE=group_size, CLIP_INDEX=clip_index, LEVELS=levels, ORDER_STATISTIC=order_statistic,
         PLANES=planes,
@@ -236,13 +237,14 @@ def write_int2_rows(
     order_statistic: str | None = None,
     block_tokens: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
-    planes: bool = False,
+    planes: bool | None = None,
 ):
     """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G].
-    planes: unrotated rows by codec.encode_planes where it applies (off until measured, NOTES v23)."""
+    planes: unrotated rows by codec.encode_planes (tiling.resolve_encode_planes: None where it applies)."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
-    rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
+    planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate)
+    rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype, planes)
     packed = torch.empty((num_tokens, num_heads, d // CODES_PER_BYTE), dtype=torch.uint8, device=x.device)
     scale = torch.empty((num_tokens, num_heads, d // group_size), dtype=torch.float16, device=x.device)
     minimum = torch.empty_like(scale)
@@ -320,15 +322,16 @@ def write_pages_rows(
     order_statistic: str | None = None,
     block_tokens: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
-    planes: bool = False,
+    planes: bool | None = None,
 ) -> None:
     """Encode x [T, K, D] (rotated by rotation [K, D, D] unless None) into the INT2 pools at
     (page_ids[t], slots[t]) (int32 [T]), in place. planes: unrotated rows by codec.encode_planes
-    where it applies (off until measured, NOTES v23)."""
+    (tiling.resolve_encode_planes: None where it applies)."""
     num_tokens, num_heads, d = x.shape
     num_pages, _, page_size, _ = codes.shape
     rotate = rotation is not None
-    rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype)
+    planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate)
+    rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype, planes)
     _write_pages_kernel[(num_heads, triton.cdiv(num_tokens, rows))](
         kernel_view(x), _rotation_operand(rotation, x), page_ids, slots, codes, scale, minimum,
         num_tokens, num_pages,
@@ -439,14 +442,15 @@ def demote_pages_rows(
     levels: str,
     order_statistic: str | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
-    planes: bool = False,
+    planes: bool | None = None,
 ) -> None:
     """Quantize BF16 pages bf16_pool[y, src_pages[n]] into INT2 pages [y, dst_pages[n]] for every
     layer y and kv head, in place: pools carry a leading layer axis Y (Y = 1 for one layer).
     Grid (Y, N, K): one program encodes the L rows of one (layer, page, head) block. planes: by
-    codec.encode_planes where it applies (off until measured, NOTES v23)."""
+    codec.encode_planes (tiling.resolve_encode_planes: None where it applies)."""
     num_layers, src_pool_pages, num_heads, page_size, d = bf16_pool.shape
     (num_demoted,) = src_pages.shape
+    planes = resolve_encode_planes(planes, d, group_size, levels)
     _demote_pages_kernel[(num_layers, num_demoted, num_heads)](
         src_pages, dst_pages, bf16_pool.view(torch.int16), codes, scale, minimum,
         src_pool_pages, codes.shape[1],

@@ -206,3 +206,31 @@ def test_resolve_order_statistic_validates_an_explicit_choice():
         resolve_order_statistic("tagged_max", 128, 122, rows_bf16=False, rows="float32 rows")
     with pytest.raises(ValueError, match="'sorting'"):
         resolve_order_statistic("sorting", 128, 122, rows_bf16=True, rows="bfloat16 rows")
+
+
+@pytest.mark.parametrize("planes, head_dim, group_size, levels, rotated, expected", [
+    (None, 128, 128, "minmax", False, True),  # the default: where it applies
+    (None, 128, 64, "minmax", False, False),  # G < D
+    (None, 128, 128, "moments", False, False),
+    (None, 128, 128, "minmax", True, False),  # rows the kernel rotates
+    (True, 64, 64, "minmax", False, True),
+    (False, 128, 128, "minmax", False, False),
+])
+def test_resolve_encode_planes(planes, head_dim, group_size, levels, rotated, expected):
+    from shared_math.tiling import resolve_encode_planes
+
+    assert resolve_encode_planes(planes, head_dim, group_size, levels, rotated) is expected
+
+
+@pytest.mark.parametrize("planes, head_dim, group_size, levels, rotated, match", [
+    (True, 128, 32, "minmax", False, "group_size=32, head_dim=128"),
+    (True, 128, 128, "moments", False, "levels='moments'"),
+    (True, 128, 128, "minmax", True, "rotation=None"),
+    ("yes", 128, 128, "minmax", False, "planes='yes'"),
+    (1, 128, 128, "minmax", False, "planes=1"),
+])
+def test_resolve_encode_planes_names_what_does_not_apply(planes, head_dim, group_size, levels, rotated, match):
+    from shared_math.tiling import resolve_encode_planes
+
+    with pytest.raises(ValueError, match=match):
+        resolve_encode_planes(planes, head_dim, group_size, levels, rotated)
