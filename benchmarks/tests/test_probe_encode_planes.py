@@ -45,3 +45,11 @@ def test_write_section_checks_every_variant_it_would_time(monkeypatch):
         ("write_pages_rows", False), ("write_pages_rows", True), ("demote_pages_rows", False),
         ("demote_pages_rows", True)]
     assert all(e["bytes_equal_shared_math"] and e["timing"] == {"median_s": 1.0} for e in out), out
+
+
+def test_xla_section_reports_rows_against_shared_math():
+    """The xla section's record on this machine (XLA:CPU): every row encode_planes calls exact has
+    shared_math's bytes (on the H200, XLA:GPU's did not: NOTES v24)."""
+    records = probe.xla_jit_rows()
+    assert len(records) == 6 and all(r["rows_called_exact"] >= 35 for r in records)
+    assert all(not any(r["differ"].values()) and r["kinds_of_differing_rows"] == [] for r in records)
