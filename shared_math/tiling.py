@@ -257,6 +257,15 @@ def encode_planes_applies(head_dim: int, group_size: int, levels: str) -> bool:
 # 107.2 · 127.8 / 100.0 / 105.9; float32 keys 127.9 / 108.5 / 138.1 · 129.1 / 104.2 / 120.3; the
 # unrotated page write of bf16 rows 163.6 / 123.0 / 125.1 · 171.0 / 135.0 / 145.2.
 ENCODE_PLANES_BLOCK_ROWS = 32
+# ... and at least 4: at 2 rows a program the Triton lowering's layout of the [2, Q] planes spills
+# (sm_90, the Pallas page write: 255 registers and 1,584 B of spills for float32 rows, 1,192 B for
+# bf16; 1 row and 4 to 64 rows take 29-96 registers and none). Extra rows are masked.
+ENCODE_PLANES_MIN_BLOCK_ROWS = 4
+
+
+def planes_block_rows(rows: int, planes: bool) -> int:
+    """A launch's rows a program (a power of two) as encode_planes takes them."""
+    return max(rows, ENCODE_PLANES_MIN_BLOCK_ROWS) if planes else rows
 
 
 def resolve_encode_planes(planes: bool | None, head_dim: int, group_size: int, levels: str,

@@ -44,7 +44,12 @@ from oscar_jax.kernels.codec import (
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.rotation import split_bf16
 from shared_math.spec import CODES_PER_BYTE
-from shared_math.tiling import ENCODE_PLANES_BLOCK_ROWS, SPLIT_ROTATION_BLOCK_TOKENS, resolve_encode_planes
+from shared_math.tiling import (
+    ENCODE_PLANES_BLOCK_ROWS,
+    SPLIT_ROTATION_BLOCK_TOKENS,
+    planes_block_rows,
+    resolve_encode_planes,
+)
 
 # tl.dot needs M, N, K ≥ 16: the fused rotation runs on blocks of at least this many tokens.
 MIN_DOT_ROWS = 16
@@ -120,7 +125,7 @@ def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x
         block_tokens = (SPLIT_ROTATION_BLOCK_TOKENS if split else ENCODE_PLANES_BLOCK_ROWS if planes
                         else DEFAULT_BLOCK_ROWS)
     rows = block_rows_for(num_tokens, block_tokens)
-    return max(rows, MIN_DOT_ROWS) if rotate else rows
+    return max(rows, MIN_DOT_ROWS) if rotate else planes_block_rows(rows, planes)
 
 
 # ------------------------------------------------------------------- fused write to dense rows

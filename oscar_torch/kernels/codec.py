@@ -624,7 +624,7 @@ def encode_rows(
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype)
     if block_rows is None:
         block_rows = tiling.ENCODE_PLANES_BLOCK_ROWS if planes else DEFAULT_BLOCK_ROWS
-    rows = block_rows_for(num_rows, block_rows)
+    rows = tiling.planes_block_rows(block_rows_for(num_rows, block_rows), planes)
     packed = torch.empty((num_rows, d // CODES_PER_BYTE), dtype=torch.uint8, device=x.device)
     scale = torch.empty((num_rows, d // group_size), dtype=torch.float16, device=x.device)
     minimum = torch.empty_like(scale)

@@ -45,7 +45,12 @@ from oscar_torch.kernels.codec import (
 from oscar_torch.kernels.decode_attention import dot_f32, dot_operand
 from shared_math.rotation import BF16_SPLIT_PARTS, split_bf16
 from shared_math.spec import CODES_PER_BYTE
-from shared_math.tiling import ENCODE_PLANES_BLOCK_ROWS, SPLIT_ROTATION_BLOCK_TOKENS, resolve_encode_planes
+from shared_math.tiling import (
+    ENCODE_PLANES_BLOCK_ROWS,
+    SPLIT_ROTATION_BLOCK_TOKENS,
+    planes_block_rows,
+    resolve_encode_planes,
+)
 
 # tl.dot needs M, N, K ≥ 16: the fused rotation runs on blocks of at least this many tokens.
 MIN_DOT_ROWS = 16
@@ -66,7 +71,7 @@ def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x
                         else DEFAULT_BLOCK_ROWS)
         block_tokens = block_tokens if split else default_block_rows(block_tokens)
     rows = block_rows_for(num_tokens, block_tokens)
-    return max(rows, MIN_DOT_ROWS) if rotate else rows
+    return max(rows, MIN_DOT_ROWS) if rotate else planes_block_rows(rows, planes)
 
 
 def _rotation_rows(block_rows: int) -> int:

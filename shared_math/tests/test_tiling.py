@@ -234,3 +234,11 @@ def test_resolve_encode_planes_names_what_does_not_apply(planes, head_dim, group
 
     with pytest.raises(ValueError, match=match):
         resolve_encode_planes(planes, head_dim, group_size, levels, rotated)
+
+
+@pytest.mark.parametrize("rows, planes, expected", [(1, True, 4), (2, True, 4), (4, True, 4), (32, True, 32),
+                                                    (2, False, 2), (1, False, 1)])
+def test_planes_blocks_hold_at_least_four_rows(rows, planes, expected):
+    from shared_math.tiling import planes_block_rows
+
+    assert planes_block_rows(rows, planes) == expected
