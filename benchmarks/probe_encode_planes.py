@@ -57,7 +57,8 @@ def main(argv=None) -> None:
     parser.add_argument("--block-rows", default="16,32,64")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--backends", default="pallas,triton")
-    parser.add_argument("--sections", default="codec,write", help="comma-separated: codec (encode_rows), write, xla (encode_planes compiled by XLA outside a kernel)")
+    parser.add_argument("--sections", default="codec,write", help="comma-separated: codec (encode_rows), write, rotated (the rotated bf16 write, NOTES v25), "
+                        "xla (encode_planes compiled by XLA outside a kernel)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -96,6 +97,9 @@ def main(argv=None) -> None:
         args.out.write_text(json.dumps(results, indent=1))
     if "xla" in args.sections.split(","):
         results["xla_jit"] = xla_jit_rows()
+        args.out.write_text(json.dumps(results, indent=1))
+    if "rotated" in args.sections.split(","):
+        results["rotated_write"] = rotated_write_variants(args.tokens, args.backends.split(","), copy_gb_per_s)
         args.out.write_text(json.dumps(results, indent=1))
     if "write" in args.sections.split(","):
         results["write_kernels"] = write_kernel_variants(args.tokens, [int(b) for b in args.block_rows.split(",")],
@@ -212,10 +216,58 @@ def write_kernel_variants(tokens: int, block_rows: list[int], backends: list[str
     return out
 
 
-def _time(entry: dict, timing, copy_gb_per_s: float) -> None:
+def rotated_write_variants(tokens: int, backends: list[str], copy_gb_per_s: float) -> list[dict]:
+    """write_pages_rows of bfloat16 rows rotated in the kernel (the keys' prefill write, clip 0.96,
+    its default 64 tokens a program) with planes off and on (NOTES v25): each variant's pools
+    bit-identical to the Pallas planes-off pools before it is timed (the rotation's float32 rounding
+    is not pinned to shared_math; the two backends' are one another's, as the bench checks)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import bench_write
+    from oscar_jax.kernels import write as jax_write
+    from shared_math.spec import clip_index
+
+    page, ratio = bench_write.PAGE, CLIP_RATIOS["key"]
+    kw = dict(group_size=HEAD_DIM, clip_index=clip_index(ratio, HEAD_DIM), levels="minmax")
+    rows = jnp.asarray(make_rows(tokens, "normal").reshape(tokens, KV_HEADS, HEAD_DIM)).astype(jnp.bfloat16)
+    rng = np.random.default_rng(3)
+    rotation = jnp.asarray(np.stack([np.linalg.qr(rng.standard_normal((HEAD_DIM, HEAD_DIM)))[0]
+                                     for _ in range(KV_HEADS)]).astype(np.float32))
+    pages = tokens // page
+    page_ids = jnp.asarray(np.repeat(rng.permutation(pages).astype(np.int32), page))
+    slots = jnp.asarray(np.tile(np.arange(page, dtype=np.int32), pages))
+    shape, meta = (pages, KV_HEADS, page, HEAD_DIM // 4), (pages, KV_HEADS, page, 1)
+    pools = (jnp.zeros(shape, jnp.uint8), jnp.zeros(meta, jnp.float16), jnp.zeros(meta, jnp.float16))
+    write_bytes = rows.size * 2 + bench_write._int2_bytes(tokens, KV_HEADS, HEAD_DIM, HEAD_DIM)
+    reference = None
+    out = []
+    for backend, planes in itertools.product(backends, (False, True)):
+        entry = {"kernel": "write_pages_rows rotated", "backend": backend, "planes": planes, "dtype": "bfloat16",
+                 "clip_ratio": ratio, "bytes_moved": write_bytes}
+        if backend == "pallas":
+            call = functools.partial(jax_write.write_pages_rows, planes=planes, **kw)
+            got = [np.asarray(p) for p in call(*pools, rows, page_ids, slots, rotation)]
+
+            def step(i, carry, rows, page_ids, slots, rotation):
+                return call(*carry, rows, page_ids, slots, rotation)
+
+            timing = lambda: harness.time_jax_loop(  # noqa: E731
+                step, pools, reps=20, operands=(rows, page_ids, slots, rotation))
+        else:
+            got, timing = _triton_write(rows, page_ids, slots, pools, None, planes, kw, rotation)
+        reference = got if reference is None else reference
+        entry["bytes_equal_pallas_planes_off"] = all(np.array_equal(a.view(np.uint8), b.view(np.uint8))
+                                                     for a, b in zip(got, reference))
+        _time(entry, timing, copy_gb_per_s, check="bytes_equal_pallas_planes_off")
+        out.append(entry)
+    return out
+
+
+def _time(entry: dict, timing, copy_gb_per_s: float, check: str = "bytes_equal_shared_math") -> None:
     name = " ".join(f"{entry[k]}" for k in ("kernel", "backend", "planes", "block_tokens") if k in entry)
-    if not entry["bytes_equal_shared_math"]:
-        print(f"{name}: BYTES DIFFER from shared_math, not timed", flush=True)
+    if not entry[check]:
+        print(f"{name}: BYTES DIFFER ({check} is false), not timed", flush=True)
         return
     entry["timing"] = timing()
     entry["gb_per_s"] = entry["bytes_moved"] / entry["timing"]["median_s"] / 1e9
@@ -231,15 +283,16 @@ def _torch_pools(pools):
                  for p, t in zip(pools, (torch.uint8, torch.float16, torch.float16)))
 
 
-def _triton_write(rows, page_ids, slots, pools, block: int, planes: bool, kw: dict):
+def _triton_write(rows, page_ids, slots, pools, block: int | None, planes: bool, kw: dict, rotation=None):
     import torch
 
     from oscar_torch.kernels import write as torch_write
 
     tpools, trows = _torch_pools(pools), torch.from_dlpack(rows)
     tpage, tslot = torch.from_dlpack(page_ids), torch.from_dlpack(slots)
-    call = functools.partial(torch_write.write_pages_rows, *tpools, trows, tpage, tslot, None, block_tokens=block,
-                             planes=planes, **kw)
+    trotation = None if rotation is None else torch.from_dlpack(rotation)
+    call = functools.partial(torch_write.write_pages_rows, *tpools, trows, tpage, tslot, trotation,
+                             block_tokens=block, planes=planes, **kw)
     call()
     return [p.cpu().numpy() for p in tpools], lambda: harness.time_torch_graph([call])
 

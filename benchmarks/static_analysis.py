@@ -364,28 +364,32 @@ WRITE_POINTERS = {"rotation_ptr": "*i16", "page_ids_ptr": "*i32", "slots_ptr": "
                   "src_pool_pages": "i32", "dst_pool_pages": "i32"}
 
 
-def write_table(clip_index: int = 117, block_tokens=(16, 32), num_warps: int = 4) -> list[dict]:
+def write_table(clip_index: int = 117, block_tokens=(16, 32), num_warps: int = 4, rotated: bool = False) -> list[dict]:
     """The unrotated page write (bf16 rows) and the demotion (pages of 64) for sm_90, planes off /
-    on, as encode_table: per element along the shortest path (NOTES v23)."""
+    on, as encode_table: per element along the shortest path (NOTES v23). rotated: the page write
+    of bf16 rows rotated in the kernel (the keys' prefill write; planes: the split rotation plane by
+    plane, NOTES v25) instead, and no demotion."""
     import functools
 
     import jax
     import jax.numpy as jnp
 
     from oscar_jax.kernels import write as jax_write
+    from shared_math.tiling import select_order_statistic
 
     heads, page, d = 8, 64, 128
     pools = [jax.ShapeDtypeStruct((16, heads, page, w), t) for w, t in ((d // 4, jnp.uint8), (1, jnp.float16),
                                                                        (1, jnp.float16))]
     kw = dict(group_size=d, clip_index=clip_index, levels="minmax", interpret=False, num_warps=num_warps)
     cases = [("write_pages", planes, rows) for planes in (False, True) for rows in block_tokens]
-    cases += [("demote_pages", planes, page) for planes in (False, True)]
+    cases += [] if rotated else [("demote_pages", planes, page) for planes in (False, True)]
+    rotation = jax.ShapeDtypeStruct((heads, d, d), jnp.float32) if rotated else None
     table = []
     for kernel, planes, rows in cases:
         if kernel == "write_pages":
-            fn = functools.partial(jax_write.write_pages_rows, rotation=None, block_tokens=rows, planes=planes, **kw)
+            fn = functools.partial(jax_write.write_pages_rows, block_tokens=rows, planes=planes, **kw)
             args = (*pools, jax.ShapeDtypeStruct((256, heads, d), jnp.bfloat16),
-                    jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((256,), jnp.int32))
+                    jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((256,), jnp.int32), rotation)
         else:
             fn = functools.partial(jax_write.demote_pages_rows, planes=planes, **kw)
             args = (jax.ShapeDtypeStruct((2, 16, heads, page, d), jnp.bfloat16),
@@ -396,9 +400,10 @@ def write_table(clip_index: int = 117, block_tokens=(16, 32), num_warps: int = 4
             from oscar_torch.kernels import write as torch_write
 
             constants = dict(NUM_HEADS=heads, PAGE_SIZE=page, D=d, GROUP_SIZE=d, CLIP_INDEX=clip_index,
-                             LEVELS="minmax", ORDER_STATISTIC="tagged_max", PLANES=planes)
+                             LEVELS="minmax", PLANES=planes,
+                             ORDER_STATISTIC=select_order_statistic(d, clip_index, rows_bf16=not rotated))
             if kernel == "write_pages":
-                constants.update(ROTATE=False, INPUT_BF16=True, BLOCK_TOKENS=rows, TENSOR_CORES=True,
+                constants.update(ROTATE=rotated, INPUT_BF16=True, BLOCK_TOKENS=rows, TENSOR_CORES=True,
                                  ROTATION_ROWS=rows)
             found.append(("triton", triton_kernel_usage(getattr(torch_write, f"_{kernel}_kernel"), constants,
                                                         num_warps, 1, pointers=WRITE_POINTERS, shortest_path=True)))
@@ -421,6 +426,9 @@ def _print_encode_tables() -> None:
     _print_table(encode_table(), "rows_dtype", "rows | k")
     print()
     _print_table(write_table(), "kernel", "kernel (bf16 rows, unrotated) | k")
+    print()
+    _print_table(write_table(clip_index=122, block_tokens=(32, 64), rotated=True), "kernel",
+                 "kernel (bf16 rows, rotated) | k")
 
 
 def main(argv=None) -> None:

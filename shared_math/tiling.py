@@ -269,27 +269,32 @@ def planes_block_rows(rows: int, planes: bool) -> int:
 
 
 def resolve_encode_planes(planes: bool | None, head_dim: int, group_size: int, levels: str,
-                          rotated: bool = False) -> bool:
-    """The launchers' `planes`: None (the default) takes encode_planes wherever it applies — 1.9-2.2x
-    faster than encode_block on the H200 (benchmarks/NOTES.md v24) and the same bytes —; True insists
-    (check_encode_planes' ValueError where it does not apply); False never takes it."""
+                          rotated: bool = False, rows_bf16: bool = False) -> bool:
+    """The launchers' `planes`: None (the default) takes encode_planes wherever it applies to rows
+    the kernel does not rotate — 1.9-2.2x faster than encode_block on the H200 (benchmarks/NOTES.md
+    v24) and the same bytes —; True insists (check_encode_planes' ValueError where it does not
+    apply), and also takes it for bfloat16 rows the kernel rotates (the split rotation by columns,
+    not yet measured on a GPU: NOTES v25); False never takes it."""
     if planes is None:
         return encode_planes_applies(head_dim, group_size, levels) and not rotated
     if not isinstance(planes, bool):
         raise ValueError(f"planes={planes!r} must be None (where it applies), True or False")
     if planes:
-        check_encode_planes(head_dim, group_size, levels, rotated)
+        check_encode_planes(head_dim, group_size, levels, rotated, rows_bf16)
     return planes
 
 
-def check_encode_planes(head_dim: int, group_size: int, levels: str, rotated: bool = False) -> None:
+def check_encode_planes(head_dim: int, group_size: int, levels: str, rotated: bool = False,
+                        rows_bf16: bool = False) -> None:
     """The launchers' check of `planes=True`: a ValueError naming what does not apply. Rows the
-    kernel rotates come from one [R, D] product, not from four plane loads."""
+    kernel rotates take planes only as bfloat16 rows: their split rotation's products are computed
+    plane by plane (four column blocks of R_K); float32 rows' IEEE product is one [R, D] product."""
     if not encode_planes_applies(head_dim, group_size, levels):
         raise ValueError(f"planes=True needs group_size == head_dim and levels='minmax', got "
                          f"{group_size=}, {head_dim=}, {levels=}")
-    if rotated:
-        raise ValueError("planes=True needs rows the kernel does not rotate (rotation=None)")
+    if rotated and not rows_bf16:
+        raise ValueError("planes=True with a rotation needs bfloat16 rows (the split rotation, computed "
+                         "plane by plane); got float32 rows: pass rotation=None or bfloat16 rows")
 
 
 def resolve_order_statistic(order_statistic: str | None, head_dim: int, clip_index: int, *, rows_bf16: bool,

@@ -47,6 +47,17 @@ def test_write_section_checks_every_variant_it_would_time(monkeypatch):
     assert all(e["bytes_equal_shared_math"] and e["timing"] == {"median_s": 1.0} for e in out), out
 
 
+def test_rotated_section_checks_every_variant_it_would_time(monkeypatch):
+    """The rotated section on a small case, Pallas interpreted: planes on writes planes off's pools
+    before either is timed; the timer is stubbed."""
+    from benchmarks import harness
+
+    monkeypatch.setattr(harness, "time_jax_loop", lambda *a, **k: {"median_s": 1.0})
+    out = probe.rotated_write_variants(128, ["pallas"], copy_gb_per_s=1.0)
+    assert [e["planes"] for e in out] == [False, True]
+    assert all(e["bytes_equal_pallas_planes_off"] and e["timing"] == {"median_s": 1.0} for e in out), out
+
+
 def test_xla_section_reports_rows_against_shared_math():
     """The xla section's record on this machine (XLA:CPU): every row encode_planes calls exact has
     shared_math's bytes (on the H200, XLA:GPU's did not: NOTES v24)."""

@@ -131,13 +131,32 @@ def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x
 # ------------------------------------------------------------------- fused write to dense rows
 
 
+def _rotate_planes(x, rotation_ref):
+    """x [R, D] (bfloat16 values) · R_K's parts [3, D, D] bfloat16, plane by plane: the rotated rows'
+    four quarter planes float32 [R, Q] (plane p: columns p·Q … p·Q + Q − 1 of _rotate's product, the
+    same three dots a column block, summed smallest part first)."""
+    quarter = x.shape[1] // CODES_PER_BYTE
+    xb = x.astype(jnp.bfloat16)  # exact
+    planes = []
+    for p in range(CODES_PER_BYTE):
+        columns = pl.ds(p * quarter, quarter)
+        acc = jnp.dot(xb, rotation_ref[2, :, columns], preferred_element_type=jnp.float32)
+        acc = acc + jnp.dot(xb, rotation_ref[1, :, columns], preferred_element_type=jnp.float32)
+        planes.append(acc + jnp.dot(xb, rotation_ref[0, :, columns], preferred_element_type=jnp.float32))
+    return planes
+
+
 def _encode_token_rows(x_ref, rotation_ref, mask, planes: bool, encode_args: dict):
-    """Encode a block of token rows x_ref [R, D]: rotated by rotation_ref (None: not rotated) and
-    encode_block, or, unrotated with `planes`, codec.encode_planes_or_block."""
-    if rotation_ref is not None:
-        return encode_block(_rotate(load_block(x_ref, mask).astype(jnp.float32), rotation_ref), **encode_args)
-    return encode_planes_or_block(lambda: load_planes(x_ref, mask), lambda: load_block(x_ref, mask), mask,
-                                  planes=planes, rows_bf16=x_ref.dtype == jnp.bfloat16, **encode_args)
+    """Encode a block of token rows x_ref [R, D], rotated by rotation_ref unless None, through
+    codec.encode_planes_or_block: with `planes`, rotated rows come as their planes' products
+    (_rotate_planes) and unrotated rows as four plane loads; the whole rows only where it falls back."""
+    if rotation_ref is None:
+        return encode_planes_or_block(lambda: load_planes(x_ref, mask), lambda: load_block(x_ref, mask), mask,
+                                      planes=planes, rows_bf16=x_ref.dtype == jnp.bfloat16, **encode_args)
+    return encode_planes_or_block(
+        lambda: _rotate_planes(load_block(x_ref, mask), rotation_ref),
+        lambda: _rotate(load_block(x_ref, mask).astype(jnp.float32), rotation_ref), mask,
+        planes=planes, rows_bf16=False, **encode_args)  # rotated rows: float32 products
 
 
 def _write_int2_kernel(
@@ -182,7 +201,7 @@ def write_int2_rows(
     num_tokens, num_heads, d = x.shape
     quarter, num_groups = d // CODES_PER_BYTE, d // group_size
     rotate = rotation is not None
-    planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate)
+    planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate, rows_bf16=x.dtype == jnp.bfloat16)
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype, rotated=rotate)
     rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype, planes)
     encode_args = dict(
@@ -299,7 +318,7 @@ def write_pages_rows(
     unrotated rows by codec.encode_planes (tiling.resolve_encode_planes: None where it applies)."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
-    planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate)
+    planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate, rows_bf16=x.dtype == jnp.bfloat16)
     order_statistic = resolve_order_statistic(order_statistic, d, clip_index, x.dtype, rotated=rotate)
     rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype, planes)
     encode_args = dict(

@@ -443,19 +443,59 @@ def test_write_kernels_by_planes_land_exactly(dtype):
         assert_same_bits(a, expected, f"demote planes {name}")
 
 
-def test_write_by_planes_is_refused_for_rotated_rows_and_groups():
+def test_rotated_bf16_rows_by_planes_take_the_planes_products(monkeypatch):
+    """bfloat16 rows rotated in the kernel with planes=True (the split rotation's products plane by
+    plane, then encode_planes): write_int2_rows and write_pages_rows write planes=False's bytes —
+    partial last block included — in every block of ordinary rows; the block holding a NaN row and
+    only it falls back (encode_block swapped for a stand-in writing zeros, so that a decision that
+    always fell back could not pass unseen)."""
+    from oscar_jax.kernels import codec as kcodec
+
+    rng = np.random.default_rng(43)
+    num_tokens, num_heads, d, page_size, num_pages = 37, 3, 64, 16, 4
+    rows = _planes_rows(rng, num_tokens, num_heads, d, jnp.bfloat16)  # NaN: token 18, head 2
+    rotation = random_rotations(rng, num_heads, d)
+    kw = dict(group_size=d, clip_index=clip_index(0.96, d), levels="minmax", block_tokens=16)
+    want = [np.asarray(a) for a in kwrite.write_int2_rows(rows, rotation, planes=False, **kw)]
+    pools = int2_pools(rng, num_pages, num_heads, page_size, d, d)
+    page_ids, slots = destinations(rng, num_tokens, num_pages, page_size)
+    want_pools = [np.asarray(a) for a in kwrite.write_pages_rows(*pools, rows, page_ids, slots, rotation, planes=False,
+                                                                 **kw)]
+    assert_encoding(kwrite.write_int2_rows(rows, rotation, planes=True, **kw), want, "write_int2 rotated planes")
+    got = kwrite.write_pages_rows(*pools, rows, page_ids, slots, rotation, planes=True, **kw)
+    for name, a, e in zip(("codes", "scale", "minimum"), got, want_pools):
+        assert_same_bits(a, e, f"write_pages rotated planes {name}")
+
+    def zeros_encode_block(x, *, group_size, **_):
+        rows_, d_ = x.shape
+        return (jnp.zeros((rows_, d_ // 4), jnp.uint8), jnp.zeros((rows_, d_ // group_size), jnp.float16),
+                jnp.zeros((rows_, d_ // group_size), jnp.float16))
+
+    monkeypatch.setattr(kcodec, "encode_block", zeros_encode_block)
+    jax.clear_caches()  # the launchers are jitted: trace them again with the stand-in
+    got = [np.asarray(a) for a in kwrite.write_int2_rows(rows, rotation, planes=True, **kw)]
+    fell_back = np.zeros((num_tokens, num_heads), bool)
+    fell_back[16:32, num_heads - 1] = True  # head 2's second block of 16 tokens holds the NaN
+    for name, a, e in zip(("packed", "scale", "minimum"), got, want):
+        assert_same_bits(a[~fell_back], e[~fell_back], f"{name}: blocks of ordinary rows by planes")
+        assert not a[fell_back].view(f"u{a.itemsize}").any(), f"{name}: the NaN block did not fall back"
+    jax.clear_caches()
+
+
+def test_write_by_planes_is_refused_for_rotated_float32_rows_and_groups():
     x = np.zeros((4, 2, 64), F32)
-    with pytest.raises(ValueError, match="does not rotate"):
+    with pytest.raises(ValueError, match="with a rotation needs bfloat16 rows"):
         kwrite.write_int2_rows(x, np.eye(64, dtype=F32)[None].repeat(2, 0), group_size=64, clip_index=58,
                                levels="minmax", planes=True)
     with pytest.raises(ValueError, match="group_size=32, head_dim=64"):
         kwrite.write_int2_rows(x, None, group_size=32, clip_index=58, levels="minmax", planes=True)
 
 
-@pytest.mark.parametrize("launcher", ["write_pages_rows", "demote_pages_rows"])
+@pytest.mark.parametrize("launcher", ["write_pages_rows", "demote_pages_rows", "rotated write_pages_rows"])
 def test_write_by_planes_compiles_for_h200(launcher):
-    """The unrotated write and the demotion with planes=True (bf16 rows, Qwen3-8B value clip k 117)
-    lowered and compiled for sm_90 on the CPU: no spills (interpret mode applies no GPU rule)."""
+    """The unrotated write and the demotion with planes=True (bf16 rows, Qwen3-8B value clip k 117),
+    and the rotated write of bf16 rows (its default 64 tokens a program: the split rotation plane by
+    plane), lowered and compiled for sm_90 on the CPU: no spills (interpret mode applies no GPU rule)."""
     pytest.importorskip("triton")
     from benchmarks.static_analysis import compile_pallas_for_h200
 
@@ -464,10 +504,12 @@ def test_write_by_planes_compiles_for_h200(launcher):
              jax.ShapeDtypeStruct((16, heads, page, 1), jnp.float16),
              jax.ShapeDtypeStruct((16, heads, page, 1), jnp.float16))
     kw = dict(group_size=d, clip_index=117, levels="minmax", interpret=False, planes=True)
-    if launcher == "write_pages_rows":
-        fn = functools.partial(kwrite.write_pages_rows, rotation=None, block_tokens=32, **kw)
+    if launcher.endswith("write_pages_rows"):
+        rotated = launcher.startswith("rotated")
+        fn = functools.partial(kwrite.write_pages_rows, block_tokens=None if rotated else 32, **kw)
         args = (*pools, jax.ShapeDtypeStruct((256, heads, d), jnp.bfloat16), jax.ShapeDtypeStruct((256,), jnp.int32),
-                jax.ShapeDtypeStruct((256,), jnp.int32))
+                jax.ShapeDtypeStruct((256,), jnp.int32),
+                jax.ShapeDtypeStruct((heads, d, d), jnp.float32) if rotated else None)
     else:
         fn = functools.partial(kwrite.demote_pages_rows, **kw)
         pools = tuple(jax.ShapeDtypeStruct((2,) + p.shape, p.dtype) for p in pools)

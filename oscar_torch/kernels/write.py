@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from oscar_torch.kernels.codec import (
+    CODES_PER_BYTE_C,
     DEFAULT_BLOCK_ROWS,
     DEFAULT_NUM_WARPS,
     bf16_bits_rne,
@@ -36,6 +37,7 @@ from oscar_torch.kernels.codec import (
     default_block_rows,
     encode_block,
     encode_loaded_rows,
+    encode_planes,
     interpreting,
     kernel_view,
     load_rows_f32,
@@ -149,6 +151,16 @@ def _load_token_rows(
 
 
 @triton.jit
+def _rotated_plane_bits(xb, part, D: tl.constexpr, TENSOR_CORES: tl.constexpr):
+    """One quarter plane of the split rotation's product, as float32 bits (int32 [R, Q]): xb [R, D]
+    times the column block `part` [D, Q] of R_K's three bf16 parts, summed smallest part first
+    (_load_token_rows' three dots, column block by column block)."""
+    acc = dot_f32(xb, _bf16_part(part + 2 * D * D, TENSOR_CORES), True, TENSOR_CORES)
+    acc = acc + dot_f32(xb, _bf16_part(part + D * D, TENSOR_CORES), True, TENSOR_CORES)
+    return (acc + dot_f32(xb, _bf16_part(part, TENSOR_CORES), True, TENSOR_CORES)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _encode_token_rows(
     x_ptr, rotation_ptr, head, num_tokens,
     NUM_HEADS: tl.constexpr,
@@ -165,9 +177,26 @@ def _encode_token_rows(
     PLANES: tl.constexpr,
 ):
     """Encode this program's tokens of kv head `head`: rotated (_load_token_rows) and encode_block,
-    or unrotated through codec.encode_loaded_rows (by planes with PLANES; the launchers refuse
-    PLANES with ROTATE). Returns packed, scale, minimum, the tokens [R, 1] and which exist."""
-    if PLANES:
+    or by planes with PLANES — rotated bf16 rows as their planes' products (_rotated_plane_bits;
+    the launchers refuse PLANES for rotated float32 rows), unrotated rows through
+    codec.encode_loaded_rows. Returns packed, scale, minimum, the tokens [R, 1] and which exist."""
+    if PLANES and ROTATE:
+        QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
+        token = (tl.program_id(1) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS))[:, None]  # [R, 1]
+        token_ok = token < num_tokens
+        x = load_rows_f32(x_ptr + (token * NUM_HEADS + head) * D + tl.arange(0, D)[None, :], token_ok, INPUT_BF16)
+        xb = dot_operand(x, True, TENSOR_CORES)  # exact: x holds bfloat16 values
+        part = rotation_ptr + head * BF16_SPLIT_PARTS_C * D * D + tl.arange(0, D)[:, None] * D \
+            + tl.arange(0, QUARTER)[None, :]  # columns 0 … Q − 1 of the parts
+        packed, scale, minimum, exact = encode_planes(
+            _rotated_plane_bits(xb, part, D, TENSOR_CORES), _rotated_plane_bits(xb, part + QUARTER, D, TENSOR_CORES),
+            _rotated_plane_bits(xb, part + 2 * QUARTER, D, TENSOR_CORES),
+            _rotated_plane_bits(xb, part + 3 * QUARTER, D, TENSOR_CORES), CLIP_INDEX, False)
+        if tl.min((exact | ~token_ok).to(tl.int32)) == 0:  # a row needs encode_block: the whole product
+            x, token, token_ok = _load_token_rows(x_ptr, rotation_ptr, head, num_tokens, NUM_HEADS, D, ROTATE,
+                                                  INPUT_BF16, BLOCK_TOKENS, TENSOR_CORES, ROTATION_ROWS)
+            packed, scale, minimum = encode_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
+    elif PLANES:
         token = (tl.program_id(1) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS))[:, None]  # [R, 1]
         token_ok = token < num_tokens
         packed, scale, minimum = encode_loaded_rows(x_ptr + (token * NUM_HEADS + head) * D, token_ok, D, GROUP_SIZE,
@@ -248,7 +277,8 @@ def write_int2_rows(
     planes: unrotated rows by codec.encode_planes (tiling.resolve_encode_planes: None where it applies)."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
-    planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate)
+    planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate,
+                                   rows_bf16=x.dtype == torch.bfloat16)
     rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype, planes)
     packed = torch.empty((num_tokens, num_heads, d // CODES_PER_BYTE), dtype=torch.uint8, device=x.device)
     scale = torch.empty((num_tokens, num_heads, d // group_size), dtype=torch.float16, device=x.device)
@@ -335,7 +365,8 @@ def write_pages_rows(
     num_tokens, num_heads, d = x.shape
     num_pages, _, page_size, _ = codes.shape
     rotate = rotation is not None
-    planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate)
+    planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate,
+                                   rows_bf16=x.dtype == torch.bfloat16)
     rows = _token_block_rows(num_tokens, block_tokens, rotate, x.dtype, planes)
     _write_pages_kernel[(num_heads, triton.cdiv(num_tokens, rows))](
         kernel_view(x), _rotation_operand(rotation, x), page_ids, slots, codes, scale, minimum,

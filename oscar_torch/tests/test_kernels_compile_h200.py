@@ -122,14 +122,18 @@ def test_write_kernel_compiles_for_h200_without_spills(kernel, rows_bf16, rotate
     assert usage["spills"] == 0 and 0 < usage["registers"] <= 255, usage
 
 
-@pytest.mark.parametrize("kernel", ["_write_pages_kernel", "_write_int2_kernel", "_demote_pages_kernel"])
-def test_write_kernel_by_planes_compiles_for_h200_without_spills(kernel):
+@pytest.mark.parametrize("kernel,rotate", [("_write_pages_kernel", False), ("_write_int2_kernel", False),
+                                           ("_demote_pages_kernel", False), ("_write_pages_kernel", True)])
+def test_write_kernel_by_planes_compiles_for_h200_without_spills(kernel, rotate):
     """The unrotated writes and the demotion with PLANES (bf16 rows, Qwen3-8B's value clip k 117,
-    32 tokens a program): the uniform fallback to encode_block and its merge compile for sm_90."""
-    constants = dict(NUM_HEADS=8, PAGE_SIZE=64, D=128, GROUP_SIZE=128, CLIP_INDEX=117, LEVELS="minmax",
-                     ORDER_STATISTIC="tagged_max", PLANES=True)
+    32 tokens a program), and the rotated page write of bf16 rows (the keys' clip k 122, 64 tokens:
+    the split rotation plane by plane; at 32 tokens it spills): the uniform fallback to
+    encode_block and its merge compile for sm_90."""
+    constants = dict(NUM_HEADS=8, PAGE_SIZE=64, D=128, GROUP_SIZE=128, CLIP_INDEX=122 if rotate else 117,
+                     LEVELS="minmax", ORDER_STATISTIC="checked_max" if rotate else "tagged_max", PLANES=True)
     if kernel != "_demote_pages_kernel":
-        constants.update(ROTATE=False, INPUT_BF16=True, BLOCK_TOKENS=32, TENSOR_CORES=True, ROTATION_ROWS=32)
+        block = 64 if rotate else 32
+        constants.update(ROTATE=rotate, INPUT_BF16=True, BLOCK_TOKENS=block, TENSOR_CORES=True, ROTATION_ROWS=block)
     pointers = dict(WRITE_POINTERS, x_ptr="*i16", rotation_ptr="*i16", src_pages_ptr="*i32", dst_pages_ptr="*i32",
                     bf16_ptr="*i16", src_pool_pages="i32", dst_pool_pages="i32")
     usage = _compile_in_fresh_process(kernel, constants, 4, 1, module="write", pointers=pointers)

@@ -503,9 +503,57 @@ def test_write_kernels_by_planes_land_exactly(dtype):
         assert_same_bits(to_numpy(pool)[0, [0, 2]], e, f"demote planes {name}")
 
 
-def test_write_by_planes_is_refused_for_rotated_rows_and_groups():
+def _rotated_planes_case(rng):
+    num_tokens, num_heads, d = 37, 3, 64
+    rows = (rng.standard_normal((num_tokens, num_heads, d)) * 3).astype(np.float32)
+    rows[num_tokens // 2, num_heads - 1, 5] = np.nan  # token 18, head 2: its block of 16 falls back
+    x = torch.from_numpy(rows).to(torch.bfloat16).to(DEVICE)
+    rotation = to_torch(random_rotations(rng, num_heads, d))
+    return x, rotation, dict(group_size=d, clip_index=clip_index(0.96, d), levels="minmax", block_tokens=16)
+
+
+def test_rotated_bf16_rows_by_planes_take_the_planes_products():
+    """bfloat16 rows rotated in the kernel with planes=True (the split rotation's products plane by
+    plane, then encode_planes): write_int2_rows and write_pages_rows write planes=False's bytes, a
+    partial last block and a falling-back block (a NaN row) included."""
+    rng = np.random.default_rng(43)
+    x, rotation, kw = _rotated_planes_case(rng)
+    want = [to_numpy(a) for a in kwrite.write_int2_rows(x, rotation, planes=False, **kw)]
+    for name, a, e in zip(("packed", "scale", "minimum"), kwrite.write_int2_rows(x, rotation, planes=True, **kw),
+                          want):
+        assert_same_bits(to_numpy(a), e, f"write_int2 rotated planes {name}")
+    num_tokens, num_heads, d = x.shape
+    flat = rng.permutation(4 * 16)[:num_tokens]
+    page_ids, slots = (torch.from_numpy((a).astype(np.int32)).to(DEVICE) for a in (flat // 16, flat % 16))
+    pools = {planes: [torch.zeros((4, num_heads, 16, w), dtype=t, device=DEVICE)
+                      for w, t in ((d // 4, torch.uint8), (1, torch.float16), (1, torch.float16))]
+             for planes in (False, True)}
+    for planes, p in pools.items():
+        kwrite.write_pages_rows(*p, x, page_ids, slots, rotation, planes=planes, **kw)
+    for name, a, e in zip(("codes", "scale", "minimum"), pools[True], pools[False]):
+        assert_same_bits(to_numpy(a), to_numpy(e), f"write_pages rotated planes {name}")
+
+
+@pytest.mark.skipif(ON_GPU, reason="swaps a kernel function, which only the interpreter sees")
+def test_rotated_bf16_rows_by_planes_fall_back_only_where_a_row_declines(monkeypatch):
+    """Which path each block takes (encode_block swapped for a stand-in writing zeros): the blocks
+    of ordinary rows by planes, the block holding a NaN row and only it by encode_block."""
+    from oscar_torch.tests.test_ops_codec import _zeros_encode_block
+
+    x, rotation, kw = _rotated_planes_case(np.random.default_rng(43))
+    want = [to_numpy(a) for a in kwrite.write_int2_rows(x, rotation, planes=False, **kw)]
+    monkeypatch.setattr(kwrite, "encode_block", _zeros_encode_block)
+    got = [to_numpy(a) for a in kwrite.write_int2_rows(x, rotation, planes=True, **kw)]
+    fell_back = np.zeros(x.shape[:2], bool)
+    fell_back[16:32, x.shape[1] - 1] = True
+    for name, a, e in zip(("packed", "scale", "minimum"), got, want):
+        assert_same_bits(a[~fell_back], e[~fell_back], f"{name}: blocks of ordinary rows by planes")
+        assert not a[fell_back].view(f"u{a.itemsize}").any(), f"{name}: the NaN block did not fall back"
+
+
+def test_write_by_planes_is_refused_for_rotated_float32_rows_and_groups():
     x = torch.zeros((4, 2, 64), device=DEVICE)
-    with pytest.raises(ValueError, match="does not rotate"):
+    with pytest.raises(ValueError, match="with a rotation needs bfloat16 rows"):
         kwrite.write_int2_rows(x, torch.eye(64, device=DEVICE).repeat(2, 1, 1), group_size=64, clip_index=58,
                                levels="minmax", planes=True)
     with pytest.raises(ValueError, match="group_size=32, head_dim=64"):

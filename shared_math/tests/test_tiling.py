@@ -222,10 +222,21 @@ def test_resolve_encode_planes(planes, head_dim, group_size, levels, rotated, ex
     assert resolve_encode_planes(planes, head_dim, group_size, levels, rotated) is expected
 
 
+def test_rotated_bf16_rows_take_planes_only_when_insisted_on():
+    """bfloat16 rows the kernel rotates (the split rotation, by planes' products): planes=True takes
+    them, the default does not yet (NOTES v25: not measured on a GPU); float32 rows are refused."""
+    from shared_math.tiling import resolve_encode_planes
+
+    assert resolve_encode_planes(True, 128, 128, "minmax", rotated=True, rows_bf16=True) is True
+    assert resolve_encode_planes(None, 128, 128, "minmax", rotated=True, rows_bf16=True) is False
+    with pytest.raises(ValueError, match="got float32 rows"):
+        resolve_encode_planes(True, 128, 128, "minmax", rotated=True, rows_bf16=False)
+
+
 @pytest.mark.parametrize("planes, head_dim, group_size, levels, rotated, match", [
     (True, 128, 32, "minmax", False, "group_size=32, head_dim=128"),
     (True, 128, 128, "moments", False, "levels='moments'"),
-    (True, 128, 128, "minmax", True, "rotation=None"),
+    (True, 128, 128, "minmax", True, "with a rotation needs bfloat16 rows"),
     ("yes", 128, 128, "minmax", False, "planes='yes'"),
     (1, 128, 128, "minmax", False, "planes=1"),
 ])
