@@ -273,8 +273,9 @@ def resolve_encode_planes(planes: bool | None, head_dim: int, group_size: int, l
     """The launchers' `planes`: None (the default) takes encode_planes wherever it applies to rows
     the kernel does not rotate — 1.9-2.2x faster than encode_block on the H200 (benchmarks/NOTES.md
     v24) and the same bytes —; True insists (check_encode_planes' ValueError where it does not
-    apply), and also takes it for bfloat16 rows the kernel rotates (the split rotation by columns,
-    not yet measured on a GPU: NOTES v25); False never takes it."""
+    apply), and also takes it for bfloat16 rows the kernel rotates (the split rotation by columns:
+    the same bytes on the H200, but -7 % time in Triton and +7 % in Pallas, NOTES v25, so not the
+    default); False never takes it."""
     if planes is None:
         return encode_planes_applies(head_dim, group_size, levels) and not rotated
     if not isinstance(planes, bool):

@@ -224,7 +224,7 @@ def test_resolve_encode_planes(planes, head_dim, group_size, levels, rotated, ex
 
 def test_rotated_bf16_rows_take_planes_only_when_insisted_on():
     """bfloat16 rows the kernel rotates (the split rotation, by planes' products): planes=True takes
-    them, the default does not yet (NOTES v25: not measured on a GPU); float32 rows are refused."""
+    them, the default does not (NOTES v25: no faster on the H200); float32 rows are refused."""
     from shared_math.tiling import resolve_encode_planes
 
     assert resolve_encode_planes(True, 128, 128, "minmax", rotated=True, rows_bf16=True) is True
