@@ -57,8 +57,9 @@ def main(argv=None) -> None:
     parser.add_argument("--block-rows", default="16,32,64")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--backends", default="pallas,triton")
-    parser.add_argument("--sections", default="codec,write", help="comma-separated: codec (encode_rows), write, rotated (the rotated bf16 write, NOTES v25), "
-                        "xla (encode_planes compiled by XLA outside a kernel)")
+    parser.add_argument("--sections", default="codec,write",
+                        help="comma-separated: codec (encode_rows), write, rotated (the rotated bf16 write, "
+                             "NOTES v25), xla (encode_planes compiled by XLA outside a kernel)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 

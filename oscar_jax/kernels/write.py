@@ -197,7 +197,8 @@ def write_int2_rows(
     planes: bool | None = None,
 ):
     """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G].
-    planes: unrotated rows by codec.encode_planes (tiling.resolve_encode_planes: None where it applies)."""
+    planes: by codec.encode_planes (tiling.resolve_encode_planes: None for unrotated rows where it
+    applies; True also for rotated bf16 rows, NOTES v25)."""
     num_tokens, num_heads, d = x.shape
     quarter, num_groups = d // CODES_PER_BYTE, d // group_size
     rotate = rotation is not None
@@ -315,7 +316,8 @@ def write_pages_rows(
     """Encode x [T, K, D] (rotated by rotation [K, D, D] unless None) into the INT2 pools at
     (page_ids[t], slots[t]); returns the updated (codes, scale, minimum). With `layer`, the
     pools are stacked [Y, P, K, L, ·] and only layer `layer` is written (in place). planes:
-    unrotated rows by codec.encode_planes (tiling.resolve_encode_planes: None where it applies)."""
+    by codec.encode_planes (tiling.resolve_encode_planes: None for unrotated rows where it applies;
+    True also for rotated bf16 rows, NOTES v25)."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
     planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate, rows_bf16=x.dtype == jnp.bfloat16)

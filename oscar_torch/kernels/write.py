@@ -274,7 +274,8 @@ def write_int2_rows(
     planes: bool | None = None,
 ):
     """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G].
-    planes: unrotated rows by codec.encode_planes (tiling.resolve_encode_planes: None where it applies)."""
+    planes: by codec.encode_planes (tiling.resolve_encode_planes: None for unrotated rows where it
+    applies; True also for rotated bf16 rows, NOTES v25)."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
     planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate,
@@ -360,8 +361,9 @@ def write_pages_rows(
     planes: bool | None = None,
 ) -> None:
     """Encode x [T, K, D] (rotated by rotation [K, D, D] unless None) into the INT2 pools at
-    (page_ids[t], slots[t]) (int32 [T]), in place. planes: unrotated rows by codec.encode_planes
-    (tiling.resolve_encode_planes: None where it applies)."""
+    (page_ids[t], slots[t]) (int32 [T]), in place. planes: by codec.encode_planes
+    (tiling.resolve_encode_planes: None for unrotated rows where it applies; True also for rotated
+    bf16 rows, NOTES v25)."""
     num_tokens, num_heads, d = x.shape
     num_pages, _, page_size, _ = codes.shape
     rotate = rotation is not None
