@@ -14,6 +14,11 @@ it is timed; times are medians (Triton: CUDA-graph replays; Pallas codec: each c
 in a jax.profiler trace, harness.trace_program_seconds; Pallas writes: harness.time_jax_loop, as
 bench_write), against the bytes the kernel must move and the copy bandwidth measured in the same
 run. The static prediction (sm_90 SASS of the path a program runs): results/static_encode_planes_v23.txt.
+
+Section `rotated` (NOTES v25): the page write of bf16 rows rotated in the kernel (the keys' prefill
+write) with planes off and on, each variant's pools first checked bit for bit against the Pallas
+planes-off pools. Section `xla` (NOTES v24): encode_planes compiled by XLA as a jnp function, outside
+a kernel, against shared_math row by row.
 """
 
 from __future__ import annotations
