@@ -32,9 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
+from shared_math.spec import CODES_PER_BYTE, DEFAULT_K_CLIP_RATIO, DEFAULT_V_CLIP_RATIO
 
 KV_HEADS, HEAD_DIM = 8, 128
-CLIP_RATIOS = {"key": 0.96, "value": 0.92}
+CLIP_RATIOS = {"key": DEFAULT_K_CLIP_RATIO, "value": DEFAULT_V_CLIP_RATIO}
 
 
 def variants(block_rows: list[int]) -> list[dict]:
@@ -85,7 +86,7 @@ def main(argv=None) -> None:
                   block_rows=variant["block_rows"], planes=variant["planes"])
         encode, values = (_pallas if backend == "pallas" else _triton)(rows, dtype, kw)
         entry = dict(variant, backend=backend, dtype=dtype, tensor=tensor, clip_ratio=ratio,
-                     bytes_moved=rows.shape[0] * (HEAD_DIM * (2 if dtype == "bfloat16" else 4) + HEAD_DIM // 4 + 4))
+                     bytes_moved=rows.shape[0] * (HEAD_DIM * (2 if dtype == "bfloat16" else 4) + HEAD_DIM // CODES_PER_BYTE + 4))
         want = codec.encode(values[:n_check], group_size=HEAD_DIM, clip_ratio=ratio)
         entry["bytes_equal_shared_math"] = all(
             np.array_equal(g[:n_check].view(np.uint8), w.view(np.uint8)) for g, w in zip(encode(check=True), want))
@@ -129,7 +130,7 @@ def xla_jit_rows() -> list[dict]:
     out = []
     for bf16, ratio in itertools.product((True, False), (0.96, 0.92, 0.5)):
         x, _ = encode_planes_rows(bf16)
-        planes = [jax.lax.bitcast_convert_type(jnp.asarray(p), jnp.int32) for p in np.split(x, 4, axis=1)]
+        planes = [jax.lax.bitcast_convert_type(jnp.asarray(p), jnp.int32) for p in np.split(x, CODES_PER_BYTE, axis=1)]
         fn = jax.jit(functools.partial(kcodec.encode_planes, clip_index=clip_index(ratio, HEAD_DIM), rows_bf16=bf16))
         *got, exact = (np.asarray(a) for a in fn(planes))
         want = codec.encode(x, group_size=HEAD_DIM, clip_ratio=ratio)
@@ -163,7 +164,7 @@ def write_kernel_variants(tokens: int, block_rows: list[int], backends: list[str
     pages = tokens // page
     page_ids = jnp.asarray(np.repeat(np.random.default_rng(1).permutation(pages).astype(np.int32), page))
     slots = jnp.asarray(np.tile(np.arange(page, dtype=np.int32), pages))
-    shape, meta = (pages, KV_HEADS, page, HEAD_DIM // 4), (pages, KV_HEADS, page, 1)
+    shape, meta = (pages, KV_HEADS, page, HEAD_DIM // CODES_PER_BYTE), (pages, KV_HEADS, page, 1)
     pools = (jnp.zeros(shape, jnp.uint8), jnp.zeros(meta, jnp.float16), jnp.zeros(meta, jnp.float16))
     write_bytes = rows.size * 2 + bench_write._int2_bytes(tokens, KV_HEADS, HEAD_DIM, HEAD_DIM)
     n_check = 4096
@@ -194,7 +195,7 @@ def write_kernel_variants(tokens: int, block_rows: list[int], backends: list[str
     bf16 = jax.random.normal(jax.random.key(0), (layers, 2 * demoted, KV_HEADS, page, HEAD_DIM)).astype(jnp.bfloat16)
     src = jnp.asarray(np.random.default_rng(2).permutation(2 * demoted)[:demoted].astype(np.int32))
     dst = jnp.arange(demoted, dtype=jnp.int32)[::-1]
-    shape, meta = (layers, demoted, KV_HEADS, page, HEAD_DIM // 4), (layers, demoted, KV_HEADS, page, 1)
+    shape, meta = (layers, demoted, KV_HEADS, page, HEAD_DIM // CODES_PER_BYTE), (layers, demoted, KV_HEADS, page, 1)
     pools = (jnp.zeros(shape, jnp.uint8), jnp.zeros(meta, jnp.float16), jnp.zeros(meta, jnp.float16))
     demote_tokens = layers * demoted * page
     demote_bytes = demote_tokens * KV_HEADS * HEAD_DIM * 2 + bench_write._int2_bytes(demote_tokens, KV_HEADS,
@@ -243,7 +244,7 @@ def rotated_write_variants(tokens: int, backends: list[str], copy_gb_per_s: floa
     pages = tokens // page
     page_ids = jnp.asarray(np.repeat(rng.permutation(pages).astype(np.int32), page))
     slots = jnp.asarray(np.tile(np.arange(page, dtype=np.int32), pages))
-    shape, meta = (pages, KV_HEADS, page, HEAD_DIM // 4), (pages, KV_HEADS, page, 1)
+    shape, meta = (pages, KV_HEADS, page, HEAD_DIM // CODES_PER_BYTE), (pages, KV_HEADS, page, 1)
     pools = (jnp.zeros(shape, jnp.uint8), jnp.zeros(meta, jnp.float16), jnp.zeros(meta, jnp.float16))
     write_bytes = rows.size * 2 + bench_write._int2_bytes(tokens, KV_HEADS, HEAD_DIM, HEAD_DIM)
     reference = None

@@ -26,8 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
+from benchmarks.bench_write import PAGE
+from shared_math.spec import CODES_PER_BYTE, DEFAULT_K_CLIP_RATIO
 
-KV_HEADS, HEAD_DIM, CLIP = 8, 128, 0.96
+KV_HEADS, HEAD_DIM, CLIP = 8, 128, DEFAULT_K_CLIP_RATIO
 F32_MODES = ("ieee", "tf32x3", "tf32")
 
 
@@ -131,12 +133,12 @@ def main(argv=None) -> None:
                 results["products"].append(entry)
                 args.out.write_text(json.dumps(results, indent=1))
         # The shipped rotated write at its defaults, same rows: write - product = encode + stores.
-        pages = tokens // 64
-        page_ids = torch.arange(pages, device="cuda", dtype=torch.int32).repeat_interleave(64)
-        slots = torch.arange(64, device="cuda", dtype=torch.int32).repeat(pages)
-        pools = (torch.zeros((pages, KV_HEADS, 64, HEAD_DIM // 4), dtype=torch.uint8, device="cuda"),
-                 torch.zeros((pages, KV_HEADS, 64, 1), dtype=torch.float16, device="cuda"),
-                 torch.zeros((pages, KV_HEADS, 64, 1), dtype=torch.float16, device="cuda"))
+        pages = tokens // PAGE
+        page_ids = torch.arange(pages, device="cuda", dtype=torch.int32).repeat_interleave(PAGE)
+        slots = torch.arange(PAGE, device="cuda", dtype=torch.int32).repeat(pages)
+        pools = tuple(torch.zeros((pages, KV_HEADS, PAGE, width), dtype=pool_dtype, device="cuda")
+                      for width, pool_dtype in ((HEAD_DIM // CODES_PER_BYTE, torch.uint8), (1, torch.float16),
+                                                (1, torch.float16)))
         k = torch_ops._codec_args(HEAD_DIM, HEAD_DIM, CLIP, "minmax")
         timing = harness.time_torch_graph([lambda: torch.ops.oscar.write_pages(
             *pools, x, page_ids, slots, rotation, HEAD_DIM, k, "minmax")])
