@@ -271,7 +271,7 @@ def planes_block_rows(rows: int, planes: bool) -> int:
 def resolve_encode_planes(planes: bool | None, head_dim: int, group_size: int, levels: str,
                           rotated: bool = False, rows_bf16: bool = False) -> bool:
     """The launchers' `planes`: None (the default) takes encode_planes wherever it applies to rows
-    the kernel does not rotate — 1.9-2.2x faster than encode_block on the H200 (benchmarks/NOTES.md
+    the kernel does not rotate — 1.8-2.2x faster than encode_block on the H200 (benchmarks/NOTES.md
     v24) and the same bytes —; True insists (check_encode_planes' ValueError where it does not
     apply), and also takes it for bfloat16 rows the kernel rotates (the split rotation by columns:
     the same bytes on the H200, but -7 % time in Triton and +7 % in Pallas, NOTES v25, so not the
