@@ -38,6 +38,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    from oscar_torch.kernels.write import BF16_SPLIT_PARTS_C as SPLIT_PARTS
+    from oscar_torch.kernels.write import split_product
+
     @triton.jit
     def rotate_rows_kernel(x_ptr, rotation_ptr, out_ptr, num_tokens, NUM_HEADS: tl.constexpr, D: tl.constexpr,
                            BLOCK_TOKENS: tl.constexpr, MODE: tl.constexpr, STORE_ALL: tl.constexpr):
@@ -49,10 +52,7 @@ def _kernel():
         x_ptrs = x_ptr + (token * NUM_HEADS + head) * D + column
         if MODE == "bf16x3":  # the shipped split rotation: parts [K, 3, D, D] as int16 bits
             xb = tl.load(x_ptrs, mask=ok, other=0).to(tl.bfloat16, bitcast=True)
-            part = rotation_ptr + head * 3 * D * D + row * D + column
-            acc = tl.dot(xb, tl.load(part + 2 * D * D).to(tl.bfloat16, bitcast=True), out_dtype=tl.float32)
-            acc = acc + tl.dot(xb, tl.load(part + D * D).to(tl.bfloat16, bitcast=True), out_dtype=tl.float32)
-            acc = acc + tl.dot(xb, tl.load(part).to(tl.bfloat16, bitcast=True), out_dtype=tl.float32)
+            acc = split_product(xb, rotation_ptr + head * SPLIT_PARTS * D * D + row * D + column, D, True)
         else:
             x = tl.load(x_ptrs, mask=ok, other=0)
             rotation = tl.load(rotation_ptr + head * D * D + row * D + column)

@@ -42,7 +42,7 @@ from oscar_jax.kernels.codec import (
     store_block,
 )
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
-from shared_math.rotation import split_bf16
+from shared_math.rotation import BF16_SPLIT_PARTS, split_bf16
 from shared_math.spec import CODES_PER_BYTE
 from shared_math.tiling import (
     ENCODE_PLANES_BLOCK_ROWS,
@@ -77,15 +77,22 @@ def _rotation_operand(rotation, x_dtype):
     return rotation, pl.BlockSpec(block, lambda h, i: (h,) + (0,) * (len(block) - 1))
 
 
+def _split_product(xb, rotation_ref, columns):
+    """xb [R, D] bfloat16 · R_K's bfloat16 parts [3, D, D] restricted to `columns` → float32: one
+    tensor-core product a part (each exact per term), summed smallest part first."""
+    acc = None
+    for part in reversed(range(BF16_SPLIT_PARTS)):
+        term = jnp.dot(xb, rotation_ref[part, :, columns], preferred_element_type=jnp.float32)
+        acc = term if acc is None else acc + term
+    return acc
+
+
 def _rotate(x, rotation_ref):
     """x [R, D] float32 · R_K → [R, D] float32. Parts [3, D, D] bfloat16 (x holds bfloat16
     values): three tensor-core products, each exact per term, summed smallest part first. Else
     R_K [D, D] float32: IEEE float32, no TF32."""
     if rotation_ref.dtype == jnp.bfloat16:
-        xb = x.astype(jnp.bfloat16)  # exact
-        acc = jnp.dot(xb, rotation_ref[2], preferred_element_type=jnp.float32)
-        acc = acc + jnp.dot(xb, rotation_ref[1], preferred_element_type=jnp.float32)
-        return acc + jnp.dot(xb, rotation_ref[0], preferred_element_type=jnp.float32)
+        return _split_product(x.astype(jnp.bfloat16), rotation_ref, slice(None))  # exact cast
     return jnp.dot(
         x,
         rotation_ref[...].astype(jnp.float32),
@@ -133,17 +140,11 @@ def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x
 
 def _rotate_planes(x, rotation_ref):
     """x [R, D] (bfloat16 values) · R_K's parts [3, D, D] bfloat16, plane by plane: the rotated rows'
-    four quarter planes float32 [R, Q] (plane p: columns p·Q … p·Q + Q − 1 of _rotate's product, the
-    same three dots a column block, summed smallest part first)."""
+    four quarter planes float32 [R, Q] (plane p: columns p·Q … p·Q + Q − 1 of _rotate's product:
+    _split_product of that column block)."""
     quarter = x.shape[1] // CODES_PER_BYTE
     xb = x.astype(jnp.bfloat16)  # exact
-    planes = []
-    for p in range(CODES_PER_BYTE):
-        columns = pl.ds(p * quarter, quarter)
-        acc = jnp.dot(xb, rotation_ref[2, :, columns], preferred_element_type=jnp.float32)
-        acc = acc + jnp.dot(xb, rotation_ref[1, :, columns], preferred_element_type=jnp.float32)
-        planes.append(acc + jnp.dot(xb, rotation_ref[0, :, columns], preferred_element_type=jnp.float32))
-    return planes
+    return [_split_product(xb, rotation_ref, pl.ds(p * quarter, quarter)) for p in range(CODES_PER_BYTE)]
 
 
 def _encode_token_rows(x_ref, rotation_ref, mask, planes: bool, encode_args: dict):

@@ -110,6 +110,18 @@ def _bf16_part(ptrs, TENSOR_CORES: tl.constexpr):
 
 
 @triton.jit
+def split_product(xb, part, D: tl.constexpr, TENSOR_CORES: tl.constexpr):
+    """xb [R, D] bfloat16 · R_K's bf16 parts at `part` (pointers [D, C] into the first part's columns,
+    the parts D·D elements apart; int16 bits) → float32 [R, C]: one exact-product dot a part, summed
+    smallest part first."""
+    acc = dot_f32(xb, _bf16_part(part + (BF16_SPLIT_PARTS_C - 1) * D * D, TENSOR_CORES), True, TENSOR_CORES)
+    for i in tl.static_range(2, BF16_SPLIT_PARTS_C + 1):
+        acc = acc + dot_f32(xb, _bf16_part(part + (BF16_SPLIT_PARTS_C - i) * D * D, TENSOR_CORES), True,
+                            TENSOR_CORES)
+    return acc
+
+
+@triton.jit
 def _load_token_rows(
     x_ptr,  # [T, K, D] float32 / float16, or bfloat16 as int16
     rotation_ptr,  # _rotation_operand: [K, 3, D, D] bf16 parts as int16 for bf16 rows, else [K, D, D] f32
@@ -132,12 +144,9 @@ def _load_token_rows(
     x = load_rows_f32(x_ptr + (token * NUM_HEADS + head) * D + column, token_ok, INPUT_BF16)
     if ROTATE:
         row = tl.arange(0, D)[:, None]
-        if INPUT_BF16:  # hi, mid, lo of R_K: three exact-product dots, smallest part first
+        if INPUT_BF16:  # hi, mid, lo of R_K: exact-product dots
             part = rotation_ptr + head * BF16_SPLIT_PARTS_C * D * D + row * D + column
-            xb = dot_operand(x, True, TENSOR_CORES)  # exact: x holds bfloat16 values
-            acc = dot_f32(xb, _bf16_part(part + 2 * D * D, TENSOR_CORES), True, TENSOR_CORES)
-            acc = acc + dot_f32(xb, _bf16_part(part + D * D, TENSOR_CORES), True, TENSOR_CORES)
-            x = acc + dot_f32(xb, _bf16_part(part, TENSOR_CORES), True, TENSOR_CORES)
+            x = split_product(dot_operand(x, True, TENSOR_CORES), part, D, TENSOR_CORES)  # exact cast
         else:
             rotation = tl.load(rotation_ptr + head * D * D + row * D + column)  # [D, D] R_K of head
             if ROTATION_ROWS == BLOCK_TOKENS:
@@ -152,12 +161,9 @@ def _load_token_rows(
 
 @triton.jit
 def _rotated_plane_bits(xb, part, D: tl.constexpr, TENSOR_CORES: tl.constexpr):
-    """One quarter plane of the split rotation's product, as float32 bits (int32 [R, Q]): xb [R, D]
-    times the column block `part` [D, Q] of R_K's three bf16 parts, summed smallest part first
-    (_load_token_rows' three dots, column block by column block)."""
-    acc = dot_f32(xb, _bf16_part(part + 2 * D * D, TENSOR_CORES), True, TENSOR_CORES)
-    acc = acc + dot_f32(xb, _bf16_part(part + D * D, TENSOR_CORES), True, TENSOR_CORES)
-    return (acc + dot_f32(xb, _bf16_part(part, TENSOR_CORES), True, TENSOR_CORES)).to(tl.int32, bitcast=True)
+    """One quarter plane of the split rotation's product, as float32 bits (int32 [R, Q]): split_product
+    of the column block `part` [D, Q] (_load_token_rows' product, column block by column block)."""
+    return split_product(xb, part, D, TENSOR_CORES).to(tl.int32, bitcast=True)
 
 
 @triton.jit
