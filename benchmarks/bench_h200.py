@@ -56,6 +56,9 @@ TRITON_TUNING_128K = (
     # 12, 128 hold 16), 2 warps (the rows-on-M kernel's launch until v14)
     + [dict(num_warps=nw, num_stages=ns, max_registers=mr)
        for nw, ns, mr in [(1, 2, 0), (1, 4, 0), (1, 3, 192), (1, 3, 168), (1, 3, 128), (2, 3, 0)]]
+    # the values' dot transposed, its codes read as 16-bit pairs (NOTES v26: 0.76x the instructions
+    # a page and 166 registers on sm_90, not yet timed)
+    + [dict(channels_on_m=True)]
 )
 
 

@@ -179,7 +179,8 @@ _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v
 
 def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split,
                    pages_per_block, block_m, unpack_asm=False, bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
-                   int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), max_registers=0, int2_rows=None):
+                   int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), max_registers=0, int2_rows=None,
+                   channels_on_m=False):
     """The (outputs, lses) of q_rows [B, Hkv, M, D] over each tier: BF16 (split by
     bf16_pages_per_split), then INT2 (pages_per_split) if it has slots; each tier's kernel launched
     with its (num_warps, num_stages). `int2_rows` (decode): the INT2 tier reads the first int2_rows
@@ -198,7 +199,7 @@ def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, page
         tiers.append(library.int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
             group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm, *int2_launch,
-            max_registers, int2_rows is not None,
+            max_registers, int2_rows is not None, channels_on_m,
         ))
     return tiers
 
@@ -236,6 +237,7 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     max_registers: int | None = None,
+    channels_on_m: bool = False,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
 
@@ -270,10 +272,15 @@ def decode_attention(
         `shared_math.tiling.TRITON_INT2_MAX_REGISTERS` (128) for its rows-on-M kernel and the
         compiler's choice for the one-warp tokens-on-M kernel, 0 → the compiler's choice. No effect
         under the Triton interpreter.
+      channels_on_m: the INT2 tier's values dot as oᵀ = Vᵀ·p (channels on the dot's M, the rows on N;
+        `kernels.decode_attention.int2_tier_partials`), where its scores run with tokens on M and
+        D ≥ 128 (else ValueError). Off by default until timed on a GPU (benchmarks/NOTES.md v26).
     Returns:
       float32 [B, Hq, D].
     """
     check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
+    if not isinstance(channels_on_m, bool):
+        raise ValueError(f"channels_on_m={channels_on_m!r} must be a bool")
     if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int) or not (
             max_registers == 0 or max_registers >= 32)):
         raise ValueError(f"max_registers={max_registers!r} must be 0 (the compiler's choice) or an integer >= 32")
@@ -298,6 +305,10 @@ def decode_attention(
     # one-warp programs.
     int2_tokens_on_m = group_size >= head_dim and int2_decode_tokens_on_m(
         batch, num_kv_heads, history_page_table.shape[1], pages_per_split, k_bf16.shape[2])
+    if channels_on_m and not int2_tokens_on_m:
+        raise ValueError("channels_on_m=True needs the INT2 tier's tokens-on-M layout (G >= D, pages of >= 16 "
+                         f"tokens, a grid of >= 512 programs); this call has group_size={group_size}, "
+                         f"head_dim={head_dim}, batch={batch}")
     if max_registers is None:
         max_registers = 0 if int2_tokens_on_m else TRITON_INT2_MAX_REGISTERS
     launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],
@@ -318,7 +329,7 @@ def decode_attention(
         pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
         block_m=rows, unpack_asm=bool(unpack_asm),
         bf16_launch=launches[0], int2_launch=launches[1], max_registers=int(max_registers),
-        int2_rows=int2_decode_rows(heads_per_kv) if int2_tokens_on_m else None,
+        int2_rows=int2_decode_rows(heads_per_kv) if int2_tokens_on_m else None, channels_on_m=channels_on_m,
     )
     # One merge kernel over both tiers' splits, reading only the Gq kept rows of the padded ones
     # (the eager concatenate + merge took ~60 µs at 128K b1:

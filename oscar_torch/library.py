@@ -201,19 +201,21 @@ def int2_tier_partials(
     num_stages: int = kdecode.DEFAULT_NUM_STAGES,
     max_registers: int = 0,
     tokens_on_m: bool = False,
+    channels_on_m: bool = False,
 ) -> tuple[Tensor, Tensor]:
     return kdecode.int2_tier_partials(
         q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, page_table, history_tokens,
         group_size=group_size, softmax_scale=softmax_scale, pages_per_split=pages_per_split,
         pages_per_block=pages_per_block, block_m=block_m, unpack_asm=unpack_asm, num_warps=num_warps,
         num_stages=num_stages, max_registers=max_registers or None, tokens_on_m=tokens_on_m,
+        channels_on_m=channels_on_m,
     )
 
 
 @int2_tier_partials.register_fake
 def _(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, page_table, history_tokens, group_size,
       softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm=False, num_warps=kdecode.DEFAULT_NUM_WARPS,
-      num_stages=kdecode.DEFAULT_NUM_STAGES, max_registers=0, tokens_on_m=False):
+      num_stages=kdecode.DEFAULT_NUM_STAGES, max_registers=0, tokens_on_m=False, channels_on_m=False):
     return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split), block_m)
 
 

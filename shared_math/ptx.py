@@ -36,6 +36,9 @@ SPREAD_LOW_BYTES = 0x3120  # PRMT selector: byte 0 → bits 0-7, byte 1 → bits
 SPREAD_HIGH_BYTES = 0x1302  # PRMT selector: byte 2 → bits 0-7, byte 3 → bits 16-23
 UNPACK_CONSTRAINTS = "=r,=r,r"  # two outputs (4 bfloat16), one input (4 bytes)
 UNPACK_PACK = 4
+PAIR_UNPACK_CONSTRAINTS = "=r,r"  # one output (2 bfloat16), one input (2 code pairs of 16 bits)
+PAIR_UNPACK_PACK = 2
+BITS_PER_BYTE = 8
 _HIGHEST_PLACE = BF16_MANTISSA_BITS - CODE_BITS  # 5: bits 5-6, the top of the mantissa
 
 
@@ -84,3 +87,21 @@ def unpack_plane_ptx(plane: int) -> str:
         f"prmt.b32 lo, $2, $2, {SPREAD_LOW_BYTES:#06x};", f"prmt.b32 hi, $2, $2, {SPREAD_HIGH_BYTES:#06x};", *shifts,
         f"lop3.b32 $0, lo, {mask:#010x}, {bias:#010x}, {LOP3_A_AND_B_OR_C:#04x};",
         f"lop3.b32 $1, hi, {mask:#010x}, {bias:#010x}, {LOP3_A_AND_B_OR_C:#04x};", "}"])
+
+
+def unpack_pair_plane_ptx(plane: int, high: int) -> str:
+    """PTX of bit plane `plane` of one byte of 16-bit code pairs (`high` 0: the low byte, byte 2j of
+    the row; 1: the high byte, byte 2j + 1), under pack = 2: $1 holds two pairs (element 0 in the low
+    half), $0 receives their two operands as bfloat16 halves. The wanted byte of each pair is
+    shifted to the bottom of its half (with the plane's own shift), then masked and biased as in
+    unpack_plane_ptx; the bits a shift moves across halves fall outside the mask."""
+    _check_plane(plane)
+    if high not in (0, 1):
+        raise ValueError(f"high={high} must be 0 (the low byte) or 1 (the high byte)")
+    mask = plane_mask(plane) | plane_mask(plane) << 16
+    bias = BF16_CODE_BIAS_BITS | BF16_CODE_BIAS_BITS << 16
+    shift = high * BITS_PER_BYTE + plane_shift(plane)
+    source = "t" if shift else "$1"
+    return "\n".join([
+        "{", ".reg .b32 t;", *([f"shr.b32 t, $1, {shift};"] if shift else []),
+        f"lop3.b32 $0, {source}, {mask:#010x}, {bias:#010x}, {LOP3_A_AND_B_OR_C:#04x};", "}"])

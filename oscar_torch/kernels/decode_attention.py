@@ -63,7 +63,18 @@ from oscar_torch.kernels.codec import (
     round_to_bf16,
     widen_bf16_bits,
 )
-from shared_math.ptx import UNPACK_CONSTRAINTS, UNPACK_PACK, plane_factor, plane_mask, plane_shift, unpack_plane_ptx
+from shared_math.ptx import (
+    BITS_PER_BYTE,
+    PAIR_UNPACK_CONSTRAINTS,
+    PAIR_UNPACK_PACK,
+    UNPACK_CONSTRAINTS,
+    UNPACK_PACK,
+    plane_factor,
+    plane_mask,
+    plane_shift,
+    unpack_pair_plane_ptx,
+    unpack_plane_ptx,
+)
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODES_PER_BYTE
 from shared_math.tiling import LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, num_splits
 
@@ -86,6 +97,14 @@ PLANE_0_FACTOR_C, PLANE_1_FACTOR_C, PLANE_2_FACTOR_C, PLANE_3_FACTOR_C = (
     tl.constexpr(plane_factor(p)) for p in _PLANES)
 UNPACK_CONSTRAINTS_C = tl.constexpr(UNPACK_CONSTRAINTS)
 UNPACK_PACK_C = tl.constexpr(UNPACK_PACK)
+# The values' code pairs (CHANNELS_ON_M): plane p of the low / high byte of a 16-bit pair.
+(UNPACK_PAIR_0_LOW_PTX, UNPACK_PAIR_1_LOW_PTX, UNPACK_PAIR_2_LOW_PTX, UNPACK_PAIR_3_LOW_PTX) = (
+    tl.constexpr(unpack_pair_plane_ptx(p, 0)) for p in _PLANES)
+(UNPACK_PAIR_0_HIGH_PTX, UNPACK_PAIR_1_HIGH_PTX, UNPACK_PAIR_2_HIGH_PTX, UNPACK_PAIR_3_HIGH_PTX) = (
+    tl.constexpr(unpack_pair_plane_ptx(p, 1)) for p in _PLANES)
+PAIR_UNPACK_CONSTRAINTS_C = tl.constexpr(PAIR_UNPACK_CONSTRAINTS)
+PAIR_UNPACK_PACK_C = tl.constexpr(PAIR_UNPACK_PACK)
+BITS_PER_BYTE_C = tl.constexpr(BITS_PER_BYTE)
 # `tl.dot` needs M, N, K ≥ 16 (mma tile); blocks are sized to respect it.
 MIN_DOT_DIM = 16
 DEFAULT_NUM_WARPS = 4
@@ -489,6 +508,129 @@ def _store_plane(o_ptr, o_plane, inv_l, out_row, PLANE: tl.constexpr, D: tl.cons
 
 
 @triton.jit
+def _tokens_on_m_probabilities(packed, k_scale, k_min, v_scale, v_min, valid, q0, q1, q2, q3, q_sum, q_bias, m, l,
+                               SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
+                               UNPACK_ASM: tl.constexpr):
+    """Tokens on M: a page's scores [N, BLOCK_M] from its key codes `packed` (the codes the dots' A
+    operand), one online-softmax step, and what the values' dot takes: the operand p·s_v [N, BLOCK_M],
+    Σ p·m_v and the bias (`_value_minimum_sums`). Returns those, the correction, m and l."""
+    dots = dot_f32(_plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q0), Q_BF16, TENSOR_CORES)
+    dots += dot_f32(_plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q1), Q_BF16, TENSOR_CORES)
+    dots += dot_f32(_plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q2), Q_BF16, TENSOR_CORES)
+    dots += dot_f32(_plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q3), Q_BF16, TENSOR_CORES)
+    if Q_BF16:
+        dots -= q_bias[None, :]
+    scores = dots * k_scale[:, None] + k_min[:, None] * q_sum[None, :]  # [N, BLOCK_M]
+    p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[:, None], m, l, TOKEN_AXIS=0)
+    p_scaled = dot_operand(p * v_scale[:, None], Q_BF16, TENSOR_CORES)
+    p_min, bias = _value_minimum_sums(p, v_min, p_scaled, Q_BF16, TOKEN_AXIS=0)
+    return p_scaled, p_min, bias, correction, m, l
+
+
+@triton.jit
+def _plane_minimum_terms(p_min, bias, Q_BF16: tl.constexpr):
+    """Each output plane's minimum term Σ p·m_v, in units of the plane's factor less the bias its
+    codes carry (bfloat16 dots); float32 dots: Σ p·m_v itself."""
+    if Q_BF16:
+        min0, min1 = p_min * _plane_factor(0) - bias, p_min * _plane_factor(1) - bias
+        min2, min3 = p_min * _plane_factor(2) - bias, p_min * _plane_factor(3) - bias
+    else:  # (no factors, no bias; the interpreter pays for every op of the tests' float32 models)
+        min0, min1, min2, min3 = p_min, p_min, p_min, p_min
+    return min0, min1, min2, min3
+
+
+@triton.jit
+def _load_code_pairs(codes_ptr, row, QUARTER: tl.constexpr):
+    """The code bytes of rows `row` as 16-bit pairs, transposed: int16 [D/8, N] (bytes 2j, 2j + 1 of
+    token n: channels 2j and 2j + 1 of every plane). Read in this shape (not transposed after the
+    load), the tile is the values' channels-on-M A operand straight from the load, which the
+    compiler can stage in shared memory and read by ldmatrix.trans."""
+    pairs_ptr = codes_ptr.to(tl.pointer_type(tl.int16))
+    return tl.load(pairs_ptr + tl.arange(0, QUARTER // 2)[:, None] + row[None, :] * (QUARTER // 2))
+
+
+@triton.jit
+def _unpack_pair_plane_asm(pairs, PLANE: tl.constexpr, HIGH: tl.constexpr):
+    """Bit plane PLANE of the low (HIGH 0) or high byte of int16 code pairs, by inline PTX
+    (shared_math.ptx.unpack_pair_plane_ptx)."""
+    if HIGH == 0:
+        if PLANE == 0:
+            asm: tl.constexpr = UNPACK_PAIR_0_LOW_PTX
+        elif PLANE == 1:
+            asm: tl.constexpr = UNPACK_PAIR_1_LOW_PTX
+        elif PLANE == 2:
+            asm: tl.constexpr = UNPACK_PAIR_2_LOW_PTX
+        else:
+            asm: tl.constexpr = UNPACK_PAIR_3_LOW_PTX
+    else:
+        if PLANE == 0:
+            asm: tl.constexpr = UNPACK_PAIR_0_HIGH_PTX
+        elif PLANE == 1:
+            asm: tl.constexpr = UNPACK_PAIR_1_HIGH_PTX
+        elif PLANE == 2:
+            asm: tl.constexpr = UNPACK_PAIR_2_HIGH_PTX
+        else:
+            asm: tl.constexpr = UNPACK_PAIR_3_HIGH_PTX
+    return tl.inline_asm_elementwise(asm, PAIR_UNPACK_CONSTRAINTS_C, [pairs], dtype=tl.bfloat16, is_pure=True,
+                                     pack=PAIR_UNPACK_PACK_C)
+
+
+@triton.jit
+def _pair_plane_update(o_half, correction, minimum_term, pairs, p_scaled, PLANE: tl.constexpr, HIGH: tl.constexpr,
+                       Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr):
+    """Channels on M: oᵀ [D/8, BLOCK_M] of plane PLANE's channels 2j + HIGH, rescaled, plus
+    Σ_n c·(p·s) + the minimum term — the code pairs [D/8, N] (`_load_code_pairs`) the dot's A operand,
+    p_scaled [N, BLOCK_M] its B."""
+    if UNPACK_ASM:
+        codes = _unpack_pair_plane_asm(pairs, PLANE, HIGH)
+    else:
+        byte = (pairs.to(tl.int32) >> (HIGH * BITS_PER_BYTE_C)) & 0xFF
+        codes = _plane_codes(byte, PLANE, Q_BF16, TENSOR_CORES)
+    return (o_half * correction[None, :] + minimum_term[None, :]) + dot_f32(codes, p_scaled, Q_BF16, TENSOR_CORES)
+
+
+@triton.jit
+def _int2_page_channels_on_m(o0, o1, o2, o3, o4, o5, o6, o7, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr,
+                             v_codes_ptr, v_scale_ptr, v_min_ptr, row, valid, columns, q0, q1, q2, q3, q_sum, q_bias,
+                             QUARTER: tl.constexpr, SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr,
+                             TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr):
+    """`_int2_block_one_group` with tokens on M, the values' dot transposed: oᵀ = Vᵀ·(p·s), the
+    channels on M and the 8 query rows on N (instead of the rows padded to M = 16: half the MMAs and
+    half the output registers), its codes read as 16-bit pairs, so that ldmatrix.trans can load them
+    (one byte a load otherwise). o_{2p + h} [D/8, BLOCK_M] holds plane p's channels 2j + h."""
+    packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
+    k_scale = tl.where(valid, tl.load(k_scale_ptr + row).to(tl.float32), 0.0)  # masked rows may be NaN
+    k_min = tl.where(valid, tl.load(k_min_ptr + row).to(tl.float32), 0.0)
+    v_scale = tl.where(valid, tl.load(v_scale_ptr + row).to(tl.float32), 0.0)
+    v_min = tl.where(valid, tl.load(v_min_ptr + row).to(tl.float32), 0.0)
+    p_scaled, p_min, bias, correction, m, l = _tokens_on_m_probabilities(
+        packed, k_scale, k_min, v_scale, v_min, valid, q0, q1, q2, q3, q_sum, q_bias, m, l, SCORE_SCALE, Q_BF16,
+        TENSOR_CORES, UNPACK_ASM)
+    min0, min1, min2, min3 = _plane_minimum_terms(p_min, bias, Q_BF16)
+    pairs = _load_code_pairs(v_codes_ptr, row, QUARTER)  # [D/8, N]
+    o0 = _pair_plane_update(o0, correction, min0, pairs, p_scaled, 0, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o1 = _pair_plane_update(o1, correction, min0, pairs, p_scaled, 0, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o2 = _pair_plane_update(o2, correction, min1, pairs, p_scaled, 1, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o3 = _pair_plane_update(o3, correction, min1, pairs, p_scaled, 1, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o4 = _pair_plane_update(o4, correction, min2, pairs, p_scaled, 2, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o5 = _pair_plane_update(o5, correction, min2, pairs, p_scaled, 2, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o6 = _pair_plane_update(o6, correction, min3, pairs, p_scaled, 3, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o7 = _pair_plane_update(o7, correction, min3, pairs, p_scaled, 3, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    return o0, o1, o2, o3, o4, o5, o6, o7, m, l
+
+
+@triton.jit
+def _store_half_plane(o_ptr, o_half, inv_l, out_row, PLANE: tl.constexpr, HIGH: tl.constexpr, D: tl.constexpr,
+                      BF16_DOTS: tl.constexpr):
+    """The normalised oᵀ half plane [D/8, BLOCK_M] (channels PLANE·D/4 + 2j + HIGH) at rows out_row."""
+    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
+    column = PLANE * QUARTER + 2 * tl.arange(0, QUARTER // 2)[:, None] + HIGH
+    if BF16_DOTS:
+        inv_l = inv_l * (1.0 / _plane_factor(PLANE))
+    tl.store(o_ptr + out_row[None, :].to(tl.int64) * D + column, o_half * inv_l[None, :])
+
+
+@triton.jit
 def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
                           v_min_ptr, row, valid, columns, q0, q1, q2, q3, q_sum, q_bias, QUARTER: tl.constexpr,
                           SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
@@ -506,16 +648,9 @@ def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_
     v_scale = tl.where(valid, tl.load(v_scale_ptr + row).to(tl.float32), 0.0)
     v_min = tl.where(valid, tl.load(v_min_ptr + row).to(tl.float32), 0.0)
     if TOKENS_ON_M:
-        dots = dot_f32(_plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q0), Q_BF16, TENSOR_CORES)
-        dots += dot_f32(_plane_codes(packed, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q1), Q_BF16, TENSOR_CORES)
-        dots += dot_f32(_plane_codes(packed, 2, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q2), Q_BF16, TENSOR_CORES)
-        dots += dot_f32(_plane_codes(packed, 3, Q_BF16, TENSOR_CORES, UNPACK_ASM), tl.trans(q3), Q_BF16, TENSOR_CORES)
-        if Q_BF16:
-            dots -= q_bias[None, :]
-        scores = dots * k_scale[:, None] + k_min[:, None] * q_sum[None, :]  # [N, BLOCK_M]
-        p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[:, None], m, l, TOKEN_AXIS=0)
-        p_scaled = dot_operand(p * v_scale[:, None], Q_BF16, TENSOR_CORES)
-        p_min, bias = _value_minimum_sums(p, v_min, p_scaled, Q_BF16, TOKEN_AXIS=0)
+        p_scaled, p_min, bias, correction, m, l = _tokens_on_m_probabilities(
+            packed, k_scale, k_min, v_scale, v_min, valid, q0, q1, q2, q3, q_sum, q_bias, m, l, SCORE_SCALE, Q_BF16,
+            TENSOR_CORES, UNPACK_ASM)
         p_scaled = tl.trans(p_scaled)  # [BLOCK_M, N]
     else:
         dots = dot_f32(q0, tl.trans(_plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)), Q_BF16, TENSOR_CORES)
@@ -528,11 +663,7 @@ def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_
         p, correction, m, l = online_softmax_step(scores * SCORE_SCALE, valid[None, :], m, l)
         p_scaled = dot_operand(p * v_scale[None, :], Q_BF16, TENSOR_CORES)
         p_min, bias = _value_minimum_sums(p, v_min, p_scaled, Q_BF16)
-    if Q_BF16:  # each output plane in units of its factor
-        min0, min1 = p_min * _plane_factor(0) - bias, p_min * _plane_factor(1) - bias
-        min2, min3 = p_min * _plane_factor(2) - bias, p_min * _plane_factor(3) - bias
-    else:  # (float32: no factors, no bias; the interpreter pays for every op of the tests' float32 models)
-        min0, min1, min2, min3 = p_min, p_min, p_min, p_min
+    min0, min1, min2, min3 = _plane_minimum_terms(p_min, bias, Q_BF16)
     packed = _load_packed(v_codes_ptr, row, columns, QUARTER, UNPACK_ASM)
     o0 = (o0 * correction[:, None] + min0[:, None]) + dot_f32(
         p_scaled, _plane_codes(packed, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM), Q_BF16, TENSOR_CORES)
@@ -546,13 +677,16 @@ def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_
 
 
 @triton.jit
-def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+def _int2_block(i, o0, o1, o2, o3, o4, o5, o6, o7, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                 v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                 q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS: tl.constexpr, D: tl.constexpr,
                 GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr,
                 SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
-                UNPACK_ASM: tl.constexpr, TOKENS_ON_M: tl.constexpr, FULL: tl.constexpr):
-    """One block of PAGES_PER_BLOCK history pages: scores, online softmax, the four output planes.
+                UNPACK_ASM: tl.constexpr, TOKENS_ON_M: tl.constexpr, FULL: tl.constexpr,
+                CHANNELS_ON_M: tl.constexpr = False):
+    """One block of PAGES_PER_BLOCK history pages: scores, online softmax, the four output planes
+    (o0 … o3; o4 … o7 pass through), or with CHANNELS_ON_M the eight half planes of
+    `_int2_page_channels_on_m`.
     TOKENS_ON_M: G ≥ D only (`_int2_block_one_group`, the form measured on the H200; the launcher
     refuses it otherwise). FULL: every token of the block is valid (`_full_blocks`): the mask is a
     constant, and its selects fold away."""
@@ -584,10 +718,16 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
                       + s2 / _plane_factor(2) + s3 / _plane_factor(3)) * _code_bias(Q_BF16)
         else:
             q_bias = s0  # unused: float32 dots carry no bias
-        o0, o1, o2, o3, m, l = _int2_block_one_group(
-            o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr,
-            row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, q_bias, QUARTER, SCORE_SCALE, Q_BF16,
-            TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
+        if CHANNELS_ON_M:
+            o0, o1, o2, o3, o4, o5, o6, o7, m, l = _int2_page_channels_on_m(
+                o0, o1, o2, o3, o4, o5, o6, o7, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
+                v_min_ptr, row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, q_bias, QUARTER, SCORE_SCALE,
+                Q_BF16, TENSOR_CORES, UNPACK_ASM)
+        else:
+            o0, o1, o2, o3, m, l = _int2_block_one_group(
+                o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr,
+                row, valid, columns, q0, q1, q2, q3, s0 + s1 + s2 + s3, q_bias, QUARTER, SCORE_SCALE, Q_BF16,
+                TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M)
     else:
         packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
         scores = _plane_scores(q0, s0, packed, k_scale_ptr, k_min_ptr, row, valid, 0,
@@ -608,7 +748,7 @@ def _int2_block(i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_pt
                            QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
         o3 = _plane_update(o3, correction, p, packed, v_scale_ptr, v_min_ptr, row, valid, 3,
                            QUARTER, GROUP_SIZE, NUM_GROUPS, Q_BF16, TENSOR_CORES, UNPACK_ASM)
-    return o0, o1, o2, o3, m, l
+    return o0, o1, o2, o3, o4, o5, o6, o7, m, l
 
 
 @triton.jit
@@ -649,6 +789,7 @@ def _int2_tier_kernel(
     TENSOR_CORES: tl.constexpr,
     UNPACK_ASM: tl.constexpr = False,
     TOKENS_ON_M: tl.constexpr = False,
+    CHANNELS_ON_M: tl.constexpr = False,
 ):
     """Folded form (as the Pallas kernel): the dots run on the raw 2-bit codes, one per bit plane
     (quartered packing: plane p of byte j is channel p·D/4 + j, and a plane lies inside one group
@@ -681,10 +822,18 @@ def _int2_tier_kernel(
     q2 = dot_operand(q2, Q_BF16, TENSOR_CORES)
     q3 = dot_operand(q3, Q_BF16, TENSOR_CORES)
 
-    o0 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
-    o1 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
-    o2 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
-    o3 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
+    if CHANNELS_ON_M:  # oᵀ by half planes (`_int2_page_channels_on_m`)
+        HALF: tl.constexpr = QUARTER // 2
+        o0, o1 = tl.zeros((HALF, BLOCK_M), tl.float32), tl.zeros((HALF, BLOCK_M), tl.float32)
+        o2, o3 = tl.zeros((HALF, BLOCK_M), tl.float32), tl.zeros((HALF, BLOCK_M), tl.float32)
+        o4, o5 = tl.zeros((HALF, BLOCK_M), tl.float32), tl.zeros((HALF, BLOCK_M), tl.float32)
+        o6, o7 = tl.zeros((HALF, BLOCK_M), tl.float32), tl.zeros((HALF, BLOCK_M), tl.float32)
+    else:  # the four planes; o4 … o7 unused
+        o0 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
+        o1 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
+        o2 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
+        o3 = tl.zeros((BLOCK_M, QUARTER), tl.float32)
+        o4, o5, o6, o7 = 0.0, 0.0, 0.0, 0.0
     m = tl.full((BLOCK_M,), MASK_VALUE_C, tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     # Tokens on M (the large grids' layout): blocks [0, num_full) hold valid tokens only and run
@@ -697,36 +846,46 @@ def _int2_tier_kernel(
         num_full = _full_blocks(n_history, first_slot, last_slot, table_slots, PAGE_SIZE, PAGES_PER_BLOCK)
         i = num_full
         if num_full < num_blocks:
-            o0, o1, o2, o3, m, l = _int2_block(
-                i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+            o0, o1, o2, o3, o4, o5, o6, o7, m, l = _int2_block(
+                i, o0, o1, o2, o3, o4, o5, o6, o7, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                 v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
                 q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
-                Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, False)
+                Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, False, CHANNELS_ON_M)
     else:
         num_full = num_blocks
     if TENSOR_CORES:  # compiled: a loop bounded by the loaded length, which Triton can pipeline
         for i in range(0, num_full):
-            o0, o1, o2, o3, m, l = _int2_block(
-                i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+            o0, o1, o2, o3, o4, o5, o6, o7, m, l = _int2_block(
+                i, o0, o1, o2, o3, o4, o5, o6, o7, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                 v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
                 q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
-                Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, TOKENS_ON_M)
+                Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, TOKENS_ON_M, CHANNELS_ON_M)
     else:  # interpreter: a static trip count with a guard (see the BF16 kernel)
         for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
             if i < num_full:
-                o0, o1, o2, o3, m, l = _int2_block(
-                    i, o0, o1, o2, o3, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
+                o0, o1, o2, o3, o4, o5, o6, o7, m, l = _int2_block(
+                    i, o0, o1, o2, o3, o4, o5, o6, o7, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
                     v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
                     q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
-                    Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, TOKENS_ON_M)
+                    Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, TOKENS_ON_M, CHANNELS_ON_M)
 
     out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
     nonempty = l > 0.0
     inv_l = 1.0 / tl.where(nonempty, l, 1.0)
-    _store_plane(o_ptr, o0, inv_l, out_row, 0, D, Q_BF16)
-    _store_plane(o_ptr, o1, inv_l, out_row, 1, D, Q_BF16)
-    _store_plane(o_ptr, o2, inv_l, out_row, 2, D, Q_BF16)
-    _store_plane(o_ptr, o3, inv_l, out_row, 3, D, Q_BF16)
+    if CHANNELS_ON_M:
+        _store_half_plane(o_ptr, o0, inv_l, out_row, 0, 0, D, Q_BF16)
+        _store_half_plane(o_ptr, o1, inv_l, out_row, 0, 1, D, Q_BF16)
+        _store_half_plane(o_ptr, o2, inv_l, out_row, 1, 0, D, Q_BF16)
+        _store_half_plane(o_ptr, o3, inv_l, out_row, 1, 1, D, Q_BF16)
+        _store_half_plane(o_ptr, o4, inv_l, out_row, 2, 0, D, Q_BF16)
+        _store_half_plane(o_ptr, o5, inv_l, out_row, 2, 1, D, Q_BF16)
+        _store_half_plane(o_ptr, o6, inv_l, out_row, 3, 0, D, Q_BF16)
+        _store_half_plane(o_ptr, o7, inv_l, out_row, 3, 1, D, Q_BF16)
+    else:
+        _store_plane(o_ptr, o0, inv_l, out_row, 0, D, Q_BF16)
+        _store_plane(o_ptr, o1, inv_l, out_row, 1, D, Q_BF16)
+        _store_plane(o_ptr, o2, inv_l, out_row, 2, D, Q_BF16)
+        _store_plane(o_ptr, o3, inv_l, out_row, 3, D, Q_BF16)
     tl.store(lse_ptr + out_row, natural_lse(m, l, nonempty))
 
 
@@ -807,8 +966,12 @@ def int2_tier_partials(
     unpack_asm: bool = False,
     max_registers: int | None = None,
     tokens_on_m: bool = False,
+    channels_on_m: bool = False,
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
+    `channels_on_m` (with tokens_on_m, D ≥ 128): the values' dot as oᵀ = Vᵀ·p, the channels on M
+    and the rows on N, its codes read as 16-bit pairs (`_int2_page_channels_on_m`; benchmarks/NOTES.md
+    v26: 0.76x the instructions a page on sm_90, 166 registers; not yet timed on a GPU).
     `tokens_on_m` (G ≥ D: one group per row, the form measured on the H200): scores and probabilities
     as [N, block_m], the codes the dots' A operand, so block_m may be 8; decode runs it at one warp
     (benchmarks/NOTES.md v15).
@@ -829,9 +992,14 @@ def int2_tier_partials(
     if tokens_on_m and group_size < head_dim:
         raise ValueError(f"tokens_on_m needs one group per row (group_size >= head_dim = {head_dim}), "
                          f"got group_size={group_size}")
+    if channels_on_m and not (tokens_on_m and head_dim // CODES_PER_BYTE // 2 >= MIN_DOT_DIM):
+        raise ValueError(f"channels_on_m needs tokens_on_m and head_dim >= {2 * CODES_PER_BYTE * MIN_DOT_DIM} "
+                         f"(the dot's M is head_dim / 8); got tokens_on_m={tokens_on_m}, head_dim={head_dim}")
     extra = dict(UNPACK_ASM=bool(unpack_asm)) if folded and unpack_asm else {}
     if tokens_on_m:
         extra["TOKENS_ON_M"] = True
+    if channels_on_m:
+        extra["CHANNELS_ON_M"] = True
     if max_registers is not None and not interpreting():
         extra["maxnreg"] = int(max_registers)
     kernel[(batch, num_kv_heads, (rows // block_m) * splits)](

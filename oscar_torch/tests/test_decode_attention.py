@@ -412,6 +412,50 @@ def test_unpack_asm_on_the_gpu_matches_the_compiler_unpacking(case, int2_layout)
     assert_close(unpacked, reference_decode(case, cache, case.query()), case.q_dtype)
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype, monkeypatch):
+    """The values' dot transposed (oᵀ = Vᵀ·p by 16-bit code pairs, NOTES v26) gives the partials of the
+    shipped tokens-on-M form: several pages a split, GQA 4 in 8 rows, one sequence cut 5 tokens short of
+    whole pages (its last page runs masked, with real codes in the cut rows) and one at an odd length
+    (interpreter: float32 dots of the same operands, so they differ by summation order only). D < 128
+    has no such form (the dot's M is D / 8)."""
+    from oscar_torch.kernels import decode_attention as kdecode
+
+    case = AttentionCase("pairs", 128, 128, 2, 4, (395, 203), pages_per_split=3, pages_per_block=1)
+    arrays = list(cache_arrays(build_cache(case)))
+    pools, (table, history) = arrays[2:8], arrays[11:13]
+    history = history.clone()
+    history[0] -= 5  # the codes of the last 5 rows stay in the page: a masked-out token must not count
+    assert int(history[1]) % case.page_size != 0 or int(history[0]) % case.page_size != 0
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn((2, 2, 8, 128), generator=gen).to(q_dtype).to(DEVICE)
+    common = dict(group_size=128, softmax_scale=case.softmax_scale, pages_per_split=3, pages_per_block=1, block_m=8,
+                  tokens_on_m=True)
+    o_rows, lse_rows = kdecode.int2_tier_partials(q, *pools, table, history, **common)
+    o_pairs, lse_pairs = kdecode.int2_tier_partials(q, *pools, table, history, channels_on_m=True, **common)
+    nonempty = torch.isfinite(lse_rows)
+    assert nonempty.sum() > 8 and torch.equal(torch.isfinite(lse_pairs), nonempty)
+    torch.testing.assert_close(lse_pairs[nonempty], lse_rows[nonempty], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o_pairs, o_rows, rtol=1e-5, atol=1e-5)
+    assert o_rows[nonempty].abs().max() > 0.1  # the outputs compared are not all zero
+    small = AttentionCase("d64", 64, 64, 1, 1, (70,), pages_per_split=2, pages_per_block=1)
+    arrays64 = list(cache_arrays(build_cache(small)))
+    with pytest.raises(ValueError, match="channels_on_m=True needs the INT2 tier's tokens-on-M layout"):
+        ops.decode_attention(query(small), *arrays64, channels_on_m=True, **attention_kwargs(small))  # a small grid
+    from shared_math import tiling
+
+    monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 1)  # tokens on M at test sizes (conftest)
+    out = ops.decode_attention(query(case), *arrays[:11], table, history, channels_on_m=True,
+                               **attention_kwargs(case))
+    want = ops.decode_attention(query(case), *arrays[:11], table, history, **attention_kwargs(case))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="channels_on_m needs tokens_on_m and head_dim >= 128"):
+        kdecode.int2_tier_partials(torch.zeros((1, 1, 8, 64), device=DEVICE), *arrays64[2:8], *arrays64[11:13],
+                                   channels_on_m=True, **dict(common, group_size=64))
+    with pytest.raises(ValueError, match="channels_on_m=1 must be a bool"):
+        ops.decode_attention(query(case), *arrays, channels_on_m=1, **attention_kwargs(case))
+
+
 def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_one_group():
     """The INT2 tier's two score layouts give the same partials (interpreter: float32 dots, so they
     differ by summation order only), 8 rows with tokens on M as 16 with rows on M; G < D has no

@@ -90,6 +90,22 @@ def test_tokens_on_m_decode_kernel_compiles_for_h200_without_spills(unpack_asm):
     assert usage["loop"]["opcodes"].get("FSEL", 0) < 32, usage["loop"]["opcodes"]
 
 
+def test_channels_on_m_decode_kernel_compiles_for_h200_with_fewer_instructions():
+    """The values' dot transposed (CHANNELS_ON_M, NOTES v26) at the decode launch: no spills, its code
+    pairs staged in shared memory and read by ldmatrix (the shipped layout reads V one byte a load:
+    LDS.U8 x64 a page), and fewer instructions a page than the shipped tokens-on-M kernel (sm_90:
+    935 against 1238)."""
+    constants = dict(QWEN3_8B, GROUP_SIZE=128, PAGES_PER_BLOCK=1, Q_BF16=True, SINK_SLOTS=1, ROWS=8, BLOCK_M=8,
+                     TOKENS_ON_M=True, UNPACK_ASM=True)
+    shipped = _compile_in_fresh_process("_int2_tier_kernel", constants, 1, 3, loop=True)
+    pairs = _compile_in_fresh_process("_int2_tier_kernel", dict(constants, CHANNELS_ON_M=True), 1, 3, loop=True)
+    assert pairs["spills"] == 0, f"spills {pairs['spills']} bytes: {pairs}"
+    opcodes = pairs["loop"]["opcodes"]
+    assert opcodes.get("LDSM", 0) >= 8 and opcodes.get("LDS", 0) < 16, opcodes
+    assert opcodes.get("HMMA", 0) < shipped["loop"]["opcodes"]["HMMA"], opcodes
+    assert pairs["loop"]["instructions"] < 0.85 * shipped["loop"]["instructions"], (pairs["loop"], shipped["loop"])
+
+
 WRITE_POINTERS = {"rotation_ptr": "*fp32", "page_ids_ptr": "*i32", "slots_ptr": "*i32", "codes_ptr": "*u8",
                   "packed_ptr": "*u8", "scale_ptr": "*fp16", "minimum_ptr": "*fp16", "num_tokens": "i32",
                   "num_pages": "i32"}

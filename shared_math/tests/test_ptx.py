@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 
-from shared_math.ptx import operand_bits, plane_factor, plane_place, unpack_plane_ptx
+from shared_math.ptx import operand_bits, plane_factor, plane_place, unpack_pair_plane_ptx, unpack_plane_ptx
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
 
 
@@ -41,9 +41,10 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
     return out
 
 
-def _run_ptx(source: str, word: int) -> tuple[int, int]:
-    """Execute the unpacker's PTX on one input register $2; returns ($0, $1)."""
-    regs = {"$2": word}
+def _run_ptx(source: str, word: int, source_register: str = "$2") -> tuple[int, int | None]:
+    """Execute an unpacker's PTX on its one input register (`source_register`); returns ($0, $1)
+    ($1 None where the unpacker has one output)."""
+    regs = {source_register: word}
     value = lambda t: regs[t] if t in regs else int(t, 0)  # noqa: E731
     for line in source.splitlines():
         line = line.strip().rstrip(";")
@@ -59,7 +60,7 @@ def _run_ptx(source: str, word: int) -> tuple[int, int]:
             regs[args[0]] = _lop3(value(args[1]), value(args[2]), value(args[3]), value(args[4]))
         else:
             raise AssertionError(f"unexpected instruction {op!r}")
-    return regs["$0"], regs["$1"]
+    return regs["$0"], regs.get("$1") if source_register != "$1" else None
 
 
 def test_lop3_emulation_matches_its_truth_table():
@@ -101,3 +102,25 @@ def test_plane_out_of_range_is_refused():
         with pytest.raises(ValueError, match="plane=4"):
             function(CODES_PER_BYTE)
 
+
+
+@pytest.mark.parametrize("high", [0, 1])
+@pytest.mark.parametrize("plane", range(CODES_PER_BYTE))
+def test_pair_unpack_ptx_gives_the_operand_of_its_byte_and_plane(plane, high):
+    """The channels-on-M values' unpacker (NOTES v26): $1 holds two 16-bit code pairs (element 0 in the
+    low half), $0 gets the operand bits of byte `high` of each pair, for every pair value."""
+    source = unpack_pair_plane_ptx(plane, high)
+    shifts = 1 if high or plane == 3 else 0
+    assert len(re.findall(r"^(shr|lop3)", source, re.M)) == 1 + shifts  # one mask, at most one shift
+    pairs = np.arange(2**16, dtype=np.uint64)
+    rng = np.random.default_rng(plane + 4 * high)
+    words = (pairs | rng.permutation(pairs) << np.uint64(16)).tolist()  # every pair in each half
+    for word in words:
+        data = [(word >> (8 * (2 * i + high))) & 0xFF for i in range(2)]  # byte `high` of each pair
+        r0, _ = _run_ptx(source, word, source_register="$1")
+        assert [r0 & 0xFFFF, r0 >> 16] == [operand_bits(byte, plane) for byte in data], f"word {word:#010x}"
+
+
+def test_pair_unpack_refuses_a_byte_other_than_low_or_high():
+    with pytest.raises(ValueError, match="high=2 must be 0"):
+        unpack_pair_plane_ptx(0, 2)
