@@ -46,7 +46,9 @@ TUNING_128K = [
     for ps, pb, nw, ns, asm in [(16, 1, 1, 3, False), (16, 1, 1, 2, True), (16, 1, 1, 4, True), (8, 1, 1, 3, True),
                                 (32, 1, 1, 3, True), (16, 2, 1, 3, True), (16, 1, 2, 3, True)]
 ] + [  # the default launch with separate multiplies and adds, the form the inline-PTX fmas replaced (v20)
-    dict(pages_per_split=16, pages_per_block=1, num_warps=1, num_stages=3, unpack_asm=True, fma_asm=False)]
+    dict(pages_per_split=16, pages_per_block=1, num_warps=1, num_stages=3, unpack_asm=True, fma_asm=False)
+] + [  # the values' dot transposed over 16-bit code pairs (v26: 0.75x the instructions on sm_90, not yet timed)
+    dict(channels_on_m=True)]
 TRITON_TUNING_128K = (
     # the compiler's unpacking and other splits, at the default launch
     [dict(pages_per_split=16, pages_per_block=1, unpack_asm=False)]

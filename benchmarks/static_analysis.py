@@ -268,10 +268,12 @@ def triton_kernel_usage(kernel, constants: dict, num_warps: int, num_stages: int
     return usage
 
 
-def qwen3_decode_case(num_warps: int | None, pages_per_block: int = 1, unpack_asm: bool = False):
+def qwen3_decode_case(num_warps: int | None, pages_per_block: int = 1, unpack_asm: bool = False,
+                      channels_on_m: bool = False):
     """(fn, args) of the production decode call at Qwen3-8B head shapes (d 128, G 128, GQA 4,
     pages of 64, bf16 queries) over a small random cache (the kernels do not depend on its size);
-    num_warps None: each tier's default launch."""
+    num_warps None: each tier's default launch; channels_on_m: the INT2 tier's values dot
+    transposed (NOTES v26)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -300,7 +302,8 @@ def qwen3_decode_case(num_warps: int | None, pages_per_block: int = 1, unpack_as
 
     def fn(q, *cache):
         return decode_attention(q, *cache, sink_slots=1, group_size=128, softmax_scale=d**-0.5, interpret=False,
-                                num_warps=num_warps, pages_per_block=pages_per_block, unpack_asm=unpack_asm)
+                                num_warps=num_warps, pages_per_block=pages_per_block, unpack_asm=unpack_asm,
+                                channels_on_m=channels_on_m)
 
     return fn, (q, *arrays)
 
@@ -438,6 +441,8 @@ def main(argv=None) -> None:
     parser.add_argument("--unpack", default="jnp,asm", help="comma-separated: jnp (default kernel), asm (unpack_asm)")
     parser.add_argument("--sass", default=None, help="directory to keep the IR, PTX and SASS in")
     parser.add_argument("--encode", action="store_true", help="the codec's encode kernels instead (NOTES v23)")
+    parser.add_argument("--channels-on-m", action="store_true",
+                        help="the INT2 kernels with the values' dot transposed (channels_on_m, NOTES v26)")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.encode:
@@ -451,7 +456,8 @@ def main(argv=None) -> None:
     warps = [None if w == "default" else int(w) for w in args.num_warps.split(",")]
     variants = [(u, w) for u in args.unpack.split(",") for w in warps]
     for unpack, requested_warps in variants:
-        fn, call_args = qwen3_decode_case(requested_warps, unpack_asm=unpack == "asm")
+        fn, call_args = qwen3_decode_case(requested_warps, unpack_asm=unpack == "asm",
+                                          channels_on_m=args.channels_on_m)
         for name, usage in compile_pallas_for_h200(fn, *call_args).items():
             kind = name.split("_tier")[0]
             if kind == "oscar_merge" or (kind == "oscar_bf16" and unpack == "asm"):
@@ -478,7 +484,8 @@ def main(argv=None) -> None:
 
         for unpack in args.unpack.split(","):
             for num_warps in (INT2_DECODE_NUM_WARPS if w is None else w for w in warps):
-                constants = dict(TRITON_QWEN3_8B_DECODE_INT2, UNPACK_ASM=unpack == "asm")
+                constants = dict(TRITON_QWEN3_8B_DECODE_INT2, UNPACK_ASM=unpack == "asm",
+                                 **({"CHANNELS_ON_M": True} if args.channels_on_m else {}))
                 usage = triton_kernel_usage(torch_kernels._int2_tier_kernel, constants, num_warps, DECODE_NUM_STAGES,
                                             loop=True)
                 loop = usage["loop"]

@@ -238,12 +238,14 @@ def _cache_partials(
     q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split, pages_per_block,
     block_m, interpret, bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
     int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), layer=None, unpack_asm=False, fma_asm=None, int2_rows=None,
+    channels_on_m=False,
 ):
     """Partials of q_rows [B, Hkv, M, D], one (o, lse) per tier: the BF16 tier (split by
     bf16_pages_per_split), then the INT2 tier (pages_per_split) when the history table has slots;
     each tier's kernel launched with its (num_warps, num_stages). `int2_rows` (decode): the INT2
     tier reads the first int2_rows rows in one block, its scores with tokens on M
-    (`shared_math.tiling.int2_decode_rows`); its partials then have int2_rows rows."""
+    (`shared_math.tiling.int2_decode_rows`); its partials then have int2_rows rows, and
+    `channels_on_m` its values' dot transposed (`kernels.decode_attention.int2_tier_partials`)."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
     tiling = dict(
@@ -260,7 +262,7 @@ def _cache_partials(
     )]
     if history_page_table.shape[1] > 0:
         if int2_rows is not None:  # q's first int2_rows rows, read in place
-            tiling.update(block_m=int2_rows, tokens_on_m=True, rows=int2_rows)
+            tiling.update(block_m=int2_rows, tokens_on_m=True, rows=int2_rows, channels_on_m=channels_on_m)
         tiers.append(int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
             group_size=group_size, unpack_asm=unpack_asm, fma_asm=fma_asm, pages_per_split=pages_per_split,
@@ -274,10 +276,10 @@ _STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "bf16
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("bf16_launch", "int2_launch", "unpack_asm", "fma_asm",
-                                                               "int2_tokens_on_m"))
+                                                               "int2_tokens_on_m", "channels_on_m"))
 def _decode_attention(
     q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split, pages_per_block,
-    interpret, bf16_launch, int2_launch, layer, unpack_asm, fma_asm, int2_tokens_on_m,
+    interpret, bf16_launch, int2_launch, layer, unpack_asm, fma_asm, int2_tokens_on_m, channels_on_m=False,
 ):
     batch, q_heads, head_dim = q.shape
     num_kv_heads = cache[0].shape[-3]  # k_bf16 [(Y,) P, K, L, D]
@@ -290,6 +292,7 @@ def _decode_attention(
         pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
         block_m=rows, interpret=interpret, bf16_launch=bf16_launch, int2_launch=int2_launch, layer=layer, unpack_asm=unpack_asm,
         fma_asm=fma_asm, int2_rows=int2_decode_rows(heads_per_kv) if int2_tokens_on_m else None,
+        channels_on_m=channels_on_m,
     )
     # One merge program per kept row reads both tiers in place (the padding rows are never read):
     # [B, Hkv, S_t, rows, D] per tier → o [B, Hkv, Gq, D]. It replaced a concatenation and ~8 XLA
@@ -325,6 +328,7 @@ def decode_attention(
     unpack_asm: bool | None = None,
     fma_asm: bool | None = None,
     interpret: bool | None = None,
+    channels_on_m: bool = False,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
 
@@ -359,10 +363,16 @@ def decode_attention(
       layer: None, or a static layer index when the eight pools are stacked [Y, P, …] (all
         layers): that layer is read in place, without slicing it out (`kernels.layered`).
       interpret: run the Pallas kernels in interpret mode; None → on when the default backend is CPU.
+      channels_on_m: the INT2 tier's values dot as oᵀ = Vᵀ·p (channels on the dot's M, the rows on N;
+        `kernels.decode_attention.int2_tier_partials`), where its scores run with tokens on M, one
+        group per row and D ≥ 128 (else ValueError). Off by default until timed on a GPU
+        (benchmarks/NOTES.md v26).
     Returns:
       float32 [B, Hq, D].
     """
     _check("q", q, (None, None, None), QUERY_DTYPES)
+    if not isinstance(channels_on_m, bool):
+        raise ValueError(f"channels_on_m={channels_on_m!r} must be a bool")
     batch, q_heads, head_dim = q.shape
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
@@ -395,12 +405,17 @@ def decode_attention(
     if unpack_asm and (interpret or jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"unpack_asm=True runs inline PTX on bfloat16 queries on the GPU; got q {q.dtype} and "
                          f"interpret={interpret} (interpret mode cannot run PTX)")
+    if channels_on_m and not (int2_tokens_on_m and group_size >= head_dim):
+        raise ValueError("channels_on_m=True needs the INT2 tier's tokens-on-M layout with one group per row (pages "
+                         f"of >= 16 tokens, a grid of >= 512 programs, G >= D); this call has group_size={group_size}, "
+                         f"head_dim={head_dim}, batch={batch}")
     fma_asm = _resolve_fma_asm(fma_asm, interpret)
     return _decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
         pages_per_split=int(pages_per_split), bf16_pages_per_split=int(bf16_pages_per_split),
         pages_per_block=int(pages_per_block), bf16_launch=launches[0], int2_launch=launches[1], layer=layer, interpret=interpret,
         unpack_asm=bool(unpack_asm), fma_asm=bool(fma_asm), int2_tokens_on_m=int2_tokens_on_m,
+        channels_on_m=channels_on_m,
     )
 
 

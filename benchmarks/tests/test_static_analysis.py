@@ -121,6 +121,23 @@ def test_int2_decode_kernel_instruction_budget(unpack_asm, budget):
     assert loop["opcodes"].get("I2F", 0) == 0  # codes become bf16 operands by bit pattern, not conversion
 
 
+def test_channels_on_m_int2_decode_kernel_budget():
+    """The INT2 kernel with the values' dot transposed over 16-bit code pairs (channels_on_m, NOTES
+    v26) at the decode launch: its V pairs staged in shared memory and read by ldmatrix (LDSM), half
+    the MMAs of the shipped loop (64 a page against 96) and under 17 warp instructions per (token, KV
+    head) (sm_90: 1014 a page, 15.8; the shipped kernel 1325, 20.7), at ≤ 176 registers (12 one-warp
+    programs per SM instead of 8) without spills."""
+    pytest.importorskip("triton")
+    fn, args = sa.qwen3_decode_case(num_warps=None, unpack_asm=True, channels_on_m=True)
+    kernels = sa.compile_pallas_for_h200(fn, *args)
+    (name,) = [n for n in kernels if n.startswith("oscar_int2")]
+    usage = kernels[name]
+    loop = sa.loop_profile(sa.sass(usage["compiled"].asm["cubin"]))
+    assert usage["spills"] == 0 and usage["registers"] <= 176, usage
+    assert loop["opcodes"].get("LDSM", 0) >= 8 and loop["opcodes"]["HMMA"] == 64, loop["opcodes"]
+    assert loop["instructions"] * usage["num_warps"] / 64 < 17, loop["instructions"]
+
+
 def test_main_tables_the_page_loops_of_both_backends():
     """The CLI compiles the whole decode call (two tiers and the merge, which has no page loop)
     and tables the page loop of each INT2 kernel. It runs in a child process without

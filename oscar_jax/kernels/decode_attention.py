@@ -51,7 +51,8 @@ from jax.experimental.pallas import triton as pl_triton
 
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.ptx import (
-    UNPACK_CONSTRAINTS, UNPACK_PACK, plane_factor, plane_mask, plane_shift, unpack_plane_ptx,
+    BITS_PER_BYTE, PAIR_UNPACK_CONSTRAINTS, PAIR_UNPACK_PACK, UNPACK_CONSTRAINTS, UNPACK_PACK, plane_factor,
+    plane_mask, plane_shift, unpack_pair_plane_ptx, unpack_plane_ptx,
 )
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
 from shared_math.tiling import (
@@ -356,13 +357,65 @@ def _code_planes(load_chunk, pieces, compute_dtype, unpack_asm=False):
     def plane_operand(chunk, plane):
         if asm:
             return _unpack_plane_asm(chunk, plane)
-        if bf16:
-            shifted = lax.shift_right_logical(chunk, plane_shift(plane)) if plane_shift(plane) else chunk
-            bits = (shifted & plane_mask(plane)) | BF16_CODE_BIAS_BITS
-            return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
-        return (lax.shift_right_logical(chunk, plane * CODE_BITS) & CODE_MASK).astype(compute_dtype)
+        return _byte_plane_operand(chunk, plane, compute_dtype)
 
     return [functools.partial(plane_operand, chunks[byte_start], plane) for byte_start, _, plane, _, _ in pieces]
+
+
+def _byte_plane_operand(byte, plane, compute_dtype):
+    """Code bytes as int32 → bit plane `plane` as the dot operand (`_code_planes`: bits
+    0x4300 | c << place for bfloat16, the code itself for float32)."""
+    if code_offset(compute_dtype) != 0.0:
+        shifted = lax.shift_right_logical(byte, plane_shift(plane)) if plane_shift(plane) else byte
+        bits = (shifted & plane_mask(plane)) | BF16_CODE_BIAS_BITS
+        return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+    return (lax.shift_right_logical(byte, plane * CODE_BITS) & CODE_MASK).astype(compute_dtype)
+
+
+def _code_pairs(pairs_ref, page, page_size):
+    """Page `page` of a pool of 16-bit code pairs [P, L, D/8] (bytes 2j, 2j + 1 of each row), read
+    transposed: uint16 [D/8, L]. Read in this shape by its addresses (not transposed after the
+    load), the tile can be staged in shared memory and read by ldmatrix.trans as the A operand of
+    the channels-on-M values' dot (NOTES v26: a transpose after the load round-trips the unpacked
+    operand through shared memory)."""
+    half = pairs_ref.shape[-1]
+    token = lax.broadcasted_iota(jnp.int32, (half, page_size), 1)
+    column = lax.broadcasted_iota(jnp.int32, (half, page_size), 0)
+    return pairs_ref[page, token, column]
+
+
+def _pair_plane_operand(pairs, plane, high, compute_dtype, unpack_asm):
+    """Bit plane `plane` of byte `high` (0: 2j, 1: 2j + 1) of uint16 code pairs, as dot operands of
+    `compute_dtype` (shared_math.ptx's convention; `unpack_asm`: by inline PTX, bfloat16 only)."""
+    if unpack_asm and code_offset(compute_dtype) != 0.0:
+        return pl_triton.elementwise_inline_asm(
+            unpack_pair_plane_ptx(plane, high), args=[pairs], constraints=PAIR_UNPACK_CONSTRAINTS,
+            pack=PAIR_UNPACK_PACK, result_shape_dtypes=[jax.ShapeDtypeStruct(pairs.shape, jnp.bfloat16)])[0]
+    byte = lax.shift_right_logical(pairs.astype(jnp.int32), high * BITS_PER_BYTE) & 0xFF
+    return _byte_plane_operand(byte, plane, compute_dtype)
+
+
+def _int2_output_pairs(o_halves, p, pairs, v_scale, v_min, correction, compute_dtype, unpack_asm, fused):
+    """Channels on M (one group per row, tokens on M): each of the eight half planes oᵀ [D/8, BLOCK_M]
+    (plane p's channels p·D/4 + 2j + h at o_halves[2p + h], in units of the plane's operand factor)
+    rescaled by `correction` (None: not rescaled), plus its minimum term, plus Σ_n c·(p·s_v) — the
+    codes [D/8, L] the dot's A operand, p·s_v [L, BLOCK_M] its B (the rows on N instead of padded to
+    M = 16: half the MMAs and output registers, NOTES v26). p [L, BLOCK_M] unnormalised."""
+    code_bias = code_offset(compute_dtype)
+    (scale,), (minimum,) = v_scale, v_min
+    p_scaled = (p * scale[:, None]).astype(compute_dtype)
+    p_min = jnp.sum(p * minimum[:, None], axis=0)
+    bias = code_bias * jnp.sum(p_scaled.astype(jnp.float32), axis=0) if code_bias else None
+    factors = operand_factors(tuple((0, 0, plane, 0, 0) for plane in range(CODES_PER_BYTE)), compute_dtype)
+    out = []
+    for index, o_half in enumerate(o_halves):
+        plane, high = divmod(index, 2)
+        term = p_min * factors[plane] if factors[plane] != 1.0 else p_min
+        term = (term - bias if code_bias else term)[None, :]
+        d = dot_nn(_pair_plane_operand(pairs, plane, high, compute_dtype, unpack_asm), p_scaled)
+        out.append((o_half + term if correction is None else multiply_add(o_half, correction[None, :], term, fused))
+                   + d)
+    return out
 
 
 def _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, pieces, score_scale, fused,
@@ -457,11 +510,14 @@ def _int2_tier_kernel(
     UNPACK_ASM: bool = False,
     FMA_ASM: bool = False,
     TOKENS_ON_M: bool = False,
+    CHANNELS_ON_M: bool = False,
 ):
     """One iteration = PAGES_PER_BLOCK pages, each read as a whole page through a scalar page id
     (contiguous [L, D/4] codes, no per-token addresses), one online-softmax update for all of them.
     Needs L ≥ 16 (dot tile); `_int2_tier_gather_kernel` serves smaller pages. TOKENS_ON_M: the
-    scores as [L, BLOCK_M] (codes as the dot's A operand), the softmax along axis 0."""
+    scores as [L, BLOCK_M] (codes as the dot's A operand), the softmax along axis 0. CHANNELS_ON_M
+    (with TOKENS_ON_M, one group per row): v_codes_ref holds the V codes as 16-bit pairs
+    [P, L, D/8] and the output is carried as eight half planes oᵀ (`_int2_output_pairs`)."""
     b, split = pl.program_id(0), pl.program_id(3)
     block_m, head_dim = q_ref.shape
     compute_dtype = q_ref.dtype
@@ -498,15 +554,22 @@ def _int2_tier_kernel(
             row_max = m_new[None, :] if TOKENS_ON_M else m_new[:, None]
             p = jnp.where(mask, jnp.exp2(scores - row_max), 0.0)  # [BLOCK_M, L] ([L, BLOCK_M])
             l = l + jnp.sum(p, axis=token_axis)
-            v_planes = _code_planes(lambda c0, w: v_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype,
-                                     UNPACK_ASM)
+            if CHANNELS_ON_M:
+                pairs = _code_pairs(v_codes_ref, page, PAGE_SIZE)
+            else:
+                v_planes = _code_planes(lambda c0, w: v_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype,
+                                         UNPACK_ASM)
             v_scale = _int2_metadata(v_scale_ref, (page, slice(None)), valid, num_groups)
             v_min = _int2_metadata(v_min_ref, (page, slice(None)), valid, num_groups)
+            if CHANNELS_ON_M:
+                o_pieces = _int2_output_pairs(o_pieces, p, pairs, v_scale, v_min, correction if page_index == 0 else None,
+                                              compute_dtype, UNPACK_ASM, FMA_ASM)
+                continue
             dots, p_min = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, token_axis)
             o_pieces = _accumulate_output(o_pieces, dots, p_min, correction if page_index == 0 else None, FMA_ASM)
         return tuple(o_pieces), m_new, l
 
-    _int2_finish(body, num_blocks, pieces, operand_factors(pieces, compute_dtype), o_ref, lse_ref)
+    _int2_finish(body, num_blocks, pieces, operand_factors(pieces, compute_dtype), o_ref, lse_ref, CHANNELS_ON_M)
 
 
 def _int2_tier_gather_kernel(
@@ -552,19 +615,27 @@ def _int2_tier_gather_kernel(
     _int2_finish(body, num_blocks, pieces, operand_factors(pieces, compute_dtype), o_ref, lse_ref)
 
 
-def _int2_finish(body, num_blocks, pieces, factors, o_ref, lse_ref):
+def _int2_finish(body, num_blocks, pieces, factors, o_ref, lse_ref, channels_on_m=False):
     """Run the online-softmax loop from an empty state and write the normalised partial (the
-    output pieces, carried in units of their operand factor, divided by it here)."""
+    output pieces, carried in units of their operand factor, divided by it here). channels_on_m:
+    the pieces (one a plane) are carried as two half planes oᵀ each (`_int2_output_pairs`) and
+    stored to every other channel."""
     block_m = o_ref.shape[0]
+    shapes = ([(width // 2, block_m)] * 2 if channels_on_m else [(block_m, width)] for (_, width, _, _, _) in pieces)
     carry = (
-        tuple(jnp.zeros((block_m, width), jnp.float32) for (_, width, _, _, _) in pieces),
+        tuple(jnp.zeros(shape, jnp.float32) for piece_shapes in shapes for shape in piece_shapes),
         jnp.full((block_m,), MASK_VALUE, jnp.float32),
         jnp.zeros((block_m,), jnp.float32),
     )
     o_pieces, m, l = lax.fori_loop(0, num_blocks, body, carry)
     inv_l, lse = finalize_rows(l, m)
-    for o_piece, factor, (_, width, _, c0, _) in zip(o_pieces, factors, pieces):
-        o_ref[:, pl.ds(c0, width)] = o_piece * (inv_l * (1.0 / factor) if factor != 1.0 else inv_l)[:, None]
+    for index, (factor, (_, width, _, c0, _)) in enumerate(zip(factors, pieces)):
+        scale = (inv_l * (1.0 / factor) if factor != 1.0 else inv_l)[:, None]
+        if channels_on_m:
+            for high in range(2):
+                o_ref[:, pl.ds(c0 + high, width // 2, stride=2)] = o_pieces[2 * index + high].T * scale
+        else:
+            o_ref[:, pl.ds(c0, width)] = o_pieces[index] * scale
     lse_ref[...] = lse
 
 
@@ -592,8 +663,12 @@ def int2_tier_partials(
     fma_asm: bool = False,
     tokens_on_m: bool = False,
     rows: int | None = None,
+    channels_on_m: bool = False,
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, rows, D], lse float32[B, K, S, rows]).
+    `channels_on_m` (with tokens_on_m, one group per row, D ≥ 128): the values' dot as oᵀ = Vᵀ·p, the
+    channels on M and the rows on N, over the V codes read as 16-bit pairs (`_int2_output_pairs`;
+    NOTES v26; not yet timed on a GPU).
     `rows` (default M, a multiple of block_m): the tier attends q's first `rows` rows, read in place
     by the q block (no slice of q: at batch 1 a slice was a ~1 us kernel of its own, NOTES v22).
     With `layer`, the pools are stacked [Y, P, K, L, ·] and layer `layer` is read.
@@ -616,6 +691,10 @@ def int2_tier_partials(
     whole_pages = page_size >= MIN_DOT_DIM
     if tokens_on_m and not whole_pages:
         raise ValueError(f"tokens_on_m needs pages of >= {MIN_DOT_DIM} tokens (whole-page kernel), got {page_size}")
+    if channels_on_m and not (tokens_on_m and group_size >= head_dim and head_dim // 8 >= MIN_DOT_DIM):
+        raise ValueError(f"channels_on_m needs tokens_on_m, one group per row and head_dim >= {8 * MIN_DOT_DIM} "
+                         f"(the dot's M is head_dim / 8); got tokens_on_m={tokens_on_m}, "
+                         f"group_size={group_size}, head_dim={head_dim}")
     kernel = functools.partial(
         _int2_tier_kernel if whole_pages else _int2_tier_gather_kernel,
         GROUP_SIZE=group_size,
@@ -626,8 +705,13 @@ def int2_tier_partials(
         UNPACK_ASM=bool(unpack_asm),
         FMA_ASM=bool(fma_asm),
         **({"TOKENS_ON_M": bool(tokens_on_m)} if whole_pages else {}),
+        **({"CHANNELS_ON_M": True} if channels_on_m else {}),
     )
     codes_spec = layer_block_spec((num_pages, None, page_size, packed), lambda b, h, r, s: (0, h, 0, 0), layer)
+    v_spec = codes_spec
+    if channels_on_m:  # the V pool as 16-bit pairs of its bytes: a bitcast, not a copy
+        v_codes = lax.bitcast_convert_type(v_codes.reshape(*v_codes.shape[:-1], packed // 2, 2), jnp.uint16)
+        v_spec = layer_block_spec((num_pages, None, page_size, packed // 2), lambda b, h, r, s: (0, h, 0, 0), layer)
     meta_spec = layer_block_spec((num_pages, None, page_size, num_groups), lambda b, h, r, s: (0, h, 0, 0), layer)
     grid = (batch, num_kv_heads, rows // block_m, splits)
     return pl.pallas_call(
@@ -640,7 +724,7 @@ def int2_tier_partials(
             codes_spec,  # K codes pool of KV head h
             meta_spec,  # K scale
             meta_spec,  # K minimum
-            codes_spec,  # V codes
+            v_spec,  # V codes (16-bit pairs with channels_on_m)
             meta_spec,  # V scale
             meta_spec,  # V minimum
         ],
@@ -656,7 +740,7 @@ def int2_tier_partials(
         interpret=interpret,
         name=(
             f"oscar_int2_tier_attention_{group_size=}_{block_m=}_{pages_per_split=}_{pages_per_block=}"
-            + ("_asm" if unpack_asm else "") + ("_fma" if fma_asm else "")
+            + ("_asm" if unpack_asm else "") + ("_fma" if fma_asm else "") + ("_pairs" if channels_on_m else "")
         ),
     )(page_table, history_tokens, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
 

@@ -621,6 +621,61 @@ def test_interpreted_default_tiling_is_one_split_of_blocks(monkeypatch, page_siz
     assert seen == [want, want, (gpu_rule[0], gpu_rule[2])]
 
 
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype):
+    """The values' dot transposed (oᵀ = Vᵀ·p over 16-bit code pairs, NOTES v26) gives the partials of
+    the tokens-on-M form (interpret mode: float32 dots of the same operands, so they differ by
+    summation order only): several pages a split, one sequence cut 5 tokens short of whole pages
+    with real codes in the cut rows, an odd length; and two pages a block. It needs tokens on M,
+    one group per row and D >= 128 (the dot's M is D / 8)."""
+    from oscar_jax.kernels.decode_attention import int2_tier_partials
+
+    rng = np.random.default_rng(12)
+    cache = build_cache(rng, (395, 203), num_kv_heads=2, head_dim=128, group_size=128)
+    pools, (table, history) = cache.arrays[2:8], cache.arrays[11:13]
+    history = history.at[0].add(-5)  # the cut rows keep their codes: a masked token must not count
+    q = jnp.asarray(rng.standard_normal((2, 2, 8, 128)), q_dtype)
+    for pages_per_block in (1, 2):
+        common = dict(group_size=128, softmax_scale=128**-0.5, pages_per_split=4, pages_per_block=pages_per_block,
+                      interpret=True, block_m=8, tokens_on_m=True)
+        o_rows, lse_rows = int2_tier_partials(q, *pools, table, history, **common)
+        o_pairs, lse_pairs = int2_tier_partials(q, *pools, table, history, channels_on_m=True, **common)
+        nonempty = np.isfinite(np.asarray(lse_rows))
+        assert nonempty.sum() > 8 and (np.isfinite(np.asarray(lse_pairs)) == nonempty).all()
+        np.testing.assert_allclose(np.asarray(lse_pairs)[nonempty], np.asarray(lse_rows)[nonempty], rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(o_pairs), np.asarray(o_rows), rtol=1e-5, atol=1e-5)
+        assert np.abs(np.asarray(o_rows)[nonempty]).max() > 0.1  # the outputs compared are not all zero
+    with pytest.raises(ValueError, match="channels_on_m needs tokens_on_m, one group per row"):
+        int2_tier_partials(q, *pools, table, history, channels_on_m=True, **dict(common, tokens_on_m=False))
+    small = build_cache(rng, (100,), num_kv_heads=1, head_dim=64, group_size=64)
+    with pytest.raises(ValueError, match="head_dim >= 128"):
+        int2_tier_partials(q[:1, :1, :, :64], *small.arrays[2:8], *small.arrays[11:13], channels_on_m=True,
+                           **dict(common, group_size=64))
+
+
+def test_channels_on_m_decode_attention_matches_the_default(monkeypatch):
+    """decode_attention(channels_on_m=True) is the default call up to summation order, once the grid
+    takes tokens on M (test-sized grids do not: there it is refused, naming the call)."""
+    from oscar_jax.attention_ops import decode_attention
+    from shared_math import tiling
+
+    rng = np.random.default_rng(13)
+    cache = build_cache(rng, (395, 203), num_kv_heads=2, head_dim=128, group_size=128)
+    q = random_query(rng, 2, 8, 128, jnp.bfloat16)
+    kwargs = dict(sink_slots=SINK // PAGE_SIZE, group_size=128, softmax_scale=128**-0.5, interpret=True)
+    with pytest.raises(ValueError, match="channels_on_m=True needs the INT2 tier's tokens-on-M layout"):
+        decode_attention(q, *cache.arrays, channels_on_m=True, **kwargs)
+    with pytest.raises(ValueError, match="channels_on_m=1 must be a bool"):
+        decode_attention(q, *cache.arrays, channels_on_m=1, **kwargs)
+    monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 1)  # tokens on M at test sizes (conftest)
+    want = np.asarray(decode_attention(q, *cache.arrays, **kwargs))
+    got = np.asarray(decode_attention(q, *cache.arrays, channels_on_m=True, **kwargs))
+    # The code dots carry a bias ~100x the output that cancels within each page (`_int2_output_terms`):
+    # another summation order moves the result by ~1e-5 here (spread-3 queries).
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert_close(got, reference_decode(q, cache, 128**-0.5), jnp.bfloat16)
+
+
 def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_whole_pages():
     """The INT2 tier's two score layouts give the same partials (interpret mode: float32 dots, so
     they differ by summation order only), 8 rows with tokens on M as 16 with rows on M; pages of
