@@ -562,8 +562,9 @@ def _int2_tier_kernel(
             v_scale = _int2_metadata(v_scale_ref, (page, slice(None)), valid, num_groups)
             v_min = _int2_metadata(v_min_ref, (page, slice(None)), valid, num_groups)
             if CHANNELS_ON_M:
-                o_pieces = _int2_output_pairs(o_pieces, p, pairs, v_scale, v_min, correction if page_index == 0 else None,
-                                              compute_dtype, UNPACK_ASM, FMA_ASM)
+                o_pieces = _int2_output_pairs(o_pieces, p, pairs, v_scale, v_min,
+                                              correction if page_index == 0 else None, compute_dtype, UNPACK_ASM,
+                                              FMA_ASM)
                 continue
             dots, p_min = _int2_output_terms(p, v_planes, v_scale, v_min, pieces, compute_dtype, token_axis)
             o_pieces = _accumulate_output(o_pieces, dots, p_min, correction if page_index == 0 else None, FMA_ASM)

@@ -550,39 +550,16 @@ def _load_code_pairs(codes_ptr, row, QUARTER: tl.constexpr):
 
 
 @triton.jit
-def _unpack_pair_plane_asm(pairs, PLANE: tl.constexpr, HIGH: tl.constexpr):
-    """Bit plane PLANE of the low (HIGH 0) or high byte of int16 code pairs, by inline PTX
-    (shared_math.ptx.unpack_pair_plane_ptx)."""
-    if HIGH == 0:
-        if PLANE == 0:
-            asm: tl.constexpr = UNPACK_PAIR_0_LOW_PTX
-        elif PLANE == 1:
-            asm: tl.constexpr = UNPACK_PAIR_1_LOW_PTX
-        elif PLANE == 2:
-            asm: tl.constexpr = UNPACK_PAIR_2_LOW_PTX
-        else:
-            asm: tl.constexpr = UNPACK_PAIR_3_LOW_PTX
-    else:
-        if PLANE == 0:
-            asm: tl.constexpr = UNPACK_PAIR_0_HIGH_PTX
-        elif PLANE == 1:
-            asm: tl.constexpr = UNPACK_PAIR_1_HIGH_PTX
-        elif PLANE == 2:
-            asm: tl.constexpr = UNPACK_PAIR_2_HIGH_PTX
-        else:
-            asm: tl.constexpr = UNPACK_PAIR_3_HIGH_PTX
-    return tl.inline_asm_elementwise(asm, PAIR_UNPACK_CONSTRAINTS_C, [pairs], dtype=tl.bfloat16, is_pure=True,
-                                     pack=PAIR_UNPACK_PACK_C)
-
-
-@triton.jit
 def _pair_plane_update(o_half, correction, minimum_term, pairs, p_scaled, PLANE: tl.constexpr, HIGH: tl.constexpr,
-                       Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr, UNPACK_ASM: tl.constexpr):
+                       PAIR_PTX: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
+                       UNPACK_ASM: tl.constexpr):
     """Channels on M: oᵀ [D/8, BLOCK_M] of plane PLANE's channels 2j + HIGH, rescaled, plus
     Σ_n c·(p·s) + the minimum term — the code pairs [D/8, N] (`_load_code_pairs`) the dot's A operand,
-    p_scaled [N, BLOCK_M] its B."""
+    p_scaled [N, BLOCK_M] its B. UNPACK_ASM: the pairs unpacked by PAIR_PTX
+    (shared_math.ptx.unpack_pair_plane_ptx(PLANE, HIGH))."""
     if UNPACK_ASM:
-        codes = _unpack_pair_plane_asm(pairs, PLANE, HIGH)
+        codes = tl.inline_asm_elementwise(PAIR_PTX, PAIR_UNPACK_CONSTRAINTS_C, [pairs], dtype=tl.bfloat16,
+                                          is_pure=True, pack=PAIR_UNPACK_PACK_C)
     else:
         byte = (pairs.to(tl.int32) >> (HIGH * BITS_PER_BYTE_C)) & 0xFF
         codes = _plane_codes(byte, PLANE, Q_BF16, TENSOR_CORES)
@@ -608,14 +585,22 @@ def _int2_page_channels_on_m(o0, o1, o2, o3, o4, o5, o6, o7, m, l, k_codes_ptr, 
         TENSOR_CORES, UNPACK_ASM)
     min0, min1, min2, min3 = _plane_minimum_terms(p_min, bias, Q_BF16)
     pairs = _load_code_pairs(v_codes_ptr, row, QUARTER)  # [D/8, N]
-    o0 = _pair_plane_update(o0, correction, min0, pairs, p_scaled, 0, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)
-    o1 = _pair_plane_update(o1, correction, min0, pairs, p_scaled, 0, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)
-    o2 = _pair_plane_update(o2, correction, min1, pairs, p_scaled, 1, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)
-    o3 = _pair_plane_update(o3, correction, min1, pairs, p_scaled, 1, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)
-    o4 = _pair_plane_update(o4, correction, min2, pairs, p_scaled, 2, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)
-    o5 = _pair_plane_update(o5, correction, min2, pairs, p_scaled, 2, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)
-    o6 = _pair_plane_update(o6, correction, min3, pairs, p_scaled, 3, 0, Q_BF16, TENSOR_CORES, UNPACK_ASM)
-    o7 = _pair_plane_update(o7, correction, min3, pairs, p_scaled, 3, 1, Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o0 = _pair_plane_update(o0, correction, min0, pairs, p_scaled, 0, 0, UNPACK_PAIR_0_LOW_PTX,
+                            Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o1 = _pair_plane_update(o1, correction, min0, pairs, p_scaled, 0, 1, UNPACK_PAIR_0_HIGH_PTX,
+                            Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o2 = _pair_plane_update(o2, correction, min1, pairs, p_scaled, 1, 0, UNPACK_PAIR_1_LOW_PTX,
+                            Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o3 = _pair_plane_update(o3, correction, min1, pairs, p_scaled, 1, 1, UNPACK_PAIR_1_HIGH_PTX,
+                            Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o4 = _pair_plane_update(o4, correction, min2, pairs, p_scaled, 2, 0, UNPACK_PAIR_2_LOW_PTX,
+                            Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o5 = _pair_plane_update(o5, correction, min2, pairs, p_scaled, 2, 1, UNPACK_PAIR_2_HIGH_PTX,
+                            Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o6 = _pair_plane_update(o6, correction, min3, pairs, p_scaled, 3, 0, UNPACK_PAIR_3_LOW_PTX,
+                            Q_BF16, TENSOR_CORES, UNPACK_ASM)
+    o7 = _pair_plane_update(o7, correction, min3, pairs, p_scaled, 3, 1, UNPACK_PAIR_3_HIGH_PTX,
+                            Q_BF16, TENSOR_CORES, UNPACK_ASM)
     return o0, o1, o2, o3, o4, o5, o6, o7, m, l
 
 
@@ -677,8 +662,8 @@ def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_
 
 
 @triton.jit
-def _int2_block(i, o0, o1, o2, o3, o4, o5, o6, o7, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
-                v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
+def _int2_block(i, o0, o1, o2, o3, o4, o5, o6, o7, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr,
+                v_codes_ptr, v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset,
                 q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS: tl.constexpr, D: tl.constexpr,
                 GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr,
                 SCORE_SCALE: tl.constexpr, Q_BF16: tl.constexpr, TENSOR_CORES: tl.constexpr,
@@ -847,27 +832,27 @@ def _int2_tier_kernel(
         i = num_full
         if num_full < num_blocks:
             o0, o1, o2, o3, o4, o5, o6, o7, m, l = _int2_block(
-                i, o0, o1, o2, o3, o4, o5, o6, o7, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
-                v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
-                q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
-                Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, False, CHANNELS_ON_M)
+                i, o0, o1, o2, o3, o4, o5, o6, o7, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr,
+                v_codes_ptr, v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block,
+                offset, q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
+                SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, False, CHANNELS_ON_M)
     else:
         num_full = num_blocks
     if TENSOR_CORES:  # compiled: a loop bounded by the loaded length, which Triton can pipeline
         for i in range(0, num_full):
             o0, o1, o2, o3, o4, o5, o6, o7, m, l = _int2_block(
-                i, o0, o1, o2, o3, o4, o5, o6, o7, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
-                v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
-                q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
-                Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, TOKENS_ON_M, CHANNELS_ON_M)
+                i, o0, o1, o2, o3, o4, o5, o6, o7, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr,
+                v_codes_ptr, v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block,
+                offset, q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
+                SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, TOKENS_ON_M, CHANNELS_ON_M)
     else:  # interpreter: a static trip count with a guard (see the BF16 kernel)
         for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
             if i < num_full:
                 o0, o1, o2, o3, o4, o5, o6, o7, m, l = _int2_block(
-                    i, o0, o1, o2, o3, o4, o5, o6, o7, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr,
-                    v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block, offset, q0, q1,
-                    q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK, SCORE_SCALE,
-                    Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, TOKENS_ON_M, CHANNELS_ON_M)
+                    i, o0, o1, o2, o3, o4, o5, o6, o7, m, l, page_table_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr,
+                    v_codes_ptr, v_scale_ptr, v_min_ptr, table_slots, b, h, first_slot, n_history, slot_in_block,
+                    offset, q0, q1, q2, q3, s0, s1, s2, s3, NUM_HEADS, D, GROUP_SIZE, PAGE_SIZE, PAGES_PER_BLOCK,
+                    SCORE_SCALE, Q_BF16, TENSOR_CORES, UNPACK_ASM, TOKENS_ON_M, TOKENS_ON_M, CHANNELS_ON_M)
 
     out_row = _output_rows(b, h, split, row_block, NUM_HEADS, NUM_SPLITS, ROWS, BLOCK_M)
     nonempty = l > 0.0
