@@ -662,7 +662,7 @@ def test_channels_on_m_decode_attention_matches_the_default(monkeypatch):
     rng = np.random.default_rng(13)
     cache = build_cache(rng, (395, 203), num_kv_heads=2, head_dim=128, group_size=128)
     q = random_query(rng, 2, 8, 128, jnp.bfloat16)
-    kwargs = dict(sink_slots=SINK // PAGE_SIZE, group_size=128, softmax_scale=128**-0.5, interpret=True)
+    kwargs = dict(sink_slots=SINK // PAGE_SIZE, group_size=128, softmax_scale=128**-0.5)  # GPU: compiled, PTX
     with pytest.raises(ValueError, match="channels_on_m=True needs the INT2 tier's tokens-on-M layout"):
         decode_attention(q, *cache.arrays, channels_on_m=True, **kwargs)
     with pytest.raises(ValueError, match="channels_on_m=1 must be a bool"):

@@ -417,11 +417,13 @@ def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype, monkeypatch):
     """The values' dot transposed (oᵀ = Vᵀ·p by 16-bit code pairs, NOTES v26) gives the partials of the
     shipped tokens-on-M form: several pages a split, GQA 4 in 8 rows, one sequence cut 5 tokens short of
     whole pages (its last page runs masked, with real codes in the cut rows) and one at an odd length
-    (interpreter: float32 dots of the same operands, so they differ by summation order only). D < 128
-    has no such form (the dot's M is D / 8)."""
+    (interpreter: float32 dots of the same operands, so they differ by summation order only); so does
+    the whole decode call, at its defaults (on a GPU with bf16 queries: the inline-PTX unpackers).
+    D < 128 has no such form (the dot's M is D / 8)."""
     from oscar_torch.kernels import decode_attention as kdecode
 
-    case = AttentionCase("pairs", 128, 128, 2, 4, (395, 203), pages_per_split=3, pages_per_block=1)
+    case = AttentionCase("pairs", 128, 128, 2, 4, (395, 203), pages_per_split=3, pages_per_block=1,
+                         q_dtype="bfloat16" if q_dtype == torch.bfloat16 else "float32")
     arrays = list(cache_arrays(build_cache(case)))
     pools, (table, history) = arrays[2:8], arrays[11:13]
     history = history.clone()
@@ -448,7 +450,9 @@ def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype, monkeypatch):
     out = ops.decode_attention(query(case), *arrays[:11], table, history, channels_on_m=True,
                                **attention_kwargs(case))
     want = ops.decode_attention(query(case), *arrays[:11], table, history, **attention_kwargs(case))
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    # bf16 queries: the code dots carry a bias ~100x the output that cancels within each page; another
+    # summation order moves the result by ~1e-5 (NOTES v20: up to 3.6e-5 on the H200)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="channels_on_m needs tokens_on_m and head_dim >= 128"):
         kdecode.int2_tier_partials(torch.zeros((1, 1, 8, 64), device=DEVICE), *arrays64[2:8], *arrays64[11:13],
                                    channels_on_m=True, **dict(common, group_size=64))
