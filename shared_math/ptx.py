@@ -39,6 +39,7 @@ UNPACK_PACK = 4
 PAIR_UNPACK_CONSTRAINTS = "=r,r"  # one output (2 bfloat16), one input (2 code pairs of 16 bits)
 PAIR_UNPACK_PACK = 2
 BITS_PER_BYTE = 8
+BYTES_PER_PAIR = 2  # a code pair: bytes 2j, 2j + 1 of a row, read as one 16-bit element
 _HIGHEST_PLACE = BF16_MANTISSA_BITS - CODE_BITS  # 5: bits 5-6, the top of the mantissa
 
 

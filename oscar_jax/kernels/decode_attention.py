@@ -51,8 +51,8 @@ from jax.experimental.pallas import triton as pl_triton
 
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.ptx import (
-    BITS_PER_BYTE, PAIR_UNPACK_CONSTRAINTS, PAIR_UNPACK_PACK, UNPACK_CONSTRAINTS, UNPACK_PACK, plane_factor,
-    plane_mask, plane_shift, unpack_pair_plane_ptx, unpack_plane_ptx,
+    BITS_PER_BYTE, BYTES_PER_PAIR, PAIR_UNPACK_CONSTRAINTS, PAIR_UNPACK_PACK, UNPACK_CONSTRAINTS, UNPACK_PACK,
+    plane_factor, plane_mask, plane_shift, unpack_pair_plane_ptx, unpack_plane_ptx,
 )
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
 from shared_math.tiling import (
@@ -406,10 +406,10 @@ def _int2_output_pairs(o_halves, p, pairs, v_scale, v_min, correction, compute_d
     p_scaled = (p * scale[:, None]).astype(compute_dtype)
     p_min = jnp.sum(p * minimum[:, None], axis=0)
     bias = code_bias * jnp.sum(p_scaled.astype(jnp.float32), axis=0) if code_bias else None
-    factors = operand_factors(tuple((0, 0, plane, 0, 0) for plane in range(CODES_PER_BYTE)), compute_dtype)
+    factors = [plane_factor(plane) if code_bias else 1.0 for plane in range(CODES_PER_BYTE)]  # operand_factors
     out = []
     for index, o_half in enumerate(o_halves):
-        plane, high = divmod(index, 2)
+        plane, high = divmod(index, BYTES_PER_PAIR)
         term = p_min * factors[plane] if factors[plane] != 1.0 else p_min
         term = (term - bias if code_bias else term)[None, :]
         d = dot_nn(_pair_plane_operand(pairs, plane, high, compute_dtype, unpack_asm), p_scaled)
@@ -622,7 +622,8 @@ def _int2_finish(body, num_blocks, pieces, factors, o_ref, lse_ref, channels_on_
     the pieces (one a plane) are carried as two half planes oᵀ each (`_int2_output_pairs`) and
     stored to every other channel."""
     block_m = o_ref.shape[0]
-    shapes = ([(width // 2, block_m)] * 2 if channels_on_m else [(block_m, width)] for (_, width, _, _, _) in pieces)
+    shapes = ([(width // BYTES_PER_PAIR, block_m)] * BYTES_PER_PAIR if channels_on_m else [(block_m, width)]
+              for (_, width, _, _, _) in pieces)
     carry = (
         tuple(jnp.zeros(shape, jnp.float32) for piece_shapes in shapes for shape in piece_shapes),
         jnp.full((block_m,), MASK_VALUE, jnp.float32),
@@ -633,8 +634,9 @@ def _int2_finish(body, num_blocks, pieces, factors, o_ref, lse_ref, channels_on_
     for index, (factor, (_, width, _, c0, _)) in enumerate(zip(factors, pieces)):
         scale = (inv_l * (1.0 / factor) if factor != 1.0 else inv_l)[:, None]
         if channels_on_m:
-            for high in range(2):
-                o_ref[:, pl.ds(c0 + high, width // 2, stride=2)] = o_pieces[2 * index + high].T * scale
+            for high in range(BYTES_PER_PAIR):
+                o_ref[:, pl.ds(c0 + high, width // BYTES_PER_PAIR, stride=BYTES_PER_PAIR)] = (
+                    o_pieces[BYTES_PER_PAIR * index + high].T * scale)
         else:
             o_ref[:, pl.ds(c0, width)] = o_pieces[index] * scale
     lse_ref[...] = lse
@@ -692,9 +694,11 @@ def int2_tier_partials(
     whole_pages = page_size >= MIN_DOT_DIM
     if tokens_on_m and not whole_pages:
         raise ValueError(f"tokens_on_m needs pages of >= {MIN_DOT_DIM} tokens (whole-page kernel), got {page_size}")
-    if channels_on_m and not (tokens_on_m and group_size >= head_dim and head_dim // 8 >= MIN_DOT_DIM):
-        raise ValueError(f"channels_on_m needs tokens_on_m, one group per row and head_dim >= {8 * MIN_DOT_DIM} "
-                         f"(the dot's M is head_dim / 8); got tokens_on_m={tokens_on_m}, "
+    pair_rows = packed // BYTES_PER_PAIR  # the values' dot's M with channels_on_m
+    if channels_on_m and not (tokens_on_m and group_size >= head_dim and pair_rows >= MIN_DOT_DIM):
+        raise ValueError(f"channels_on_m needs tokens_on_m, one group per row and head_dim >= "
+                         f"{MIN_DOT_DIM * BYTES_PER_PAIR * CODES_PER_BYTE} (the dot's M is head_dim / "
+                         f"{BYTES_PER_PAIR * CODES_PER_BYTE}); got tokens_on_m={tokens_on_m}, "
                          f"group_size={group_size}, head_dim={head_dim}")
     kernel = functools.partial(
         _int2_tier_kernel if whole_pages else _int2_tier_gather_kernel,
@@ -711,8 +715,8 @@ def int2_tier_partials(
     codes_spec = layer_block_spec((num_pages, None, page_size, packed), lambda b, h, r, s: (0, h, 0, 0), layer)
     v_spec = codes_spec
     if channels_on_m:  # the V pool as 16-bit pairs of its bytes: a bitcast, not a copy
-        v_codes = lax.bitcast_convert_type(v_codes.reshape(*v_codes.shape[:-1], packed // 2, 2), jnp.uint16)
-        v_spec = layer_block_spec((num_pages, None, page_size, packed // 2), lambda b, h, r, s: (0, h, 0, 0), layer)
+        v_codes = lax.bitcast_convert_type(v_codes.reshape(*v_codes.shape[:-1], pair_rows, BYTES_PER_PAIR), jnp.uint16)
+        v_spec = layer_block_spec((num_pages, None, page_size, pair_rows), lambda b, h, r, s: (0, h, 0, 0), layer)
     meta_spec = layer_block_spec((num_pages, None, page_size, num_groups), lambda b, h, r, s: (0, h, 0, 0), layer)
     grid = (batch, num_kv_heads, rows // block_m, splits)
     return pl.pallas_call(

@@ -65,6 +65,7 @@ from oscar_torch.kernels.codec import (
 )
 from shared_math.ptx import (
     BITS_PER_BYTE,
+    BYTES_PER_PAIR,
     PAIR_UNPACK_CONSTRAINTS,
     PAIR_UNPACK_PACK,
     UNPACK_CONSTRAINTS,
@@ -105,6 +106,7 @@ UNPACK_PACK_C = tl.constexpr(UNPACK_PACK)
 PAIR_UNPACK_CONSTRAINTS_C = tl.constexpr(PAIR_UNPACK_CONSTRAINTS)
 PAIR_UNPACK_PACK_C = tl.constexpr(PAIR_UNPACK_PACK)
 BITS_PER_BYTE_C = tl.constexpr(BITS_PER_BYTE)
+BYTES_PER_PAIR_C = tl.constexpr(BYTES_PER_PAIR)
 # `tl.dot` needs M, N, K ≥ 16 (mma tile); blocks are sized to respect it.
 MIN_DOT_DIM = 16
 DEFAULT_NUM_WARPS = 4
@@ -545,8 +547,9 @@ def _load_code_pairs(codes_ptr, row, QUARTER: tl.constexpr):
     token n: channels 2j and 2j + 1 of every plane). Read in this shape (not transposed after the
     load), the tile is the values' channels-on-M A operand straight from the load, which the
     compiler can stage in shared memory and read by ldmatrix.trans."""
+    PAIRS: tl.constexpr = QUARTER // BYTES_PER_PAIR_C
     pairs_ptr = codes_ptr.to(tl.pointer_type(tl.int16))
-    return tl.load(pairs_ptr + tl.arange(0, QUARTER // 2)[:, None] + row[None, :] * (QUARTER // 2))
+    return tl.load(pairs_ptr + tl.arange(0, PAIRS)[:, None] + row[None, :] * PAIRS)
 
 
 @triton.jit
@@ -609,7 +612,7 @@ def _store_half_plane(o_ptr, o_half, inv_l, out_row, PLANE: tl.constexpr, HIGH: 
                       BF16_DOTS: tl.constexpr):
     """The normalised oᵀ half plane [D/8, BLOCK_M] (channels PLANE·D/4 + 2j + HIGH) at rows out_row."""
     QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
-    column = PLANE * QUARTER + 2 * tl.arange(0, QUARTER // 2)[:, None] + HIGH
+    column = PLANE * QUARTER + BYTES_PER_PAIR_C * tl.arange(0, QUARTER // BYTES_PER_PAIR_C)[:, None] + HIGH
     if BF16_DOTS:
         inv_l = inv_l * (1.0 / _plane_factor(PLANE))
     tl.store(o_ptr + out_row[None, :].to(tl.int64) * D + column, o_half * inv_l[None, :])
@@ -808,7 +811,7 @@ def _int2_tier_kernel(
     q3 = dot_operand(q3, Q_BF16, TENSOR_CORES)
 
     if CHANNELS_ON_M:  # oᵀ by half planes (`_int2_page_channels_on_m`)
-        HALF: tl.constexpr = QUARTER // 2
+        HALF: tl.constexpr = QUARTER // BYTES_PER_PAIR_C
         o0, o1 = tl.zeros((HALF, BLOCK_M), tl.float32), tl.zeros((HALF, BLOCK_M), tl.float32)
         o2, o3 = tl.zeros((HALF, BLOCK_M), tl.float32), tl.zeros((HALF, BLOCK_M), tl.float32)
         o4, o5 = tl.zeros((HALF, BLOCK_M), tl.float32), tl.zeros((HALF, BLOCK_M), tl.float32)
@@ -977,9 +980,10 @@ def int2_tier_partials(
     if tokens_on_m and group_size < head_dim:
         raise ValueError(f"tokens_on_m needs one group per row (group_size >= head_dim = {head_dim}), "
                          f"got group_size={group_size}")
-    if channels_on_m and not (tokens_on_m and head_dim // CODES_PER_BYTE // 2 >= MIN_DOT_DIM):
-        raise ValueError(f"channels_on_m needs tokens_on_m and head_dim >= {2 * CODES_PER_BYTE * MIN_DOT_DIM} "
-                         f"(the dot's M is head_dim / 8); got tokens_on_m={tokens_on_m}, head_dim={head_dim}")
+    if channels_on_m and not (tokens_on_m and packed // BYTES_PER_PAIR >= MIN_DOT_DIM):
+        per_row = BYTES_PER_PAIR * CODES_PER_BYTE  # channels a row of the values' dot covers
+        raise ValueError(f"channels_on_m needs tokens_on_m and head_dim >= {MIN_DOT_DIM * per_row} (the dot's M is "
+                         f"head_dim / {per_row}); got tokens_on_m={tokens_on_m}, head_dim={head_dim}")
     extra = dict(UNPACK_ASM=bool(unpack_asm)) if folded and unpack_asm else {}
     if tokens_on_m:
         extra["TOKENS_ON_M"] = True
