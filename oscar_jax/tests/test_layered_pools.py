@@ -50,6 +50,22 @@ def test_decode_attention_on_stacked_pools_equals_per_layer_call(layer):
     assert_same_bits(got, want, "prefill attention, stacked pools")
 
 
+def test_channels_on_m_decode_on_stacked_pools_equals_per_layer_call(monkeypatch):
+    """channels_on_m reads the V pool as 16-bit pairs (a bitcast view of the stacked pool): the
+    layer it reads is the one named, bit for bit as the per-layer call."""
+    from shared_math import tiling
+
+    monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 1)  # tokens on M at test sizes (conftest)
+    rng = np.random.default_rng(7)
+    cache = build_cache(rng, (337, 65), num_kv_heads=2, head_dim=128, group_size=128)
+    q = random_query(rng, 2, 8, 128, jnp.bfloat16)
+    kw = dict(sink_slots=SINK_SLOTS, group_size=128, softmax_scale=128**-0.5, pages_per_split=4, channels_on_m=True)
+    want = ops.decode_attention(q, *cache.arrays, **kw)
+    stacked = _stack(cache.arrays[:8], 1, rng)
+    got = ops.decode_attention(q, *stacked, *cache.arrays[8:], layer=1, **kw)
+    assert_same_bits(got, want, "channels_on_m decode attention, stacked pools")
+
+
 def test_writes_on_stacked_pools_touch_only_their_layer():
     rng = np.random.default_rng(7)
     pages, heads, page, d, g, layer = 5, 2, 16, 64, 32, 1
