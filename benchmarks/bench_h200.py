@@ -47,7 +47,8 @@ TUNING_128K = [
                                 (32, 1, 1, 3, True), (16, 2, 1, 3, True), (16, 1, 2, 3, True)]
 ] + [  # the default launch with separate multiplies and adds, the form the inline-PTX fmas replaced (v20)
     dict(pages_per_split=16, pages_per_block=1, num_warps=1, num_stages=3, unpack_asm=True, fma_asm=False)
-] + [  # the values' dot transposed over 16-bit code pairs (v26: 0.75x the instructions on sm_90, not yet timed)
+] + [  # the values' dot transposed over 16-bit code pairs (v26: 0.77x the instructions on sm_90, not yet
+    # timed), at the default launch otherwise (its split follows the batch, v21): the candidate default
     dict(channels_on_m=True)]
 TRITON_TUNING_128K = (
     # the compiler's unpacking and other splits, at the default launch
