@@ -128,7 +128,7 @@ def xla_jit_rows() -> list[dict]:
 
     kinds = [name for name in sorted(DATA) for _ in range(8)]
     out = []
-    for bf16, ratio in itertools.product((True, False), (0.96, 0.92, 0.5)):
+    for bf16, ratio in itertools.product((True, False), (DEFAULT_K_CLIP_RATIO, DEFAULT_V_CLIP_RATIO, 0.5)):
         x, _ = encode_planes_rows(bf16)
         planes = [jax.lax.bitcast_convert_type(jnp.asarray(p), jnp.int32) for p in np.split(x, CODES_PER_BYTE, axis=1)]
         fn = jax.jit(functools.partial(kcodec.encode_planes, clip_index=clip_index(ratio, HEAD_DIM), rows_bf16=bf16))

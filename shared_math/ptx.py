@@ -77,10 +77,14 @@ def operand_bits(byte: int, plane: int) -> int:
 assert all(BF16_CODE_BIAS + CODE_MASK * plane_factor(p) < 2 * BF16_CODE_BIAS for p in range(CODES_PER_BYTE))
 
 
+def _both_halves(bits: int) -> int:
+    """A 16-bit pattern in both halves of a 32-bit word (two bfloat16 operands a register)."""
+    return bits | bits << 16
+
+
 def unpack_plane_ptx(plane: int) -> str:
     """PTX of bit plane `plane` (0 … CODES_PER_BYTE − 1); see the module docstring."""
-    mask = plane_mask(plane) | plane_mask(plane) << 16
-    bias = BF16_CODE_BIAS_BITS | BF16_CODE_BIAS_BITS << 16
+    mask, bias = _both_halves(plane_mask(plane)), _both_halves(BF16_CODE_BIAS_BITS)
     shift = plane_shift(plane)
     shifts = [f"shr.b32 lo, lo, {shift};", f"shr.b32 hi, hi, {shift};"] if shift else []
     return "\n".join([
@@ -99,8 +103,7 @@ def unpack_pair_plane_ptx(plane: int, high: int) -> str:
     _check_plane(plane)
     if high not in (0, 1):
         raise ValueError(f"high={high} must be 0 (the low byte) or 1 (the high byte)")
-    mask = plane_mask(plane) | plane_mask(plane) << 16
-    bias = BF16_CODE_BIAS_BITS | BF16_CODE_BIAS_BITS << 16
+    mask, bias = _both_halves(plane_mask(plane)), _both_halves(BF16_CODE_BIAS_BITS)
     shift = high * BITS_PER_BYTE + plane_shift(plane)
     source = "t" if shift else "$1"
     return "\n".join([
