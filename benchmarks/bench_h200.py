@@ -47,10 +47,9 @@ TUNING_128K = [
                                 (32, 1, 1, 3, True), (16, 2, 1, 3, True), (16, 1, 2, 3, True)]
 ] + [  # the default launch with separate multiplies and adds, the form the inline-PTX fmas replaced (v20)
     dict(pages_per_split=16, pages_per_block=1, num_warps=1, num_stages=3, unpack_asm=True, fma_asm=False)
-] + [  # the values' dot transposed over 16-bit code pairs (v26: 0.77x the instructions on sm_90, not yet
-    # timed), at the default launch otherwise (its split follows the batch, v21): the candidate default;
-    # with two pages a block 0.75x at 254 registers (8 programs per SM instead of 12)
-    dict(channels_on_m=True), dict(channels_on_m=True, pages_per_block=2)]
+] + [  # the values' dot with the rows on M and its V codes read a byte a load: the default until v27
+    # (the variants above run it with the channels on M where that applies, as the default does)
+    dict(channels_on_m=False)]
 TRITON_TUNING_128K = (
     # the compiler's unpacking and other splits, at the default launch
     [dict(pages_per_split=16, pages_per_block=1, unpack_asm=False)]
@@ -60,9 +59,9 @@ TRITON_TUNING_128K = (
     # 12, 128 hold 16), 2 warps (the rows-on-M kernel's launch until v14)
     + [dict(num_warps=nw, num_stages=ns, max_registers=mr)
        for nw, ns, mr in [(1, 2, 0), (1, 4, 0), (1, 3, 192), (1, 3, 168), (1, 3, 128), (2, 3, 0)]]
-    # the values' dot transposed, its codes read as 16-bit pairs (NOTES v26: 0.76x the instructions
-    # a page and 166 registers on sm_90, not yet timed); with two pages a block 0.68x at 222 registers
-    + [dict(channels_on_m=True), dict(channels_on_m=True, pages_per_block=2)]
+    # two pages a block (with the channels on M: 0.68x the shipped rows-on-M instructions a page at 222
+    # registers, NOTES v26), and the values' dot with the rows on M, the default until v27
+    + [dict(pages_per_block=2), dict(channels_on_m=False)]
 )
 
 

@@ -46,8 +46,8 @@ from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    default_decode_launch, int2_decode_rows, int2_decode_tokens_on_m, interpreted_tiling, next_power_of_two,
-    resolve_splits,
+    default_decode_launch, int2_decode_channels_on_m, int2_decode_rows, int2_decode_tokens_on_m, interpreted_tiling,
+    next_power_of_two, resolve_splits,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
@@ -328,7 +328,7 @@ def decode_attention(
     unpack_asm: bool | None = None,
     fma_asm: bool | None = None,
     interpret: bool | None = None,
-    channels_on_m: bool = False,
+    channels_on_m: bool | None = None,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
 
@@ -364,15 +364,16 @@ def decode_attention(
         layers): that layer is read in place, without slicing it out (`kernels.layered`).
       interpret: run the Pallas kernels in interpret mode; None → on when the default backend is CPU.
       channels_on_m: the INT2 tier's values dot as oᵀ = Vᵀ·p (channels on the dot's M, the rows on N;
-        `kernels.decode_attention.int2_tier_partials`), where its scores run with tokens on M, one
-        group per row and D ≥ 128 (else ValueError). Off by default until timed on a GPU
-        (benchmarks/NOTES.md v26).
+        `kernels.decode_attention.int2_tier_partials`), which needs its scores with tokens on M, one
+        group per row and D ≥ 128 (`shared_math.tiling.int2_decode_channels_on_m`); None → on where
+        it applies (H200, 128K b8: 0.73–0.85× the time, benchmarks/NOTES.md v27), True → on or
+        ValueError, False → the values' dot with the rows on M.
     Returns:
       float32 [B, Hq, D].
     """
     _check("q", q, (None, None, None), QUERY_DTYPES)
-    if not isinstance(channels_on_m, bool):
-        raise ValueError(f"channels_on_m={channels_on_m!r} must be a bool")
+    if channels_on_m is not None and not isinstance(channels_on_m, bool):
+        raise ValueError(f"channels_on_m={channels_on_m!r} must be a bool or None")
     batch, q_heads, head_dim = q.shape
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
@@ -405,9 +406,12 @@ def decode_attention(
     if unpack_asm and (interpret or jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"unpack_asm=True runs inline PTX on bfloat16 queries on the GPU; got q {q.dtype} and "
                          f"interpret={interpret} (interpret mode cannot run PTX)")
-    if channels_on_m and not (int2_tokens_on_m and group_size >= head_dim):
+    channels_applies = int2_decode_channels_on_m(int2_tokens_on_m, group_size, head_dim)
+    if channels_on_m is None:
+        channels_on_m = channels_applies
+    if channels_on_m and not channels_applies:
         raise ValueError("channels_on_m=True needs the INT2 tier's tokens-on-M layout with one group per row (pages "
-                         f"of >= 16 tokens, a grid of >= 512 programs, G >= D); this call has group_size={group_size}, "
+                         f"of >= 16 tokens, a grid of >= 512 programs, G >= D >= 128); this call has group_size={group_size}, "
                          f"head_dim={head_dim}, batch={batch}")
     fma_asm = _resolve_fma_asm(fma_asm, interpret)
     return _decode_attention(

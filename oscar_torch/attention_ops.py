@@ -44,8 +44,8 @@ from oscar_torch.validation import (
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    TRITON_INT2_MAX_REGISTERS, default_decode_launch, int2_decode_rows, int2_decode_tokens_on_m, interpreted_tiling,
-    next_power_of_two, resolve_splits,
+    TRITON_INT2_MAX_REGISTERS, default_decode_launch, int2_decode_channels_on_m, int2_decode_rows,
+    int2_decode_tokens_on_m, interpreted_tiling, next_power_of_two, resolve_splits,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
@@ -237,7 +237,7 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     max_registers: int | None = None,
-    channels_on_m: bool = False,
+    channels_on_m: bool | None = None,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
 
@@ -273,14 +273,16 @@ def decode_attention(
         compiler's choice for the one-warp tokens-on-M kernel, 0 → the compiler's choice. No effect
         under the Triton interpreter.
       channels_on_m: the INT2 tier's values dot as oᵀ = Vᵀ·p (channels on the dot's M, the rows on N;
-        `kernels.decode_attention.int2_tier_partials`), where its scores run with tokens on M and
-        D ≥ 128 (else ValueError). Off by default until timed on a GPU (benchmarks/NOTES.md v26).
+        `kernels.decode_attention.int2_tier_partials`), which needs its scores with tokens on M and
+        D ≥ 128 (`shared_math.tiling.int2_decode_channels_on_m`); None → on where it applies (H200,
+        128K b8: 0.73× the time, benchmarks/NOTES.md v27), True → on or ValueError, False → the
+        values' dot with the rows on M.
     Returns:
       float32 [B, Hq, D].
     """
     check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
-    if not isinstance(channels_on_m, bool):
-        raise ValueError(f"channels_on_m={channels_on_m!r} must be a bool")
+    if channels_on_m is not None and not isinstance(channels_on_m, bool):
+        raise ValueError(f"channels_on_m={channels_on_m!r} must be a bool or None")
     if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int) or not (
             max_registers == 0 or max_registers >= 32)):
         raise ValueError(f"max_registers={max_registers!r} must be 0 (the compiler's choice) or an integer >= 32")
@@ -305,8 +307,11 @@ def decode_attention(
     # one-warp programs.
     int2_tokens_on_m = group_size >= head_dim and int2_decode_tokens_on_m(
         batch, num_kv_heads, history_page_table.shape[1], pages_per_split, k_bf16.shape[2])
-    if channels_on_m and not int2_tokens_on_m:
-        raise ValueError("channels_on_m=True needs the INT2 tier's tokens-on-M layout (G >= D, pages of >= 16 "
+    channels_applies = int2_decode_channels_on_m(int2_tokens_on_m, group_size, head_dim)
+    if channels_on_m is None:
+        channels_on_m = channels_applies
+    if channels_on_m and not channels_applies:
+        raise ValueError("channels_on_m=True needs the INT2 tier's tokens-on-M layout (G >= D >= 128, pages of >= 16 "
                          f"tokens, a grid of >= 512 programs); this call has group_size={group_size}, "
                          f"head_dim={head_dim}, batch={batch}")
     if max_registers is None:

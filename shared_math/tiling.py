@@ -16,6 +16,10 @@ import math
 import numbers
 
 from shared_math.float_bits import FP16_MAX_BITS
+from shared_math.ptx import BYTES_PER_PAIR
+from shared_math.spec import CODES_PER_BYTE
+
+CHANNELS_PER_PAIR_ROW = CODES_PER_BYTE * BYTES_PER_PAIR  # channels a row of 16-bit code pairs holds
 
 TARGET_SPLITS = 128  # splits of the longer page table (INT2 history, or BF16 in a BF16-only cache), about
 MIN_TOKENS_PER_SPLIT = 256  # … but no split shorter than this
@@ -167,6 +171,17 @@ def int2_decode_tokens_on_m(batch: int, num_kv_heads: int, history_slots: int, p
     otherwise rows on M at default_decode_num_warps."""
     programs = batch * num_kv_heads * num_splits(history_slots, pages_per_split)
     return page_size >= MIN_DOT_DIM and programs >= DECODE_TWO_WARPS_MIN_PROGRAMS
+
+
+# The INT2 tier's values dot transposed, oᵀ = Vᵀ·(p·s_v): the channels on the dot's M (head_dim /
+# (CODES_PER_BYTE · BYTES_PER_PAIR) rows of 16-bit code pairs, read by ldmatrix.trans) and the query
+# rows on N, where the scores run with tokens on M. H200, 128K (benchmarks/NOTES.md v27,
+# results/decode_128k_v26_h200.log): b8 Triton 381.4 → 276.7 µs, Pallas 412.3 → 350.7; b1 59.5 →
+# 53.3 / 66.8 → 57.8 (sm_90: 0.76× the instructions a page at 166–168 registers instead of 228–232).
+def int2_decode_channels_on_m(tokens_on_m: bool, group_size: int, head_dim: int) -> bool:
+    """Whether the INT2 tier's values dot can run with the channels on M (`channels_on_m`): its
+    scores with tokens on M, one group per row (G ≥ D) and a dot M of head_dim / 8 ≥ MIN_DOT_DIM."""
+    return bool(tokens_on_m) and group_size >= head_dim and head_dim // CHANNELS_PER_PAIR_ROW >= MIN_DOT_DIM
 
 
 def int2_decode_rows(heads_per_kv: int) -> int:

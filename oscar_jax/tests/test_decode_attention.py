@@ -653,9 +653,10 @@ def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype):
                            **dict(common, group_size=64))
 
 
-def test_channels_on_m_decode_attention_matches_the_default(monkeypatch):
-    """decode_attention(channels_on_m=True) is the default call up to summation order, once the grid
-    takes tokens on M (test-sized grids do not: there it is refused, naming the call)."""
+def test_channels_on_m_decode_attention_is_the_default_where_it_applies(monkeypatch):
+    """Once the grid takes tokens on M, the default call is channels_on_m=True, bit for bit, and the
+    rows-on-M values' dot (channels_on_m=False) gives the same up to summation order; on test-sized
+    grids (no tokens on M) the default is the rows-on-M call and True is refused, naming the call."""
     from oscar_jax.attention_ops import decode_attention
     from shared_math import tiling
 
@@ -665,11 +666,15 @@ def test_channels_on_m_decode_attention_matches_the_default(monkeypatch):
     kwargs = dict(sink_slots=SINK // PAGE_SIZE, group_size=128, softmax_scale=128**-0.5)  # GPU: compiled, PTX
     with pytest.raises(ValueError, match="channels_on_m=True needs the INT2 tier's tokens-on-M layout"):
         decode_attention(q, *cache.arrays, channels_on_m=True, **kwargs)
-    with pytest.raises(ValueError, match="channels_on_m=1 must be a bool"):
+    with pytest.raises(ValueError, match="channels_on_m=1 must be a bool or None"):
         decode_attention(q, *cache.arrays, channels_on_m=1, **kwargs)
+    small_grid = np.asarray(decode_attention(q, *cache.arrays, **kwargs))
+    np.testing.assert_array_equal(  # the default on a grid without tokens on M
+        small_grid, np.asarray(decode_attention(q, *cache.arrays, channels_on_m=False, **kwargs)))
     monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 1)  # tokens on M at test sizes (conftest)
-    want = np.asarray(decode_attention(q, *cache.arrays, **kwargs))
     got = np.asarray(decode_attention(q, *cache.arrays, channels_on_m=True, **kwargs))
+    np.testing.assert_array_equal(np.asarray(decode_attention(q, *cache.arrays, **kwargs)), got)  # the default
+    want = np.asarray(decode_attention(q, *cache.arrays, channels_on_m=False, **kwargs))
     # The code dots carry a bias ~100x the output that cancels within each page (`_int2_output_terms`):
     # another summation order moves the result by ~1e-5 here (spread-3 queries).
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -418,7 +418,8 @@ def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype, monkeypatch):
     shipped tokens-on-M form: several pages a split, GQA 4 in 8 rows, one sequence cut 5 tokens short of
     whole pages (its last page runs masked, with real codes in the cut rows) and one at an odd length
     (interpreter: float32 dots of the same operands, so they differ by summation order only); so does
-    the whole decode call, at its defaults (on a GPU with bf16 queries: the inline-PTX unpackers).
+    the whole decode call, whose default it is where it applies (on a GPU with bf16 queries: the
+    inline-PTX unpackers).
     D < 128 has no such form (the dot's M is D / 8)."""
     from oscar_torch.kernels import decode_attention as kdecode
 
@@ -446,19 +447,24 @@ def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype, monkeypatch):
     arrays64 = list(cache_arrays(build_cache(small)))
     with pytest.raises(ValueError, match="channels_on_m=True needs the INT2 tier's tokens-on-M layout"):
         ops.decode_attention(query(small), *arrays64, channels_on_m=True, **attention_kwargs(small))  # a small grid
+    assert torch.equal(ops.decode_attention(query(small), *arrays64, **attention_kwargs(small)),
+                       ops.decode_attention(query(small), *arrays64, channels_on_m=False, **attention_kwargs(small)))
     from shared_math import tiling
 
     monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", 1)  # tokens on M at test sizes (conftest)
     out = ops.decode_attention(query(case), *arrays[:11], table, history, channels_on_m=True,
                                **attention_kwargs(case))
-    want = ops.decode_attention(query(case), *arrays[:11], table, history, **attention_kwargs(case))
+    default = ops.decode_attention(query(case), *arrays[:11], table, history, **attention_kwargs(case))
+    assert torch.equal(default, out)  # None → on where it applies
+    want = ops.decode_attention(query(case), *arrays[:11], table, history, channels_on_m=False,
+                                **attention_kwargs(case))
     # bf16 queries: the code dots carry a bias ~100x the output that cancels within each page; another
     # summation order moves the result by ~1e-5 (NOTES v20: up to 3.6e-5 on the H200)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="channels_on_m needs tokens_on_m and head_dim >= 128"):
         kdecode.int2_tier_partials(torch.zeros((1, 1, 8, 64), device=DEVICE), *arrays64[2:8], *arrays64[11:13],
                                    channels_on_m=True, **dict(common, group_size=64))
-    with pytest.raises(ValueError, match="channels_on_m=1 must be a bool"):
+    with pytest.raises(ValueError, match="channels_on_m=1 must be a bool or None"):
         ops.decode_attention(query(case), *arrays, channels_on_m=1, **attention_kwargs(case))
 
 

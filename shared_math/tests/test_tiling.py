@@ -111,6 +111,19 @@ def test_int2_decode_takes_tokens_on_m_on_large_grids_of_whole_pages(batch, hist
     assert int2_decode_tokens_on_m(batch, 8, history_slots, pages_per_split, page_size) is expected
 
 
+@pytest.mark.parametrize("tokens_on_m,group_size,head_dim,expected", [
+    (True, 128, 128, True),     # Qwen3-8B: the dot's M is 128 / 8 = 16 rows of code pairs
+    (True, 256, 256, True),
+    (False, 128, 128, False),   # rows on M: the values' dot keeps them
+    (True, 64, 128, False),     # two groups a row: no per-token scale to fold into p
+    (True, 64, 64, False),      # SmolLM2: M = 8 < 16
+])
+def test_int2_decode_channels_on_m_where_scores_take_tokens_on_m(tokens_on_m, group_size, head_dim, expected):
+    from shared_math.tiling import int2_decode_channels_on_m
+
+    assert int2_decode_channels_on_m(tokens_on_m, group_size, head_dim) is expected
+
+
 @pytest.mark.parametrize("heads_per_kv,rows", [(1, 8), (3, 8), (4, 8), (8, 8), (9, 16), (16, 16)])
 def test_int2_decode_rows_pad_the_group_to_mma_n(heads_per_kv, rows):
     from shared_math.tiling import int2_decode_rows
