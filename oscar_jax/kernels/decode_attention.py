@@ -56,7 +56,8 @@ from shared_math.ptx import (
 )
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
 from shared_math.tiling import (
-    LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, next_power_of_two, num_splits,
+    CHANNELS_PER_PAIR_ROW, LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, int2_decode_channels_on_m,
+    next_power_of_two, num_splits,
 )
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
@@ -695,10 +696,10 @@ def int2_tier_partials(
     if tokens_on_m and not whole_pages:
         raise ValueError(f"tokens_on_m needs pages of >= {MIN_DOT_DIM} tokens (whole-page kernel), got {page_size}")
     pair_rows = packed // BYTES_PER_PAIR  # the values' dot's M with channels_on_m
-    if channels_on_m and not (tokens_on_m and group_size >= head_dim and pair_rows >= MIN_DOT_DIM):
+    if channels_on_m and not int2_decode_channels_on_m(tokens_on_m, group_size, head_dim):
         raise ValueError(f"channels_on_m needs tokens_on_m, one group per row and head_dim >= "
-                         f"{MIN_DOT_DIM * BYTES_PER_PAIR * CODES_PER_BYTE} (the dot's M is head_dim / "
-                         f"{BYTES_PER_PAIR * CODES_PER_BYTE}); got tokens_on_m={tokens_on_m}, "
+                         f"{MIN_DOT_DIM * CHANNELS_PER_PAIR_ROW} (the dot's M is head_dim / "
+                         f"{CHANNELS_PER_PAIR_ROW}); got tokens_on_m={tokens_on_m}, "
                          f"group_size={group_size}, head_dim={head_dim}")
     kernel = functools.partial(
         _int2_tier_kernel if whole_pages else _int2_tier_gather_kernel,

@@ -77,7 +77,15 @@ from shared_math.ptx import (
     unpack_plane_ptx,
 )
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODES_PER_BYTE
-from shared_math.tiling import LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, num_splits
+from shared_math.tiling import (
+    CHANNELS_PER_PAIR_ROW,
+    LN2,
+    MERGE_BLOCK_D,
+    MERGE_BLOCK_SPLITS,
+    base2_score_scale,
+    int2_decode_channels_on_m,
+    num_splits,
+)
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
 # running maximum finite and exp(m_old − m_new) never becomes exp(−inf + inf) = NaN.
@@ -980,10 +988,9 @@ def int2_tier_partials(
     if tokens_on_m and group_size < head_dim:
         raise ValueError(f"tokens_on_m needs one group per row (group_size >= head_dim = {head_dim}), "
                          f"got group_size={group_size}")
-    if channels_on_m and not (tokens_on_m and packed // BYTES_PER_PAIR >= MIN_DOT_DIM):
-        per_row = BYTES_PER_PAIR * CODES_PER_BYTE  # channels a row of the values' dot covers
-        raise ValueError(f"channels_on_m needs tokens_on_m and head_dim >= {MIN_DOT_DIM * per_row} (the dot's M is "
-                         f"head_dim / {per_row}); got tokens_on_m={tokens_on_m}, head_dim={head_dim}")
+    if channels_on_m and not int2_decode_channels_on_m(tokens_on_m, group_size, head_dim):
+        raise ValueError(f"channels_on_m needs tokens_on_m and head_dim >= {MIN_DOT_DIM * CHANNELS_PER_PAIR_ROW} (the "
+                         f"dot's M is head_dim / {CHANNELS_PER_PAIR_ROW}); got tokens_on_m={tokens_on_m}, head_dim={head_dim}")
     extra = dict(UNPACK_ASM=bool(unpack_asm)) if folded and unpack_asm else {}
     if tokens_on_m:
         extra["TOKENS_ON_M"] = True
