@@ -69,6 +69,13 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
+def _variants(text: str) -> tuple[dict, ...]:
+    variants = json.loads(text)
+    if not isinstance(variants, list) or not all(isinstance(v, dict) and v for v in variants):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of non-empty objects, got {text!r}")
+    return tuple(variants)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="copy,decode,write,e2e",
@@ -84,6 +91,10 @@ def main(argv=None) -> None:
                         help="decode: also time both INT2 kernels at these pages_per_split (default launch "
                              "otherwise) at every (context, batch), e.g. 4,8,16,32,64: the check of the split "
                              "policy, shared_math.tiling.decode_pages_per_split")
+    parser.add_argument("--variants", type=_variants, default=(),
+                        help="decode: also time both INT2 kernels with these launch keywords at every (context, "
+                             "batch), as a JSON list of objects, e.g. '[{\"pages_per_block\": 2}]': the check "
+                             "of a candidate default outside 128K")
     parser.add_argument("--merge", action="store_true",
                         help="keep the (context, batch) configs of an existing <out>/decode_h200.json that this "
                              "run does not re-measure (a sweep split over several device calls)")
@@ -135,7 +146,7 @@ def main(argv=None) -> None:
         for context in args.contexts or bench_decode.CONTEXTS:
             for batch in args.batches or bench_decode.BATCHES:
                 sweep = (args.sweep_all or (context >= 131072 and batch in (1, 8))) and not args.no_tuning
-                splits = [dict(pages_per_split=ps) for ps in args.splits]
+                splits = [dict(pages_per_split=ps) for ps in args.splits] + list(args.variants)
                 tuning, triton_tuning = ((list(TUNING_128K), list(TRITON_TUNING_128K)) if sweep else ([], []))
                 tuning += [s for s in splits if s not in tuning]
                 triton_tuning += [s for s in splits if s not in triton_tuning]

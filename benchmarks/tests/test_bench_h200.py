@@ -244,3 +244,24 @@ def test_worktree_tree_names_the_code_that_ran_even_with_a_stale_git(tmp_path):
     assert "is not a commit of this checkout" in harness.tree_mismatch("0" * 40, tree, cwd=tmp_path)
     (tmp_path / "new.py").write_text("b = 1\n")  # an untracked, unignored file is part of what ran
     assert harness.git_worktree_tree(tmp_path) != harness.git_commit_tree(second, tmp_path)
+
+
+def test_variants_are_timed_in_both_backends_at_every_config(fake_gpu, monkeypatch, tmp_path):
+    seen = []
+
+    def run_config(context, batch, group_size, tuning=None, triton_tuning=None, on_variant=None):
+        seen.append((context, batch, tuning, triton_tuning))
+        return {"context": context, "batch": batch, "variants": {}}
+
+    monkeypatch.setattr(bench_decode, "run_config", run_config)
+    bench_h200.main(["--sections", "decode", "--contexts", "8192", "--batches", "1,32", "--no-tuning", "--splits", "8",
+                     "--variants", '[{"pages_per_block": 2}]', "--out", str(tmp_path)])
+    expected = [{"pages_per_split": 8}, {"pages_per_block": 2}]
+    assert seen == [(8192, 1, expected, expected), (8192, 32, expected, expected)]
+
+
+@pytest.mark.parametrize("text", ['{"pages_per_block": 2}', "[{}]", "[2]", "not json"])
+def test_variants_that_are_not_a_list_of_launch_keywords_are_refused(fake_gpu, tmp_path, text, capsys):
+    with pytest.raises(SystemExit):
+        bench_h200.main(["--sections", "decode", "--variants", text, "--out", str(tmp_path)])
+    assert "--variants" in capsys.readouterr().err
