@@ -6,11 +6,10 @@ Triton kernel of the same design runs at 166 (12 an SM); the triton package's ow
 the Pallas kernel's Triton IR holds 168 (results/static_analysis_v26.txt). So XLA's compile of the
 Triton IR, not the kernel's source, costs the Pallas kernel a third of its resident programs.
 
-This times `oscar_jax.ops.decode_attention` with the Triton module's `ttg.maxnreg` attribute set
-(the attribute the triton package's `maxnreg` option sets, read when Triton GPU IR is lowered to
-LLVM) at each cap, checks each capped output bit for bit against the uncapped one (a cap changes
-register allocation, not arithmetic), and writes the medians. Run it under `ncu --section
-LaunchStats` with `--calls-only` to read the registers each cap gave.
+This times `oscar_jax.ops.decode_attention` at each `max_registers` (the Triton module's
+`ttg.maxnreg`, `oscar_jax.kernels.register_cap`), checks each capped output bit for bit against
+the first (a cap changes register allocation, not arithmetic), and writes the medians. Run it
+under `ncu --section LaunchStats` with `--calls-only` to read the registers each cap gave.
 
     PYTHONPATH=. python3 -m benchmarks.probe_pallas_registers --out probe_pallas_registers.json
 """
@@ -20,31 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-
-_CAP: list[int | None] = [None]  # the cap the next lowering of a Pallas kernel gets
-
-
-def install_register_cap() -> None:
-    """Wrap jax's Pallas → Triton module lowering so that modules lowered while `_CAP[0]` is set
-    carry `ttg.maxnreg` (every Pallas kernel of the program lowered then: the INT2 tier is the only
-    one of decode_attention's three above the caps timed here)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton import lowering
-
-    original = lowering.lower_jaxpr_to_triton_module
-    if getattr(original, "_register_cap", False):
-        return
-
-    def lower(*args, **kwargs):
-        result = original(*args, **kwargs)
-        if _CAP[0] is not None:
-            with result.module.context:
-                result.module.operation.attributes["ttg.maxnreg"] = ir.IntegerAttr.get(
-                    ir.IntegerType.get_signless(32), _CAP[0])
-        return result
-
-    lower._register_cap = True
-    lowering.lower_jaxpr_to_triton_module = lower
 
 
 def _caps(text: str) -> tuple[int | None, ...]:
@@ -56,7 +30,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--contexts", default="131072")
     parser.add_argument("--batches", default="8,1")
-    parser.add_argument("--caps", type=_caps, default=(None, 168, 160, 128), help="'none' = no cap")
+    parser.add_argument("--caps", type=_caps, default=(0, 168, 160, 128),
+                        help="max_registers values; 0: the compiler's choice, 'none': the default")
     parser.add_argument("--calls-only", action="store_true", help="one call per cap, no timing (under ncu)")
     args = parser.parse_args(argv)
 
@@ -68,7 +43,6 @@ def main(argv=None) -> None:
     from benchmarks.bench_decode import PAGE, QWEN3_8B, RECENT, SINK, build_int2_cache
     from oscar_jax import ops
 
-    install_register_cap()
     hq, kv, d = QWEN3_8B["q_heads"], QWEN3_8B["kv_heads"], QWEN3_8B["head_dim"]
     result = {"environment": harness.environment(), "caps": list(args.caps), "configs": []}
     for context in map(int, args.contexts.split(",")):
@@ -83,22 +57,21 @@ def main(argv=None) -> None:
             operands = (tuple(pools[n] for n in names), jnp.asarray(bf16_tables), jnp.asarray(history_tables),
                         {n: jnp.asarray(v) for n, v in lengths.items()})
 
-            def attend(q_, c, operands):
+            def attend(q_, c, operands, max_registers):
                 pools_, bf16_t, history_t, lens = operands
                 return ops.decode_attention(q_, *pools_, bf16_t[c], lens["sink_tokens"], lens["recent_tokens"],
                                             history_t[c], lens["history_tokens"], sink_slots=SINK // PAGE,
-                                            group_size=128, softmax_scale=d**-0.5)
+                                            group_size=128, softmax_scale=d**-0.5, max_registers=max_registers)
 
             config = {"context": context, "batch": batch, "bytes_read": read, "variants": {}}
             baseline = None
             for cap in args.caps:
-                _CAP[0] = cap
-                out = np.asarray(jax.jit(lambda q_, ops_: attend(q_, 0, ops_))(q, operands))
+                out = np.asarray(jax.jit(lambda q_, ops_: attend(q_, 0, ops_, cap))(q, operands))
                 baseline = out if baseline is None else baseline
                 entry = {"bit_identical_to_first": bool(np.array_equal(out.view(np.uint16), baseline.view(np.uint16)))}
                 if not args.calls_only:
                     def step(i, q_, ops_):
-                        o = attend(q_, i % copies, ops_)
+                        o = attend(q_, i % copies, ops_, cap)
                         return (q_.astype(jnp.float32) + 0.0 * o).astype(q_.dtype)
 
                     entry.update(harness.time_jax_loop(step, q, reps=max(32, 2 * copies), operands=(operands,)))
@@ -109,7 +82,6 @@ def main(argv=None) -> None:
                       flush=True)
                 result_so_far = {**result, "configs": result["configs"] + [config]}
                 args.out.write_text(json.dumps(result_so_far, indent=1))
-            _CAP[0] = None
             result["configs"].append(config)
             del pools, operands
     print(f"wrote {args.out}")

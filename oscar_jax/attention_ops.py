@@ -46,8 +46,8 @@ from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    default_decode_launch, int2_decode_channels_on_m, int2_decode_rows, int2_decode_tokens_on_m, interpreted_tiling,
-    next_power_of_two, resolve_splits,
+    check_max_registers, default_decode_launch, int2_decode_channels_on_m, int2_decode_rows, int2_decode_tokens_on_m,
+    interpreted_tiling, next_power_of_two, pallas_int2_max_registers, resolve_splits,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
@@ -238,7 +238,7 @@ def _cache_partials(
     q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split, pages_per_block,
     block_m, interpret, bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
     int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), layer=None, unpack_asm=False, fma_asm=None, int2_rows=None,
-    channels_on_m=False,
+    channels_on_m=False, int2_max_registers=0,
 ):
     """Partials of q_rows [B, Hkv, M, D], one (o, lse) per tier: the BF16 tier (split by
     bf16_pages_per_split), then the INT2 tier (pages_per_split) when the history table has slots;
@@ -266,7 +266,7 @@ def _cache_partials(
         tiers.append(int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
             group_size=group_size, unpack_asm=unpack_asm, fma_asm=fma_asm, pages_per_split=pages_per_split,
-            num_warps=int2_launch[0], num_stages=int2_launch[1], **tiling,
+            num_warps=int2_launch[0], num_stages=int2_launch[1], max_registers=int2_max_registers, **tiling,
         ))
     return tiers
 
@@ -276,10 +276,12 @@ _STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "bf16
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("bf16_launch", "int2_launch", "unpack_asm", "fma_asm",
-                                                               "int2_tokens_on_m", "channels_on_m"))
+                                                               "int2_tokens_on_m", "channels_on_m",
+                                                               "int2_max_registers"))
 def _decode_attention(
     q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split, pages_per_block,
     interpret, bf16_launch, int2_launch, layer, unpack_asm, fma_asm, int2_tokens_on_m, channels_on_m=False,
+    int2_max_registers=0,
 ):
     batch, q_heads, head_dim = q.shape
     num_kv_heads = cache[0].shape[-3]  # k_bf16 [(Y,) P, K, L, D]
@@ -292,7 +294,7 @@ def _decode_attention(
         pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
         block_m=rows, interpret=interpret, bf16_launch=bf16_launch, int2_launch=int2_launch, layer=layer, unpack_asm=unpack_asm,
         fma_asm=fma_asm, int2_rows=int2_decode_rows(heads_per_kv) if int2_tokens_on_m else None,
-        channels_on_m=channels_on_m,
+        channels_on_m=channels_on_m, int2_max_registers=int2_max_registers,
     )
     # One merge program per kept row reads both tiers in place (the padding rows are never read):
     # [B, Hkv, S_t, rows, D] per tier → o [B, Hkv, Gq, D]. It replaced a concatenation and ~8 XLA
@@ -329,6 +331,7 @@ def decode_attention(
     fma_asm: bool | None = None,
     interpret: bool | None = None,
     channels_on_m: bool | None = None,
+    max_registers: int | None = None,
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
 
@@ -368,10 +371,16 @@ def decode_attention(
         group per row and D ≥ 128 (`shared_math.tiling.int2_decode_channels_on_m`); None → on where
         it applies (H200, 128K b8: 0.73–0.85× the time, benchmarks/NOTES.md v27), True → on or
         ValueError, False → the values' dot with the rows on M.
+      max_registers: registers per thread the compiled INT2 tier kernel may use (as the Triton
+        backend's; `kernels.register_cap`: XLA's compile may hold more than the kernel needs, and
+        fewer registers fit more programs per SM); None → `shared_math.tiling.pallas_int2_max_registers`,
+        0 → the compiler's choice. No effect in interpret mode.
     Returns:
       float32 [B, Hq, D].
     """
     _check("q", q, (None, None, None), QUERY_DTYPES)
+    if max_registers is not None:
+        check_max_registers(max_registers)
     if channels_on_m is not None and not isinstance(channels_on_m, bool):
         raise ValueError(f"channels_on_m={channels_on_m!r} must be a bool or None")
     batch, q_heads, head_dim = q.shape
@@ -414,12 +423,14 @@ def decode_attention(
                          f"of >= 16 tokens, a grid of >= 512 programs, G >= D >= 128); this call has group_size={group_size}, "
                          f"head_dim={head_dim}, batch={batch}")
     fma_asm = _resolve_fma_asm(fma_asm, interpret)
+    if max_registers is None:
+        max_registers = pallas_int2_max_registers(int2_tokens_on_m, channels_on_m)
     return _decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
         pages_per_split=int(pages_per_split), bf16_pages_per_split=int(bf16_pages_per_split),
         pages_per_block=int(pages_per_block), bf16_launch=launches[0], int2_launch=launches[1], layer=layer, interpret=interpret,
         unpack_asm=bool(unpack_asm), fma_asm=bool(fma_asm), int2_tokens_on_m=int2_tokens_on_m,
-        channels_on_m=channels_on_m,
+        channels_on_m=channels_on_m, int2_max_registers=0 if interpret else int(max_registers),
     )
 
 

@@ -44,7 +44,7 @@ from oscar_torch.validation import (
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    TRITON_INT2_MAX_REGISTERS, default_decode_launch, int2_decode_channels_on_m, int2_decode_rows,
+    TRITON_INT2_MAX_REGISTERS, check_max_registers, default_decode_launch, int2_decode_channels_on_m, int2_decode_rows,
     int2_decode_tokens_on_m, interpreted_tiling, next_power_of_two, resolve_splits,
 )
 
@@ -283,9 +283,8 @@ def decode_attention(
     check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
     if channels_on_m is not None and not isinstance(channels_on_m, bool):
         raise ValueError(f"channels_on_m={channels_on_m!r} must be a bool or None")
-    if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int) or not (
-            max_registers == 0 or max_registers >= 32)):
-        raise ValueError(f"max_registers={max_registers!r} must be 0 (the compiler's choice) or an integer >= 32")
+    if max_registers is not None:
+        check_max_registers(max_registers)
     if unpack_asm is None:
         unpack_asm = not interpreting() and q.dtype == torch.bfloat16
     if unpack_asm not in (True, False):

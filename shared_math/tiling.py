@@ -227,6 +227,27 @@ def default_decode_launch(batch: int, num_kv_heads: int, bf16_slots: int, histor
 # have no register cap; its 2-warp kernel (152 registers, 6 programs per SM) gained instead from
 # the unpacking placed between its MMAs (NOTES v12).
 TRITON_INT2_MAX_REGISTERS = 128
+# XLA's compile of the Pallas INT2 tier kernel with its scores and values' dot transposed (tokens
+# and channels on M) held 217 registers at 128K b8 on the H200 (8 one-warp programs per SM) where
+# Triton's own compile of the same Triton IR holds 168 and the Triton backend's kernel 166 (12 per
+# SM): the cap asks XLA's for the triton package's count (`oscar_jax.kernels.register_cap`,
+# NOTES v28). Other forms keep the compiler's choice.
+PALLAS_INT2_MAX_REGISTERS = 0
+MIN_MAX_REGISTERS = 32  # a cap below it leaves a kernel little but spills
+
+
+def pallas_int2_max_registers(tokens_on_m: bool, channels_on_m: bool) -> int:
+    """The Pallas INT2 tier kernel's default register cap (0: the compiler's choice)."""
+    return PALLAS_INT2_MAX_REGISTERS if tokens_on_m and channels_on_m else 0
+
+
+def check_max_registers(max_registers) -> int:
+    """A register cap as both backends take it: 0 (the compiler's choice) or an integer ≥ 32."""
+    if isinstance(max_registers, bool) or not isinstance(max_registers, int) or not (
+            max_registers == 0 or max_registers >= MIN_MAX_REGISTERS):
+        raise ValueError(f"max_registers={max_registers!r} must be 0 (the compiler's choice) or an integer "
+                         f">= {MIN_MAX_REGISTERS}")
+    return int(max_registers)
 
 
 # The clip threshold τ (the k-th smallest |x| of a row, exact; shared_math.codec.clip_rows) is found

@@ -49,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from oscar_jax.kernels import register_cap
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.ptx import (
     BITS_PER_BYTE, BYTES_PER_PAIR, PAIR_UNPACK_CONSTRAINTS, PAIR_UNPACK_PACK, UNPACK_CONSTRAINTS, UNPACK_PACK,
@@ -56,7 +57,8 @@ from shared_math.ptx import (
 )
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
 from shared_math.tiling import (
-    CHANNELS_PER_PAIR_ROW, LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, int2_decode_channels_on_m,
+    CHANNELS_PER_PAIR_ROW, LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, check_max_registers,
+    int2_decode_channels_on_m,
     next_power_of_two, num_splits,
 )
 
@@ -668,8 +670,11 @@ def int2_tier_partials(
     tokens_on_m: bool = False,
     rows: int | None = None,
     channels_on_m: bool = False,
+    max_registers: int = 0,
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, rows, D], lse float32[B, K, S, rows]).
+    `max_registers` (> 0): the compiled kernel's registers per thread at most (the Triton module's
+    `ttg.maxnreg`, `kernels.register_cap`); 0 → the compiler's choice; no effect when interpreted.
     `channels_on_m` (with tokens_on_m, one group per row, D ≥ 128): the values' dot as oᵀ = Vᵀ·p, the
     channels on M and the rows on N, over the V codes read as 16-bit pairs (`_int2_output_pairs`;
     NOTES v26; not yet timed on a GPU).
@@ -701,6 +706,11 @@ def int2_tier_partials(
                          f"{MIN_DOT_DIM * CHANNELS_PER_PAIR_ROW} (the dot's M is head_dim / "
                          f"{CHANNELS_PER_PAIR_ROW}); got tokens_on_m={tokens_on_m}, "
                          f"group_size={group_size}, head_dim={head_dim}")
+    max_registers = check_max_registers(max_registers)
+    if interpret:
+        max_registers = 0
+    elif max_registers:
+        register_cap.install()
     kernel = functools.partial(
         _int2_tier_kernel if whole_pages else _int2_tier_gather_kernel,
         GROUP_SIZE=group_size,
@@ -744,10 +754,10 @@ def int2_tier_partials(
         ],
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=(
+        name=register_cap.capped_name(
             f"oscar_int2_tier_attention_{group_size=}_{block_m=}_{pages_per_split=}_{pages_per_block=}"
-            + ("_asm" if unpack_asm else "") + ("_fma" if fma_asm else "") + ("_pairs" if channels_on_m else "")
-        ),
+            + ("_asm" if unpack_asm else "") + ("_fma" if fma_asm else "") + ("_pairs" if channels_on_m else ""),
+            max_registers),
     )(page_table, history_tokens, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
 
 

@@ -507,6 +507,36 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
         assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
 
 
+@pytest.mark.parametrize("max_registers", [0, 168, 128])
+def test_register_cap_reaches_the_int2_kernels_triton_module(max_registers):
+    """max_registers > 0 names the INT2 tier kernel `…_max_registers_<n>` and sets its Triton module's
+    `ttg.maxnreg` (`kernels.register_cap`), which the sm_90 compile obeys; 0 leaves both alone, and
+    the other tiers' kernels never get it."""
+    pytest.importorskip("triton")
+    from benchmarks.static_analysis import compile_triton_ir, pallas_triton_kernels, qwen3_decode_case, resource_usage
+
+    _, args = qwen3_decode_case(None)  # Qwen3-8B heads on a production-sized INT2 grid: tokens and channels on M
+    fn = lambda *a: decode_attention(*a, sink_slots=1, group_size=128, softmax_scale=128**-0.5,  # noqa: E731
+                                     interpret=False, max_registers=max_registers)
+    kernels = {name: (text, warps, stages) for name, text, warps, stages in pallas_triton_kernels(fn, *args)}
+    int2 = next(name for name in kernels if name.startswith("oscar_int2"))
+    assert int2.endswith(f"_max_registers_{max_registers}") == bool(max_registers), int2
+    for name, (text, warps, stages) in kernels.items():
+        capped = name == int2 and max_registers
+        assert (f"ttg.maxnreg = {max_registers} : i32" in text) == bool(capped), name
+        assert ("ttg.maxnreg" in text) == bool(capped), name
+    text, warps, stages = kernels[int2]
+    usage = resource_usage(compile_triton_ir(text, warps, stages).asm["cubin"])
+    assert usage["registers"] <= (max_registers or 255), usage
+
+
+@pytest.mark.parametrize("bad", [16, -1, True, 1.5, "168"])
+def test_bad_register_caps_are_refused_by_name(small_cache, bad):
+    q, cache = small_cache
+    with pytest.raises(ValueError, match=f"max_registers={bad!r} must be 0"):
+        _call(q, list(cache.arrays), max_registers=bad)
+
+
 @pytest.mark.parametrize("batch_rows", [1, 8])
 def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_rows):
     """num_warps / num_stages None launch each tier as shared_math.tiling.default_decode_launch says:
