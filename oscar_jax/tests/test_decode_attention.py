@@ -507,27 +507,32 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
         assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
 
 
-@pytest.mark.parametrize("max_registers", [0, 168, 128])
+@pytest.mark.parametrize("max_registers", [None, 0, 168, 128])
 def test_register_cap_reaches_the_int2_kernels_triton_module(max_registers):
     """max_registers > 0 names the INT2 tier kernel `…_max_registers_<n>` and sets its Triton module's
     `ttg.maxnreg` (`kernels.register_cap`), which the sm_90 compile obeys; 0 leaves both alone, and
-    the other tiers' kernels never get it."""
+    the other tiers' kernels never get it. None: shared_math.tiling.pallas_int2_max_registers of
+    the call's form (here tokens and channels on M)."""
     pytest.importorskip("triton")
     from benchmarks.static_analysis import compile_triton_ir, pallas_triton_kernels, qwen3_decode_case, resource_usage
+    from shared_math.tiling import pallas_int2_max_registers
 
-    _, args = qwen3_decode_case(None)  # Qwen3-8B heads on a production-sized INT2 grid: tokens and channels on M
+    _, args = qwen3_decode_case(None)
+    if max_registers is None:
+        expected = pallas_int2_max_registers(tokens_on_m=True, channels_on_m=True)  # Qwen3-8B heads on a production-sized INT2 grid: tokens and channels on M
     fn = lambda *a: decode_attention(*a, sink_slots=1, group_size=128, softmax_scale=128**-0.5,  # noqa: E731
                                      interpret=False, max_registers=max_registers)
     kernels = {name: (text, warps, stages) for name, text, warps, stages in pallas_triton_kernels(fn, *args)}
+    cap = expected if max_registers is None else max_registers
     int2 = next(name for name in kernels if name.startswith("oscar_int2"))
-    assert int2.endswith(f"_max_registers_{max_registers}") == bool(max_registers), int2
+    assert int2.endswith(f"_max_registers_{cap}") == bool(cap), int2
     for name, (text, warps, stages) in kernels.items():
-        capped = name == int2 and max_registers
-        assert (f"ttg.maxnreg = {max_registers} : i32" in text) == bool(capped), name
+        capped = name == int2 and cap
+        assert (f"ttg.maxnreg = {cap} : i32" in text) == bool(capped), name
         assert ("ttg.maxnreg" in text) == bool(capped), name
     text, warps, stages = kernels[int2]
     usage = resource_usage(compile_triton_ir(text, warps, stages).asm["cubin"])
-    assert usage["registers"] <= (max_registers or 255), usage
+    assert usage["registers"] <= (cap or 255), usage
 
 
 @pytest.mark.parametrize("bad", [16, -1, True, 1.5, "168"])
@@ -743,3 +748,19 @@ def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_whole_pages():
     with pytest.raises(ValueError, match="tokens_on_m needs pages of >= 16 tokens"):
         int2_tier_partials(q[:1, :1, :8], *small.arrays[2:8], *small.arrays[11:13], block_m=8, tokens_on_m=True,
                            **common)
+
+
+def test_register_cap_without_jaxs_hook_warns_and_runs_uncapped(monkeypatch):
+    """If jax's private Pallas → Triton lowering moves, install() says so once and returns False
+    (kernels then compile uncapped) instead of failing every decode call."""
+    from jax._src.pallas.triton import lowering
+
+    from oscar_jax.kernels import register_cap
+
+    monkeypatch.setattr(register_cap, "_installed", False)
+    monkeypatch.delattr(lowering, "lower_jaxpr_to_triton_module")
+    with pytest.warns(RuntimeWarning, match="no register cap for Pallas kernels"):
+        assert register_cap.install() is False
+    assert register_cap.requested_cap(register_cap.capped_name("oscar_int2_tier", 168)) == 168
+    assert register_cap.capped_name("oscar_int2_tier", 0) == "oscar_int2_tier"
+    assert register_cap.requested_cap("oscar_int2_tier_pages_per_block_2") is None
