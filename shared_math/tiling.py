@@ -232,7 +232,7 @@ TRITON_INT2_MAX_REGISTERS = 128
 # Triton's own compile of the same Triton IR holds 168 and the Triton backend's kernel 166 (12 per
 # SM): the cap asks XLA's for the triton package's count (`oscar_jax.kernels.register_cap`,
 # NOTES v28). Other forms keep the compiler's choice.
-PALLAS_INT2_MAX_REGISTERS = 0
+PALLAS_INT2_MAX_REGISTERS = 160
 MIN_MAX_REGISTERS = 32  # a cap below it leaves a kernel little but spills
 
 
