@@ -500,9 +500,13 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
     assert sorted(name.split("_tier")[0] for name in kernels) == ["oscar_bf16", "oscar_int2", "oscar_merge"]
     int2_kernel = next(name for name in kernels if name.startswith("oscar_int2"))
     # Compiled, the INT2 tier takes its fmas by PTX by default, and its values' dot with the channels
-    # on M (16-bit code pairs) where its scores take tokens on M with one group per row, D ≥ 128.
+    # on M (16-bit code pairs) where its scores take tokens on M with one group per row, D ≥ 128,
+    # then under the default register cap (shared_math.tiling.PALLAS_INT2_MAX_REGISTERS).
+    from shared_math.tiling import PALLAS_INT2_MAX_REGISTERS
+
     channels_on_m = int2_layout == "tokens_on_m" and group_size >= head_dim >= 128
-    assert int2_kernel.endswith("_fma_pairs" if channels_on_m else "_fma"), int2_kernel
+    expected = f"_fma_pairs_max_registers_{PALLAS_INT2_MAX_REGISTERS}" if channels_on_m else "_fma"
+    assert int2_kernel.endswith(expected), int2_kernel
     for name, usage in kernels.items():
         assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
 
