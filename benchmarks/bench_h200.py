@@ -49,7 +49,9 @@ TUNING_128K = [
     dict(pages_per_split=16, pages_per_block=1, num_warps=1, num_stages=3, unpack_asm=True, fma_asm=False)
 ] + [  # the values' dot with the rows on M and its V codes read a byte a load: the default until v27
     # (the variants above run it with the channels on M where that applies, as the default does)
-    dict(channels_on_m=False)]
+    dict(channels_on_m=False),
+    # XLA's own register count (217 at 128K b8), the default until v28 capped it at 160
+    dict(max_registers=0)]
 TRITON_TUNING_128K = (
     # the compiler's unpacking and other splits, at the default launch
     [dict(pages_per_split=16, pages_per_block=1, unpack_asm=False)]

@@ -1,6 +1,6 @@
 """The Pallas INT2 decode kernel's registers as XLA compiles it, and what a cap buys (NOTES v28).
 
-Nsight Compute on the H200 (results/ncu_launch_b8_128k_v28.txt): at 128K batch 8 the Pallas INT2
+Nsight Compute on the H200 (results/ncu_launch_b8_128k_v28_h200.txt): at 128K batch 8 the Pallas INT2
 tier kernel runs at 217 registers a thread (8 one-warp programs an SM, 12.5 % occupancy) where the
 Triton kernel of the same design runs at 166 (12 an SM); the triton package's own sm_90 compile of
 the Pallas kernel's Triton IR holds 168 (results/static_analysis_v26.txt). So XLA's compile of the
@@ -9,7 +9,9 @@ Triton IR, not the kernel's source, costs the Pallas kernel a third of its resid
 This times `oscar_jax.ops.decode_attention` at each `max_registers` (the Triton module's
 `ttg.maxnreg`, `oscar_jax.kernels.register_cap`), checks each capped output bit for bit against
 the first (a cap changes register allocation, not arithmetic), and writes the medians. Run it
-under `ncu --section LaunchStats` with `--calls-only` to read the registers each cap gave.
+under `ncu --section LaunchStats` with `--calls-only` to read the registers each cap gave
+(results/ncu_probe_registers_v28_h200.txt: 217 uncapped, 168 and 160 capped, all bit-identical;
+the timings of the caps came from `bench_h200 --variants`, results/decode_register_caps_v28_h200.log).
 
     PYTHONPATH=. python3 -m benchmarks.probe_pallas_registers --out probe_pallas_registers.json
 """

@@ -373,8 +373,9 @@ def decode_attention(
         ValueError, False → the values' dot with the rows on M.
       max_registers: registers per thread the compiled INT2 tier kernel may use (as the Triton
         backend's; `kernels.register_cap`: XLA's compile may hold more than the kernel needs, and
-        fewer registers fit more programs per SM); None → `shared_math.tiling.pallas_int2_max_registers`,
-        0 → the compiler's choice. No effect in interpret mode.
+        fewer registers fit more programs per SM); None → `shared_math.tiling.pallas_int2_max_registers`:
+        160 with the tokens and channels on M (H200: XLA held 217; capped, 128K b8 0.82–0.86× the
+        time, benchmarks/NOTES.md v28), else 0 → the compiler's choice. No effect in interpret mode.
     Returns:
       float32 [B, Hq, D].
     """

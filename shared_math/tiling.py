@@ -228,10 +228,11 @@ def default_decode_launch(batch: int, num_kv_heads: int, bf16_slots: int, histor
 # the unpacking placed between its MMAs (NOTES v12).
 TRITON_INT2_MAX_REGISTERS = 128
 # XLA's compile of the Pallas INT2 tier kernel with its scores and values' dot transposed (tokens
-# and channels on M) held 217 registers at 128K b8 on the H200 (8 one-warp programs per SM) where
-# Triton's own compile of the same Triton IR holds 168 and the Triton backend's kernel 166 (12 per
-# SM): the cap asks XLA's for the triton package's count (`oscar_jax.kernels.register_cap`,
-# NOTES v28). Other forms keep the compiler's choice.
+# and channels on M) holds 217 registers (H200, Nsight Compute: 8 one-warp programs per SM) where
+# the triton package's compile of the same Triton IR holds 168 and the Triton backend's kernel 166
+# (12 per SM). Capped (`oscar_jax.kernels.register_cap`; outputs bit-identical), 128K b8 350 → 292–300
+# µs at 160 (168: 307, 152: 307, 144: 310, 136: 321), b32 1388 → 1122, 32K b32 −14 %; one-wave
+# grids (b1, 8K, 32K b8) within ±1 % (benchmarks/NOTES.md v28). Other forms keep the compiler's choice.
 PALLAS_INT2_MAX_REGISTERS = 160
 MIN_MAX_REGISTERS = 32  # a cap below it leaves a kernel little but spills
 
