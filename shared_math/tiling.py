@@ -224,8 +224,8 @@ def default_decode_launch(batch: int, num_kv_heads: int, bf16_slots: int, histor
 
 # Triton's maxnreg for its INT2 tier kernel: at 2 warps it holds 161 registers uncapped (6 programs
 # per SM), 128 fits 8 at the price of 24 B of spills (NOTES v11). Pallas's Triton CompilerParams
-# have no register cap; its 2-warp kernel (152 registers, 6 programs per SM) gained instead from
-# the unpacking placed between its MMAs (NOTES v12).
+# have no register cap (`oscar_jax.kernels.register_cap` adds one, v28); its 2-warp kernel (152
+# registers, 6 programs per SM) gained instead from the unpacking placed between its MMAs (NOTES v12).
 TRITON_INT2_MAX_REGISTERS = 128
 # XLA's compile of the Pallas INT2 tier kernel with its scores and values' dot transposed (tokens
 # and channels on M) holds 217 registers (H200, Nsight Compute: 8 one-warp programs per SM) where

@@ -58,8 +58,7 @@ from shared_math.ptx import (
 from shared_math.spec import BF16_CODE_BIAS, BF16_CODE_BIAS_BITS, CODE_BITS, CODE_MASK, CODES_PER_BYTE
 from shared_math.tiling import (
     CHANNELS_PER_PAIR_ROW, LN2, MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, base2_score_scale, check_max_registers,
-    int2_decode_channels_on_m,
-    next_power_of_two, num_splits,
+    int2_decode_channels_on_m, next_power_of_two, num_splits,
 )
 
 # Scores of masked tokens. Finite (not −inf), so that a block with no valid token keeps the
@@ -677,7 +676,7 @@ def int2_tier_partials(
     `ttg.maxnreg`, `kernels.register_cap`); 0 → the compiler's choice; no effect when interpreted.
     `channels_on_m` (with tokens_on_m, one group per row, D ≥ 128): the values' dot as oᵀ = Vᵀ·p, the
     channels on M and the rows on N, over the V codes read as 16-bit pairs (`_int2_output_pairs`;
-    NOTES v26; not yet timed on a GPU).
+    NOTES v26–v27).
     `rows` (default M, a multiple of block_m): the tier attends q's first `rows` rows, read in place
     by the q block (no slice of q: at batch 1 a slice was a ~1 us kernel of its own, NOTES v22).
     With `layer`, the pools are stacked [Y, P, K, L, ·] and layer `layer` is read.
