@@ -160,6 +160,7 @@ def main(argv=None) -> None:
                     on_variant=lambda partial: save("decode", {"configs": [{**partial, "git_sha": env["git_sha"]}]},
                                                     name="decode_partial", quiet=True))
                 config["git_sha"] = env["git_sha"]  # merged files may hold configs of several runs
+                config["copy_gb_per_s"] = copy["gb_per_s"]  # … each with the copy bandwidth of its own run
                 configs = [c for c in configs if (c["context"], c["batch"]) != (context, batch)] + [config]
                 save("decode", {"configs": configs})
                 print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -121,6 +121,8 @@ def validate_decode(data, name: str = "decode_h200.json") -> None:
         where = f"{name}: configs[{i}]"
         for key in ("context", "batch", "int2_bytes_read", "bf16_bytes_read"):
             _get(config, key, (int,), where)
+        if "copy_gb_per_s" in config and _get(config, "copy_gb_per_s", NUM, where) <= 0:
+            raise ResultsError(f"{where}: copy_gb_per_s must be > 0")
         for vname, v in _get(config, "variants", (dict,), where).items():
             vwhere = f"{where}.variants[{vname!r}]"
             if isinstance(v, dict) and "error" in v:
@@ -211,6 +213,12 @@ def _config(decode, context: int, batch: int):
     if decode is None:
         return None
     return next((c for c in decode["configs"] if c["context"] == context and c["batch"] == batch), None)
+
+
+def _config_copy(decode, config) -> float:
+    """The copy bandwidth a config's fractions are taken against: the one measured in the config's own
+    run (`bench_h200 --merge` files hold configs of several runs), else the file's."""
+    return config.get("copy_gb_per_s", decode["copy_bandwidth"]["gb_per_s"])
 
 
 def _timed(config, name: str):
@@ -319,7 +327,8 @@ def summarize_results(results: dict, warnings: list[str]) -> tuple[dict, dict]:
     if batch is None:
         summary[key] = None
     else:
-        config, copy = _config(decode, CONTEXT_128K, batch), decode["copy_bandwidth"]["gb_per_s"]
+        config = _config(decode, CONTEXT_128K, batch)
+        copy = _config_copy(decode, config)
         name, pallas = best_pallas(config)
         triton_name, triton = best_triton(config)
         summary[key] = {"jax": _ratio(pallas and pallas["gb_per_s"], copy),
@@ -584,13 +593,12 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
     if decode is not None:
         lines += ["## Decode attention", "",
                   "Median time per call; GB/s = bytes the variant must read / time; × copy = that over the copy "
-                  "bandwidth; speedups are the cuDNN BF16 (or FlashAttention-2 BF16) median over this variant's. "
+                  "bandwidth (measured in the config's own run where it was recorded, else the file's); speedups are the cuDNN BF16 (or FlashAttention-2 BF16) median over this variant's. "
                   "A variant that failed its accuracy check is not timed. `git`: the code each (context, batch) "
                   "was measured at (`bench_h200 --merge` keeps configs of earlier runs).", ""]
-        copy = decode["copy_bandwidth"]["gb_per_s"]
         rows = []
         for c in sorted(decode["configs"], key=lambda c: (c["context"], c["batch"])):
-            cudnn, fa2 = _timed(c, CUDNN), _timed(c, FA2)
+            cudnn, fa2, copy = _timed(c, CUDNN), _timed(c, FA2), _config_copy(decode, c)
             for name, v in c["variants"].items():
                 if "error" in v:
                     rows.append([c["context"], c["batch"], f"`{name}`", "error", "", "", "", "", "",

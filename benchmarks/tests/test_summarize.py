@@ -250,3 +250,19 @@ def test_torch_uses_the_fastest_passing_triton_tiling(tmp_path):
     provenance = json.loads((tmp_path / "summary_h200_provenance.json").read_text())
     assert provenance["decode_speedup_vs_cudnn_bf16_128k_b1"]["torch_variant"] == \
         "oscar_int2_triton[{'pages_per_split': 16, 'pages_per_block': 1}]"
+
+
+def test_a_config_takes_the_copy_bandwidth_of_its_own_run(tmp_path):
+    """Merged files hold configs of several runs: a config's fractions use the copy bandwidth its
+    own run recorded (else the file's); a non-positive one is refused."""
+    results = fake_results()
+    results["decode"]["configs"][2]["copy_gb_per_s"] = 2000.0  # 128K b8
+    md = tmp_path / "BENCHMARKS.md"
+    summary = S.summarize(write_files(tmp_path, results), md)
+    assert summary["decode_fraction_of_copy_bandwidth_128k"] == {"jax": pytest.approx(3.0),
+                                                                 "torch": pytest.approx(3e9 / 400e-6 / 1e9 / 2000)}
+    assert "| 131072 | 8 | `oscar_int2_pallas` | 500.0 | 6000 | 3.00 |" in md.read_text()
+    assert "| 131072 | 1 | `oscar_int2_pallas` | 100.0 | 30000 | 7.50 |" in md.read_text()  # the file's 4000
+    results["decode"]["configs"][2]["copy_gb_per_s"] = 0
+    with pytest.raises(S.ResultsError, match=r"configs\[2\]: copy_gb_per_s must be > 0"):
+        S.summarize(write_files(tmp_path, results), md)
