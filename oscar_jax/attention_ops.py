@@ -47,7 +47,7 @@ from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
     check_max_registers, default_decode_launch, int2_decode_channels_on_m, int2_decode_rows, int2_decode_tokens_on_m,
-    interpreted_tiling, next_power_of_two, pallas_int2_max_registers, resolve_splits,
+    int2_decode_max_registers, interpreted_tiling, next_power_of_two, resolve_splits,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
@@ -373,7 +373,7 @@ def decode_attention(
         ValueError, False → the values' dot with the rows on M.
       max_registers: registers per thread the compiled INT2 tier kernel may use (as the Triton
         backend's; `kernels.register_cap`: XLA's compile may hold more than the kernel needs, and
-        fewer registers fit more programs per SM); None → `shared_math.tiling.pallas_int2_max_registers`:
+        fewer registers fit more programs per SM); None → `shared_math.tiling.int2_decode_max_registers`:
         160 with the tokens and channels on M (H200: XLA held 217; capped, 128K b8 0.82–0.86× the
         time, benchmarks/NOTES.md v28), else 0 → the compiler's choice. No effect in interpret mode.
     Returns:
@@ -425,7 +425,7 @@ def decode_attention(
                          f"head_dim={head_dim}, batch={batch}")
     fma_asm = _resolve_fma_asm(fma_asm, interpret)
     if max_registers is None:
-        max_registers = pallas_int2_max_registers(int2_tokens_on_m, channels_on_m)
+        max_registers = int2_decode_max_registers(int2_tokens_on_m, channels_on_m, rows_on_m=0)
     return _decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
         pages_per_split=int(pages_per_split), bf16_pages_per_split=int(bf16_pages_per_split),

@@ -44,8 +44,9 @@ from oscar_torch.validation import (
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    TRITON_INT2_MAX_REGISTERS, check_max_registers, default_decode_launch, int2_decode_channels_on_m, int2_decode_rows,
-    int2_decode_tokens_on_m, interpreted_tiling, next_power_of_two, resolve_splits,
+    TRITON_INT2_MAX_REGISTERS, check_max_registers, default_decode_launch, int2_decode_channels_on_m,
+    int2_decode_max_registers, int2_decode_rows, int2_decode_tokens_on_m, interpreted_tiling, next_power_of_two,
+    resolve_splits,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
@@ -269,9 +270,10 @@ def decode_attention(
         programs, and 2 stages (NOTES v12–v13).
       max_registers: registers per thread the compiled INT2 tier kernel may use (Triton's maxnreg,
         ≥ 32; spills beyond it), to fit more programs per SM; None →
-        `shared_math.tiling.TRITON_INT2_MAX_REGISTERS` (128) for its rows-on-M kernel and the
-        compiler's choice for the one-warp tokens-on-M kernel, 0 → the compiler's choice. No effect
-        under the Triton interpreter.
+        `shared_math.tiling.int2_decode_max_registers`: TRITON_INT2_MAX_REGISTERS (128) for its
+        rows-on-M kernel, 160 for the one-warp kernel with the tokens and channels on M (H200: 0.4–3 %
+        faster than uncapped in nine configs, benchmarks/NOTES.md v28), else the compiler's choice;
+        0 → the compiler's choice. No effect under the Triton interpreter.
       channels_on_m: the INT2 tier's values dot as oᵀ = Vᵀ·p (channels on the dot's M, the rows on N;
         `kernels.decode_attention.int2_tier_partials`), which needs its scores with tokens on M and
         D ≥ 128 (`shared_math.tiling.int2_decode_channels_on_m`); None → on where it applies (H200,
@@ -314,7 +316,7 @@ def decode_attention(
                          f"tokens, a grid of >= 512 programs); this call has group_size={group_size}, "
                          f"head_dim={head_dim}, batch={batch}")
     if max_registers is None:
-        max_registers = 0 if int2_tokens_on_m else TRITON_INT2_MAX_REGISTERS
+        max_registers = int2_decode_max_registers(int2_tokens_on_m, channels_on_m, rows_on_m=TRITON_INT2_MAX_REGISTERS)
     launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],
                                      bf16_pages_per_split, pages_per_split, int2_tokens_on_m=int2_tokens_on_m)
     if num_warps is not None:

@@ -227,19 +227,26 @@ def default_decode_launch(batch: int, num_kv_heads: int, bf16_slots: int, histor
 # have no register cap (`oscar_jax.kernels.register_cap` adds one, v28); its 2-warp kernel (152
 # registers, 6 programs per SM) gained instead from the unpacking placed between its MMAs (NOTES v12).
 TRITON_INT2_MAX_REGISTERS = 128
-# XLA's compile of the Pallas INT2 tier kernel with its scores and values' dot transposed (tokens
-# and channels on M) holds 217 registers (H200, Nsight Compute: 8 one-warp programs per SM) where
-# the triton package's compile of the same Triton IR holds 168 and the Triton backend's kernel 166
-# (12 per SM). Capped (`oscar_jax.kernels.register_cap`; outputs bit-identical), 128K b8 350 → 292–300
-# µs at 160 (168: 307, 152: 307, 144: 310, 136: 321), b32 1388 → 1122, 32K b32 −14 %; one-wave
-# grids (b1, 8K, 32K b8) within ±1 % (benchmarks/NOTES.md v28). Other forms keep the compiler's choice.
-PALLAS_INT2_MAX_REGISTERS = 160
+# The INT2 tier kernel with its scores and values' dot transposed (tokens and channels on M), both
+# backends. XLA's compile of the Pallas kernel holds 217 registers uncapped (H200, Nsight Compute: 8
+# one-warp programs per SM) where the triton package's compile of the same Triton IR holds 168 and
+# the Triton backend's kernel 166 (12 per SM). Capped at 160 (Pallas through
+# `oscar_jax.kernels.register_cap`; outputs bit-identical): Pallas 128K b8 350 → 292–300 µs (168: 307,
+# 152: 307, 144: 310, 136: 321), b32 1388 → 1122, 32K b32 −14 %, one-wave grids within ±1 %; Triton,
+# at the same 12 programs per SM, 0.4–3 % faster in all nine configs timed (128K b1 54.5 → 52.8, b8
+# 276.5 → 274.0, b32 1017.0 → 1006.3; benchmarks/NOTES.md v28).
+INT2_CHANNELS_ON_M_MAX_REGISTERS = 160
 MIN_MAX_REGISTERS = 32  # a cap below it leaves a kernel little but spills
 
 
-def pallas_int2_max_registers(tokens_on_m: bool, channels_on_m: bool) -> int:
-    """The Pallas INT2 tier kernel's default register cap (0: the compiler's choice)."""
-    return PALLAS_INT2_MAX_REGISTERS if tokens_on_m and channels_on_m else 0
+def int2_decode_max_registers(tokens_on_m: bool, channels_on_m: bool, rows_on_m: int) -> int:
+    """The INT2 tier kernel's default register cap (0: the compiler's choice): with the tokens and
+    channels on M INT2_CHANNELS_ON_M_MAX_REGISTERS, with the tokens on M only the compiler's choice,
+    with the rows on M the backend's `rows_on_m` (Triton: TRITON_INT2_MAX_REGISTERS; Pallas: 0, not
+    measured capped)."""
+    if tokens_on_m:
+        return INT2_CHANNELS_ON_M_MAX_REGISTERS if channels_on_m else 0
+    return rows_on_m
 
 
 def check_max_registers(max_registers) -> int:

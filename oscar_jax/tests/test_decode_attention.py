@@ -501,11 +501,11 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
     int2_kernel = next(name for name in kernels if name.startswith("oscar_int2"))
     # Compiled, the INT2 tier takes its fmas by PTX by default, and its values' dot with the channels
     # on M (16-bit code pairs) where its scores take tokens on M with one group per row, D ≥ 128,
-    # then under the default register cap (shared_math.tiling.PALLAS_INT2_MAX_REGISTERS).
-    from shared_math.tiling import PALLAS_INT2_MAX_REGISTERS
+    # then under the default register cap (shared_math.tiling.INT2_CHANNELS_ON_M_MAX_REGISTERS).
+    from shared_math.tiling import INT2_CHANNELS_ON_M_MAX_REGISTERS
 
     channels_on_m = int2_layout == "tokens_on_m" and group_size >= head_dim >= 128
-    expected = f"_fma_pairs_max_registers_{PALLAS_INT2_MAX_REGISTERS}" if channels_on_m else "_fma"
+    expected = f"_fma_pairs_max_registers_{INT2_CHANNELS_ON_M_MAX_REGISTERS}" if channels_on_m else "_fma"
     assert int2_kernel.endswith(expected), int2_kernel
     for name, usage in kernels.items():
         assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
@@ -515,14 +515,14 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
 def test_register_cap_reaches_the_int2_kernels_triton_module(max_registers):
     """max_registers > 0 names the INT2 tier kernel `…_max_registers_<n>` and sets its Triton module's
     `ttg.maxnreg` (`kernels.register_cap`), which the sm_90 compile obeys; 0 leaves both alone, and
-    the other tiers' kernels never get it. None: shared_math.tiling.pallas_int2_max_registers of
+    the other tiers' kernels never get it. None: shared_math.tiling.int2_decode_max_registers of
     the call's form (here tokens and channels on M)."""
     pytest.importorskip("triton")
     from benchmarks.static_analysis import compile_triton_ir, pallas_triton_kernels, qwen3_decode_case, resource_usage
-    from shared_math.tiling import pallas_int2_max_registers
+    from shared_math.tiling import int2_decode_max_registers
 
     _, args = qwen3_decode_case(None)  # Qwen3-8B heads on a production-sized INT2 grid: tokens and channels on M
-    cap = pallas_int2_max_registers(tokens_on_m=True, channels_on_m=True) if max_registers is None else max_registers
+    cap = int2_decode_max_registers(True, True, rows_on_m=0) if max_registers is None else max_registers
     fn = lambda *a: decode_attention(*a, sink_slots=1, group_size=128, softmax_scale=128**-0.5,  # noqa: E731
                                      interpret=False, max_registers=max_registers)
     kernels = {name: (text, warps, stages) for name, text, warps, stages in pallas_triton_kernels(fn, *args)}

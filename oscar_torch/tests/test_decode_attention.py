@@ -468,6 +468,35 @@ def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype, monkeypatch):
         ops.decode_attention(query(case), *arrays, channels_on_m=1, **attention_kwargs(case))
 
 
+def test_default_register_cap_follows_the_int2_layout(monkeypatch):
+    """max_registers None → shared_math.tiling.int2_decode_max_registers: INT2_CHANNELS_ON_M_MAX_REGISTERS
+    with the tokens and channels on M (D = 128 on a tokens-on-M grid), the compiler's choice (0) with
+    the tokens on M only (D = 64), TRITON_INT2_MAX_REGISTERS with the rows on M; an explicit cap wins."""
+    from oscar_torch import attention_ops
+    from shared_math import tiling
+
+    class Launched(Exception):
+        pass
+
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append((kw["max_registers"], kw["channels_on_m"], kw["int2_rows"] is not None))
+        raise Launched
+
+    monkeypatch.setattr(attention_ops, "_tier_partials", spy)
+    d128 = AttentionCase("pairs", 128, 128, 2, 4, (395, 203), pages_per_split=3, pages_per_block=1)
+    d64 = AttentionCase("d64", 64, 64, 1, 1, (330,), pages_per_split=2, pages_per_block=1)
+    calls = [(d128, 1, {}), (d64, 1, {}), (d128, 10**9, {}), (d128, 1, dict(max_registers=96))]
+    for case, min_programs, extra in calls:  # tokens on M at test sizes, or not at all
+        monkeypatch.setattr(tiling, "DECODE_TWO_WARPS_MIN_PROGRAMS", min_programs)
+        with pytest.raises(Launched):
+            ops.decode_attention(query(case), *cache_arrays(build_cache(case)), **attention_kwargs(case), **extra)
+    assert seen == [(tiling.INT2_CHANNELS_ON_M_MAX_REGISTERS, True, True), (0, False, True),
+                    (tiling.TRITON_INT2_MAX_REGISTERS, False, False), (96, True, True)]
+    assert tiling.INT2_CHANNELS_ON_M_MAX_REGISTERS == 160  # the cap timed on the H200 (NOTES v28)
+
+
 def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_one_group():
     """The INT2 tier's two score layouts give the same partials (interpreter: float32 dots, so they
     differ by summation order only), 8 rows with tokens on M as 16 with rows on M; G < D has no
