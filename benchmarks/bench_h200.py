@@ -62,8 +62,9 @@ TRITON_TUNING_128K = (
     + [dict(num_warps=nw, num_stages=ns, max_registers=mr)
        for nw, ns, mr in [(1, 2, 0), (1, 4, 0), (1, 3, 192), (1, 3, 168), (1, 3, 128), (2, 3, 0)]]
     # two pages a block (with the channels on M: 0.68x the shipped rows-on-M instructions a page at 222
-    # registers, NOTES v26), and the values' dot with the rows on M, the default until v27
-    + [dict(pages_per_block=2), dict(channels_on_m=False)]
+    # registers, NOTES v26), the values' dot with the rows on M, the default until v27, and the
+    # compiler's register count, the default until v28 capped it at 160
+    + [dict(pages_per_block=2), dict(channels_on_m=False), dict(max_registers=0)]
 )
 
 
