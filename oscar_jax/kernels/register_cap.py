@@ -22,6 +22,7 @@ import warnings
 MAX_REGISTERS_TAG = "_max_registers_"
 _CAPPED = re.compile(re.escape(MAX_REGISTERS_TAG) + r"(\d+)$")
 _installed = False
+_unavailable = False  # jax's hook was not found: said once, then every kernel runs uncapped quietly
 
 
 def capped_name(name: str, max_registers: int) -> str:
@@ -37,14 +38,15 @@ def requested_cap(module_name: str) -> int | None:
 
 def install() -> bool:
     """Wrap jax's Pallas → Triton lowering once; False (and one warning) where it cannot be."""
-    global _installed
-    if _installed:
-        return True
+    global _installed, _unavailable
+    if _installed or _unavailable:
+        return _installed
     try:
         from jax._src.lib.mlir import ir
         from jax._src.pallas.triton import lowering
         original = lowering.lower_jaxpr_to_triton_module
     except (ImportError, AttributeError) as e:
+        _unavailable = True
         warnings.warn(f"oscar_jax: no register cap for Pallas kernels with this jax ({e}); they run uncapped",
                       RuntimeWarning, stacklevel=2)
         return False

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 import zlib
 
 import hypothesis
@@ -760,8 +761,12 @@ def test_register_cap_without_jaxs_hook_warns_and_runs_uncapped(monkeypatch):
     from oscar_jax.kernels import register_cap
 
     monkeypatch.setattr(register_cap, "_installed", False)
+    monkeypatch.setattr(register_cap, "_unavailable", False)
     monkeypatch.delattr(lowering, "lower_jaxpr_to_triton_module")
     with pytest.warns(RuntimeWarning, match="no register cap for Pallas kernels"):
+        assert register_cap.install() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: later kernels do not warn again
         assert register_cap.install() is False
     assert register_cap.requested_cap(register_cap.capped_name("oscar_int2_tier", 168)) == 168
     assert register_cap.capped_name("oscar_int2_tier", 0) == "oscar_int2_tier"
