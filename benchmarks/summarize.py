@@ -221,7 +221,7 @@ def _config_copy(decode, config) -> float:
     return config.get("copy_gb_per_s", decode["copy_bandwidth"]["gb_per_s"])
 
 
-def _timed(config, name: str):
+def timed_variant(config, name: str):
     """The variant entry if it passed its check and was timed, else None."""
     v = (config or {}).get("variants", {}).get(name)
     return v if isinstance(v, dict) and v.get("passed") and "median_s" in v else None
@@ -231,7 +231,7 @@ def best_variant(config, base: str):
     """(name, entry) of the fastest passing variant named `base` or `base[tiling]`, or (None, None)."""
     best = (None, None)
     for name, v in (config or {}).get("variants", {}).items():
-        if (name == base or name.startswith(base + "[")) and _timed(config, name):
+        if (name == base or name.startswith(base + "[")) and timed_variant(config, name):
             if best[1] is None or v["median_s"] < best[1]["median_s"]:
                 best = (name, v)
     return best
@@ -250,7 +250,7 @@ def _ratio(num, den):
 
 
 def _speedups(config, baseline: str) -> dict:
-    base = _timed(config, baseline)
+    base = timed_variant(config, baseline)
     _, pallas = best_pallas(config)
     _, triton = best_triton(config)
     return {"jax": _ratio(base and base["median_s"], pallas and pallas["median_s"]),
@@ -264,7 +264,7 @@ def _fraction_batch(decode) -> int | None:
     return None
 
 
-def _e2e_run(e2e, cache: str, context: int = CONTEXT_100K, batch: int = 1):
+def e2e_run(e2e, cache: str, context: int = CONTEXT_100K, batch: int = 1):
     if e2e is None:
         return None
     return next((r for r in e2e["runs"] if r["cache"] == cache and r["context"] == context
@@ -340,7 +340,7 @@ def summarize_results(results: dict, warnings: list[str]) -> tuple[dict, dict]:
     if e2e is None:
         summary[key] = None
     else:
-        summary[key] = {cache: _over_floor(e2e, _e2e_run(e2e, cache)) for cache in ("int2", "bf16")}
+        summary[key] = {cache: _over_floor(e2e, e2e_run(e2e, cache)) for cache in ("int2", "bf16")}
         provenance[key] = {"context": CONTEXT_100K, "batch": 1}
         for cache, value in summary[key].items():
             if value is None:
@@ -405,7 +405,7 @@ def targets(results: dict, summary: dict) -> list[dict]:
         worst = None
         if write is not None:
             copy = write["copy_bandwidth"]["gb_per_s"]
-            fractions = [e[backend]["gb_per_s"] / copy for _, e in _write_rows(write)]
+            fractions = [e[backend]["gb_per_s"] / copy for _, e in write_rows(write)]
             worst = min(fractions) if fractions else None
         add(f"write path (worst case) / copy bandwidth, {backend}", worst, f"≥ {TARGET_WRITE_FRACTION:.0%}",
             lambda v: v >= TARGET_WRITE_FRACTION, "{:.1%}")
@@ -423,7 +423,7 @@ def targets(results: dict, summary: dict) -> list[dict]:
     return rows
 
 
-def _write_rows(write):
+def write_rows(write):
     """(label, entry with pallas/triton timings and bit-identity) of every write-path case."""
     rows = []
     for case in write["write_pages"]:
@@ -459,7 +459,7 @@ def make_plots(results: dict, out_dir: Path, warnings: list[str]) -> list[Path]:
                 configs = sorted((c for c in decode["configs"] if c["batch"] == batch), key=lambda c: c["context"])
                 names = sorted({n for c in configs for n in c["variants"]})
                 for name in names:
-                    points = [(c["context"], _timed(c, name)) for c in configs]
+                    points = [(c["context"], timed_variant(c, name)) for c in configs]
                     points = [(x, v["median_s"] * 1e6 if kind == "time" else v["gb_per_s"]) for x, v in points if v]
                     if not points:
                         continue
@@ -598,13 +598,13 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
                   "was measured at (`bench_h200 --merge` keeps configs of earlier runs).", ""]
         rows = []
         for c in sorted(decode["configs"], key=lambda c: (c["context"], c["batch"])):
-            cudnn, fa2, copy = _timed(c, CUDNN), _timed(c, FA2), _config_copy(decode, c)
+            cudnn, fa2, copy = timed_variant(c, CUDNN), timed_variant(c, FA2), _config_copy(decode, c)
             for name, v in c["variants"].items():
                 if "error" in v:
                     rows.append([c["context"], c["batch"], f"`{name}`", "error", "", "", "", "", "",
                                  v["error"][:80].replace("|", "/"), _short_sha(c)])
                     continue
-                timed = _timed(c, name)
+                timed = timed_variant(c, name)
                 t = timed["median_s"] if timed else None
                 rows.append([c["context"], c["batch"], f"`{name}`", _f(t and t * 1e6),
                              _f(timed and timed["gb_per_s"], "{:.0f}"), _f(timed and timed["gb_per_s"] / copy, "{:.2f}"),
@@ -622,7 +622,7 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
                   "GB/s = bytes moved (rows read + codes and fp16 metadata written; demotion: BF16 pages read + INT2 "
                   "pages written) / median time; fraction = that over the copy bandwidth.", ""]
         rows = []
-        for label, e in _write_rows(write):
+        for label, e in write_rows(write):
             for backend in ("pallas", "triton"):
                 rows.append([label, backend, _f(e[backend]["median_s"] * 1e6), _f(e[backend]["gb_per_s"], "{:.0f}"),
                              _f(e[backend]["gb_per_s"] / copy, "{:.1%}"),
