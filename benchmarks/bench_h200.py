@@ -15,6 +15,11 @@ Run it from a committed, clean tree and name the commit in OSCAR_GIT_SHA (a copy
 another machine may carry a stale .git): every file records it with the hash of the tree that ran
 (`harness.git_worktree_tree`), and `summarize` warns where the two disagree.
 
+Whether a re-run reproduces the committed files, figure by figure (summary keys, the fastest
+variants, the baselines, write, e2e, capacity), against a stated noise tolerance:
+
+    python3 -m benchmarks.compare_runs benchmarks/results RERUN_DIR --tolerance 0.05
+
 Sections (each writes `<out>/<section>_h200.json` with the environment and the copy bandwidth
 measured in the same run): copy (device copy bandwidth), decode (bench_decode), write
 (bench_write), e2e (bench_e2e). `python3 -m benchmarks.summarize` turns the files into
