@@ -231,10 +231,10 @@ TRITON_INT2_MAX_REGISTERS = 128
 # backends. XLA's compile of the Pallas kernel holds 217 registers uncapped (H200, Nsight Compute: 8
 # one-warp programs per SM) where the triton package's compile of the same Triton IR holds 168 and
 # the Triton backend's kernel 166 (12 per SM). Capped at 160 (Pallas through
-# `oscar_jax.kernels.register_cap`; outputs bit-identical): Pallas 128K b8 350 → 292–300 µs (168: 307,
-# 152: 307, 144: 310, 136: 321), b32 1388 → 1122, 32K b32 −14 %, one-wave grids within ±1 %; Triton,
-# at the same 12 programs per SM, 0.4–3 % faster in all nine configs timed (128K b1 54.5 → 52.8, b8
-# 276.5 → 274.0, b32 1017.0 → 1006.3; benchmarks/NOTES.md v28).
+# `oscar_jax.kernels.register_cap`; outputs bit-identical): Pallas 128K b8 350 → 292–303 µs in four
+# runs (168: 307, 152: 307, 144: 310, 136: 321), b32 1388 → 1122, 32K b32 −14 %, one-wave grids within
+# ±1 %; Triton, at the same 12 programs per SM, 0.4–3 % faster in all nine configs timed (128K b1 54.5
+# → 52.8, b8 276.5 → 274.0, b32 1017.0 → 1006.3; benchmarks/NOTES.md v28, the default re-run in v29).
 INT2_CHANNELS_ON_M_MAX_REGISTERS = 160
 MIN_MAX_REGISTERS = 32  # a cap below it leaves a kernel little but spills
 
