@@ -6,11 +6,20 @@ scattered over the pool in random order (as an allocator leaves them). Variants:
   oscar_int2_pallas   oscar_jax.ops.decode_attention (Pallas, Triton lowering), bf16 query
   oscar_int2_triton   oscar_torch.attention_ops.decode_attention (Triton), same buffers via DLPack
   bf16_paged_pallas   our BF16 paged path: the same kernels with the whole context in the BF16 tier
-  cudnn_bf16          torch SDPA, cuDNN backend, contiguous BF16 K/V [B, 8, S, 128]
-  flash2_bf16         torch SDPA, FlashAttention-2 backend, same tensors
-GQA for SDPA: the 4 query heads of a KV head are 4 query rows of that head (non-causal), so no
-K/V is copied or expanded. Every variant is first checked against float32 attention over the
-(dequantized) cache of sequences 0 and B−1; a variant that fails is reported and not timed.
+  cudnn_bf16          torch SDPA, cuDNN backend, called as users call it for decode: q [B, 32, 1, 128],
+                      contiguous BF16 K/V [B, 8, S, 128], `enable_gqa=True`
+  flash2_bf16         torch SDPA, FlashAttention-2 backend, the same call
+  cudnn_bf16_rows_as_queries, flash2_bf16_rows_as_queries
+                      the same backends given the 4 query heads of a KV head as 4 query rows of
+                      that head (q [B, 8, 4, 128], no GQA flag): a form no decode user writes, which
+                      launches about one program per (sequence, KV head); kept to show the difference
+Every BF16 variant counts as a baseline (`BF16_VARIANTS`): the summary's speed-up is over the fastest.
+Every variant is first checked against float32 attention over the (dequantized) cache of sequences 0
+and B−1; a variant that fails is reported and not timed.
+
+FlashInfer's BF16 decode is not among the baselines: its wheel (flashinfer-python 0.7.2.post1) is
+62 MB before its dependencies (apache-tvm-ffi, nvidia-cutlass-dsl, cuda-tile, nccl4py), over the
+64 MiB a device run may carry, and the older releases (0.2-0.4) on PyPI are source distributions only.
 """
 
 from __future__ import annotations
@@ -30,6 +39,24 @@ SINK, RECENT = 64, 256
 CONTEXTS = (8192, 32768, 131072)
 BATCHES = (1, 8, 32)
 REL_TOL = 2e-2  # bf16 query and bf16 probabilities before P·V (METHOD: bf16 operands 1e-3 … 1e-2)
+INT2_DEFAULTS = ("oscar_int2_pallas", "oscar_int2_triton")  # the default launch of each backend
+SDPA_FORMS = {"decode": "", "rows_as_queries": "_rows_as_queries"}  # form → variant-name suffix
+BF16_VARIANTS = ("cudnn_bf16", "flash2_bf16", "bf16_paged_pallas") + tuple(
+    f"{b}{SDPA_FORMS['rows_as_queries']}" for b in ("cudnn_bf16", "flash2_bf16"))
+
+
+def sdpa_query(q, kv_heads: int, form: str):
+    """(query, extra SDPA keywords) for torch SDPA over K/V [B, Hkv, S, d], from q [B, Hq, d].
+
+    "decode": q [B, Hq, 1, d] with `enable_gqa=True`, the call a decode user writes (query head h
+    reads KV head h // (Hq / Hkv), the grouping of format v1's GQA). "rows_as_queries": the Hq / Hkv
+    query heads of a KV head as that head's query rows, q [B, Hkv, Hq / Hkv, d]."""
+    batch, hq, d = q.shape
+    if form == "decode":
+        return q.reshape(batch, hq, 1, d), {"enable_gqa": True}
+    if form == "rows_as_queries":
+        return q.reshape(batch, kv_heads, hq // kv_heads, d), {}
+    raise ValueError(f"unknown SDPA form {form!r}; choose from {sorted(SDPA_FORMS)}")
 
 
 def int2_bytes_read(batch: int, context: int, kv_heads: int, head_dim: int, group_size: int) -> dict:
@@ -246,14 +273,19 @@ def run_config(context: int, batch: int, group_size: int, seed: int = 0, tuning:
     kv_shape = (batch, kv, context, d)
     ks = [torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.5 for _ in range(copies)]
     vs = [torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(copies)]
-    q_rows = tq.view(batch, kv, hq // kv, d)  # GQA: the query heads of a KV head as rows
     refs = {b: np.asarray(_reference(q[b], jnp.asarray(ks[0][b].transpose(0, 1).float().cpu().numpy()),
                                      jnp.asarray(vs[0][b].transpose(0, 1).float().cpu().numpy())))
             for b in check_rows}
-    for name, backend in (("cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("flash2_bf16", SDPBackend.FLASH_ATTENTION)):
-        def sdpa(c, backend=backend):
+    sdpa_variants = [(f"{name}{suffix}", backend, form)
+                     for form, suffix in SDPA_FORMS.items()
+                     for name, backend in (("cudnn_bf16", SDPBackend.CUDNN_ATTENTION),
+                                           ("flash2_bf16", SDPBackend.FLASH_ATTENTION))]
+    for name, backend, form in sdpa_variants:
+        q_sdpa, gqa = sdpa_query(tq, kv, form)
+
+        def sdpa(c, backend=backend, q_sdpa=q_sdpa, gqa=gqa):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q_rows, ks[c], vs[c], scale=scale)
+                return F.scaled_dot_product_attention(q_sdpa, ks[c], vs[c], scale=scale, **gqa)
         try:
             out = sdpa(0).reshape(batch, hq, d).float().cpu().numpy()
             err = check(out)

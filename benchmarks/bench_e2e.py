@@ -358,15 +358,15 @@ def _device_memory_bytes() -> tuple[int | None, str]:
 # ------------------------------------------------------------------------------ run
 
 
-def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar: OscarConfig | None = None,
+def run(contexts=None, *, floor_gb_per_s: float | None = None, model=None, oscar: OscarConfig | None = None,
         batch: int = 1, capacity_context: int | None = CAPACITY_CONTEXT, memory_bytes: int | None = None,
         reserve_bytes: int = WORKSPACE_RESERVE_BYTES, steps: int = STEPS, trials: int = 5, interpret=None,
         seed: int = 0, on_progress=None, kinds=CACHE_KINDS) -> dict:
     """End-to-end decode steps per (cache, context), and capacity at `capacity_context`.
 
     `model` defaults to Qwen3-8B (`qwen3_8b_config`), `oscar` to page 64 / sink 64 / recent 256 /
-    G 128. `copy_gb_per_s` (the caller's measured copy bandwidth) sets the floors (None: no
-    floors). `kinds`: the caches to step (a subset of CACHE_KINDS). `memory_bytes` overrides the
+    G 128. `floor_gb_per_s` (the caller's measured read-only bandwidth: a decode step only
+    reads its weights and KV) sets the floors (None: no floors). `kinds`: the caches to step (a subset of CACHE_KINDS). `memory_bytes` overrides the
     device memory used for capacity; `capacity_context=None` skips the capacity part. `on_progress(result)` is called with the partial result after every
     measurement, so a run cut off by a time limit still leaves what it measured.
     """
@@ -391,9 +391,9 @@ def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar:
         return weights["weight_bytes"] - weights["embedding_bytes"] + b * weights["embedding_row_bytes"]
 
     def floor(b, kv):
-        if not copy_gb_per_s:
+        if not floor_gb_per_s:
             return None
-        return (weight_bytes_read(b) + kv) / (copy_gb_per_s * 1e9)
+        return (weight_bytes_read(b) + kv) / (floor_gb_per_s * 1e9)
 
     def measure(kind, context, b, table_context, compiled=None):
         """Build the cache, (compile), time. Returns (entry, compiled, info)."""
@@ -423,7 +423,7 @@ def run(contexts=None, *, copy_gb_per_s: float | None = None, model=None, oscar:
 
     result = {"model": dataclasses.asdict(model), "model_name": "qwen3-8b shapes, random bf16 weights",
               "oscar": oscar.to_dict(), "batch": batch, "contexts": list(contexts),
-              "copy_gb_per_s": copy_gb_per_s, **weights,
+              "floor_gb_per_s": floor_gb_per_s, **weights,
               "timing_method": "AOT-compiled donated step; Python loop of `steps` steps, one block at the end; "
                                "median over `trials` loops after 2 warm-up steps",
               "runs": [], "compile": {}}

@@ -131,8 +131,8 @@ def main(argv=None) -> None:
     print(f"{env['gpu']} jax {env['jax']} torch {env['torch']} triton {env['triton']} git {env['git_sha'][:10]}",
           flush=True)
     copy = harness.copy_bandwidth()
-    print(f"copy bandwidth: torch {copy['torch']['gb_per_s']:.0f} GB/s, jax {copy['jax']['gb_per_s']:.0f} GB/s",
-          flush=True)
+    print(f"copy bandwidth: torch {copy['torch']['gb_per_s']:.0f} GB/s, jax {copy['jax']['gb_per_s']:.0f} GB/s; "
+          f"read-only stream {copy['read_gb_per_s']:.0f} GB/s", flush=True)
 
     def save(section: str, payload: dict, name: str | None = None, quiet: bool = False) -> None:
         path = args.out / f"{name or section}_h200.json"
@@ -166,7 +166,8 @@ def main(argv=None) -> None:
                     on_variant=lambda partial: save("decode", {"configs": [{**partial, "git_sha": env["git_sha"]}]},
                                                     name="decode_partial", quiet=True))
                 config["git_sha"] = env["git_sha"]  # merged files may hold configs of several runs
-                config["copy_gb_per_s"] = copy["gb_per_s"]  # … each with the copy bandwidth of its own run
+                config["copy_gb_per_s"] = copy["gb_per_s"]  # … each with the bandwidths of its own run
+                config["read_gb_per_s"] = copy["read_gb_per_s"]
                 configs = [c for c in configs if (c["context"], c["batch"]) != (context, batch)] + [config]
                 save("decode", {"configs": configs})
                 print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -200,7 +201,7 @@ def main(argv=None) -> None:
                                         "environment": env, "copy_bandwidth": copy}
                 path.write_text(json.dumps(previous, indent=1))
 
-            save_capacity(bench_e2e.run(contexts=(), copy_gb_per_s=copy["gb_per_s"], on_progress=save_capacity))
+            save_capacity(bench_e2e.run(contexts=(), floor_gb_per_s=copy["read_gb_per_s"], on_progress=save_capacity))
             print(f"wrote {path} (capacity merged)", flush=True)
         else:
             capacity = {"capacity_context": None} if args.no_capacity or not preallocated else {}
@@ -208,7 +209,7 @@ def main(argv=None) -> None:
                 print(f"e2e: capacity search skipped (the allocator grows on demand); run: {capacity_command}",
                       flush=True)
             steps = {} if args.e2e_steps is None else {"steps": args.e2e_steps}
-            save("e2e", bench_e2e.run(contexts=args.e2e_contexts, copy_gb_per_s=copy["gb_per_s"], **capacity, **steps,
+            save("e2e", bench_e2e.run(contexts=args.e2e_contexts, floor_gb_per_s=copy["read_gb_per_s"], **capacity, **steps,
                                       on_progress=lambda partial: save("e2e", partial)))
 
 

@@ -5,10 +5,9 @@
 
 Both directories hold the raw files of `benchmarks.bench_h200` (`{decode,write,e2e,copy}_h200.json`).
 Compared, where both runs have them:
-  - the summary keys of issue 7 (computed from each directory's raw files by `benchmarks.summarize`);
-  - decode, every (context, batch): the fastest passing Pallas and Triton INT2 variants (the summary's
-    definition, so a default that changed between the runs is compared with the variant it became)
-    and each BF16 baseline, by median time;
+  - every summary figure (computed from each directory's raw files by `benchmarks.summarize`);
+  - decode, every (context, batch): the default launch of each backend, the fastest BF16 variant (named
+    on both sides, so a change of which baseline is fastest shows), and each BF16 variant, by median time;
   - write: each write-path case, Pallas and Triton, by median time;
   - end to end: each step's median, and the capacity (sequences built, step at capacity).
 
@@ -26,9 +25,6 @@ from pathlib import Path
 
 from benchmarks import summarize as S
 
-BASELINES = (S.CUDNN, S.FA2, "bf16_paged_pallas")
-
-
 def _row(group: str, label: str, base, new, *, unit: str, base_sha=None, new_sha=None) -> dict:
     change = None if base in (None, 0) or new is None else new / base - 1.0
     return {"group": group, "label": label, "unit": unit, "base": base, "new": new, "change": change,
@@ -40,14 +36,21 @@ def _sha(config_or_data) -> str | None:
     return None if sha is None else str(sha)[:10]
 
 
+def _flatten(value, prefix: str) -> dict:
+    """{"key.sub.sub": number or None} of a summary value (nested dicts of figures)."""
+    if isinstance(value, dict):
+        return {k: v for sub, item in value.items() for k, v in _flatten(item, f"{prefix}.{sub}").items()}
+    return {prefix: value}
+
+
 def _summary_rows(base: dict, new: dict) -> list[dict]:
     base_summary, _ = S.summarize_results(base, [])
     new_summary, _ = S.summarize_results(new, [])
     rows = []
     for key in S.SUMMARY_KEYS:
-        for backend in sorted(set(base_summary.get(key) or {}) | set(new_summary.get(key) or {})):
-            rows.append(_row("summary", f"{key}.{backend}", (base_summary.get(key) or {}).get(backend),
-                             (new_summary.get(key) or {}).get(backend), unit="×"))
+        old_figures, new_figures = _flatten(base_summary.get(key), key), _flatten(new_summary.get(key), key)
+        for label in sorted(set(old_figures) | set(new_figures)):
+            rows.append(_row("summary", label, old_figures.get(label), new_figures.get(label), unit="×"))
     return rows
 
 
@@ -62,12 +65,11 @@ def _decode_rows(base, new) -> list[dict]:
             continue
         where = f"ctx {old['context']} b{old['batch']}"
         shas = dict(base_sha=_sha(old) or _sha(base), new_sha=_sha(cur) or _sha(new))
-        for label, pick in (("fastest Pallas INT2", S.best_pallas), ("fastest Triton INT2", S.best_triton)):
-            (old_name, old_v), (new_name, new_v) = pick(old), pick(cur)
-            names = old_name if old_name == new_name else f"{old_name} → {new_name}"
-            rows.append(_row("decode", f"{where} {label} ({names})", old_v and old_v["median_s"] * 1e6,
-                             new_v and new_v["median_s"] * 1e6, unit="µs", **shas))
-        for name in BASELINES:
+        (old_name, old_v), (new_name, new_v) = S.best_bf16(old), S.best_bf16(cur)
+        names = old_name if old_name == new_name else f"{old_name} → {new_name}"
+        rows.append(_row("decode", f"{where} fastest BF16 ({names})", old_v and old_v["median_s"] * 1e6,
+                         new_v and new_v["median_s"] * 1e6, unit="µs", **shas))
+        for name in tuple(S.DEFAULTS.values()) + S.BF16_VARIANTS:
             old_v, new_v = S.timed_variant(old, name), S.timed_variant(cur, name)
             if old_v or new_v:
                 rows.append(_row("decode", f"{where} {name}", old_v and old_v["median_s"] * 1e6,

@@ -12,14 +12,22 @@ Writes:
   <results>/decode_time_vs_context.png, decode_bandwidth.png, e2e_step_vs_floor.png
   BENCHMARKS.md (repo root)               conditions, tables, targets — every number from the files
 
-Definitions:
-  decode speedup vs cuDNN at 128K (131072 tokens), batch 1 and 8: cudnn_bf16 median / median of
-    jax: the fastest passing Pallas INT2 variant (default tiling or a tuning variant),
-    torch: the fastest passing Triton INT2 variant (likewise).
-  fraction of copy bandwidth at 128K: achieved GB/s (bytes the kernel must read / median time) ÷
-    the copy bandwidth recorded in the same file; at batch 8 when the file has it, else batch 1.
-  e2e step over floor at 100K: the e2e step median ÷ (weight + KV bytes read) / copy bandwidth.
-  concurrency and throughput at capacity: INT2 cache ÷ BF16 cache at 100K tokens per sequence.
+Definitions (one set, used by the summary, BENCHMARKS.md, the plots and README):
+  fastest BF16: per (context, batch), the fastest passing BF16 variant measured in the same run
+    (`bench_decode.BF16_VARIANTS`: cuDNN and FlashAttention-2 through torch SDPA called as users call
+    them for decode, the project's BF16 paged kernel, and the rows-as-queries SDPA forms); the tables
+    name which one it was.
+  decode speed-up: fastest BF16 median / the median of a backend's default launch (jax:
+    `oscar_int2_pallas`, torch: `oscar_int2_triton`). Tuning sweeps are reported apart, never here.
+  fraction of read bandwidth: (bytes the kernel must read / median) / the read-only stream measured in
+    the config's own run (`harness.copy_bandwidth`'s `read_gb_per_s`; files written before it was
+    recorded per config fall back to the file's). "× floor" is its inverse: time over bytes / read
+    bandwidth. The read+write copy figure is reported beside it, never divided into.
+  e2e step over read floor at 100K, batch 1: step median / ((weight + KV bytes read) / the e2e file's
+    read-only bandwidth); and the plain ratio of steps a user feels, BF16 / INT2.
+  capacity at 100K: exact = BF16 bytes per sequence / INT2 bytes per sequence (the byte ratio);
+    whole_sequences = INT2 sequences built / BF16 sequences built (whole sequences fit in memory).
+  throughput at capacity: INT2 tokens/s at its built batch / BF16 tokens/s at its built batch.
 """
 
 from __future__ import annotations
@@ -34,27 +42,32 @@ from pathlib import Path
 from benchmarks import harness
 
 FILES = ("decode", "write", "e2e", "copy")
-CONTEXT_128K = 131072
 CONTEXT_100K = 100_000
 PALLAS = "oscar_int2_pallas"
 TRITON = "oscar_int2_triton"
+DEFAULTS = {"jax": PALLAS, "torch": TRITON}  # the default launch of each backend
 CUDNN = "cudnn_bf16"
 FA2 = "flash2_bf16"
+BF16_VARIANTS = ("cudnn_bf16", "flash2_bf16", "bf16_paged_pallas", "cudnn_bf16_rows_as_queries",
+                 "flash2_bf16_rows_as_queries")  # = bench_decode.BF16_VARIANTS (a test keeps them equal)
+DECODE_POINTS = {"128k_b1": (131072, 1), "128k_b8": (131072, 8), "32k_b1": (32768, 1), "32k_b8": (32768, 8)}
 SUMMARY_KEYS = (
-    "decode_speedup_vs_cudnn_bf16_128k_b1",
-    "decode_speedup_vs_cudnn_bf16_128k_b8",
-    "decode_fraction_of_copy_bandwidth_128k",
-    "e2e_decode_step_over_bandwidth_floor",
-    "concurrent_100k_sequences_int2_over_bf16",
+    "decode_speedup_vs_best_bf16",
+    "decode_fraction_of_read_bandwidth",
+    "e2e_step_over_read_floor_100k_b1",
+    "e2e_bf16_over_int2_step_100k_b1",
+    "capacity_100k_int2_over_bf16",
     "throughput_at_capacity_100k_int2_over_bf16",
 )
-# The issue's targets (GPU-PERF, issue 7).
-TARGET_SPEEDUP = 5.0
-TARGET_FRACTION = 0.75
-TARGET_BACKEND_GAP = 0.15
+# Targets: BASELINES / MOSAIC (issues 36, 41) on these definitions; the write path's from GPU-PERF (issue 7).
+TARGET_SPEEDUP_128K = 5.0
+TARGET_SPEEDUP_32K = 4.0
+TARGET_READ_FRACTION = 0.75
+TARGET_BACKEND_GAP = 0.10
 TARGET_WRITE_FRACTION = 0.5
-TARGET_E2E_OVER_FLOOR = 1.15
-TARGET_CONCURRENCY = 6.5
+TARGET_E2E_OVER_READ_FLOOR = 1.25
+TARGET_E2E_BF16_OVER_INT2 = 1.6
+TARGET_THROUGHPUT_AT_CAPACITY = 6.0
 
 
 class ResultsError(ValueError):
@@ -121,8 +134,9 @@ def validate_decode(data, name: str = "decode_h200.json") -> None:
         where = f"{name}: configs[{i}]"
         for key in ("context", "batch", "int2_bytes_read", "bf16_bytes_read"):
             _get(config, key, (int,), where)
-        if "copy_gb_per_s" in config and _get(config, "copy_gb_per_s", NUM, where) <= 0:
-            raise ResultsError(f"{where}: copy_gb_per_s must be > 0")
+        for key in ("copy_gb_per_s", "read_gb_per_s"):
+            if key in config and _get(config, key, NUM, where) <= 0:
+                raise ResultsError(f"{where}: {key} must be > 0")
         for vname, v in _get(config, "variants", (dict,), where).items():
             vwhere = f"{where}.variants[{vname!r}]"
             if isinstance(v, dict) and "error" in v:
@@ -215,10 +229,19 @@ def _config(decode, context: int, batch: int):
     return next((c for c in decode["configs"] if c["context"] == context and c["batch"] == batch), None)
 
 
-def _config_copy(decode, config) -> float:
-    """The copy bandwidth a config's fractions are taken against: the one measured in the config's own
-    run (`bench_h200 --merge` files hold configs of several runs), else the file's."""
+def config_copy(decode, config) -> float:
+    """The read+write copy bandwidth of a config's own run (`bench_h200 --merge` files hold configs of
+    several runs), else the file's. Reported beside the read bandwidth, never divided into."""
     return config.get("copy_gb_per_s", decode["copy_bandwidth"]["gb_per_s"])
+
+
+def read_bandwidth(data, config=None) -> float | None:
+    """The read-only stream (GB/s) measured in the run of `config` (or of the file): what a decode
+    kernel, which only reads, is held to. None when the file predates its recording."""
+    if config is not None and config.get("read_gb_per_s"):
+        return config["read_gb_per_s"]
+    copy = data["copy_bandwidth"]
+    return copy.get("read_gb_per_s") or (copy.get("torch_read_only") or {}).get("gb_per_s")
 
 
 def timed_variant(config, name: str):
@@ -228,7 +251,8 @@ def timed_variant(config, name: str):
 
 
 def best_variant(config, base: str):
-    """(name, entry) of the fastest passing variant named `base` or `base[tiling]`, or (None, None)."""
+    """(name, entry) of the fastest passing variant named `base` or `base[tiling]`, or (None, None):
+    for comparing sweeps between runs, never for the summary (which takes the default launch)."""
     best = (None, None)
     for name, v in (config or {}).get("variants", {}).items():
         if (name == base or name.startswith(base + "[")) and timed_variant(config, name):
@@ -237,31 +261,35 @@ def best_variant(config, base: str):
     return best
 
 
-def best_pallas(config):
-    return best_variant(config, PALLAS)
+def best_bf16(config):
+    """(name, entry) of the fastest passing BF16 variant of a config (BF16_VARIANTS), or (None, None)."""
+    timed = [(name, timed_variant(config, name)) for name in BF16_VARIANTS if timed_variant(config, name)]
+    return min(timed, key=lambda nv: nv[1]["median_s"], default=(None, None))
 
 
-def best_triton(config):
-    return best_variant(config, TRITON)
+def is_sweep(name: str) -> bool:
+    """A tuning variant (`base[launch keywords]`), reported in its own table."""
+    return "[" in name
 
 
 def _ratio(num, den):
     return num / den if num is not None and den else None
 
 
-def _speedups(config, baseline: str) -> dict:
-    base = timed_variant(config, baseline)
-    _, pallas = best_pallas(config)
-    _, triton = best_triton(config)
-    return {"jax": _ratio(base and base["median_s"], pallas and pallas["median_s"]),
-            "torch": _ratio(base and base["median_s"], triton and triton["median_s"])}
-
-
-def _fraction_batch(decode) -> int | None:
-    for batch in (8, 1):
-        if _config(decode, CONTEXT_128K, batch) is not None:
-            return batch
-    return None
+def decode_point(decode, config) -> dict:
+    """Every figure of one (context, batch) by the definitions above: the fastest BF16 (name, µs), and
+    per backend the default launch's time, speed-up over that BF16, fraction of read bandwidth, × floor."""
+    name, bf16 = best_bf16(config)
+    read = read_bandwidth(decode, config)
+    out = {"best_bf16": name, "best_bf16_s": bf16 and bf16["median_s"], "read_gb_per_s": read,
+           "copy_gb_per_s": config_copy(decode, config)}
+    for backend, variant in DEFAULTS.items():
+        v = timed_variant(config, variant)
+        t = v and v["median_s"]
+        fraction = _ratio(v and v["bytes_read"] / v["median_s"] / 1e9, read)
+        out[backend] = {"variant": variant, "median_s": t, "speedup": _ratio(bf16 and bf16["median_s"], t),
+                        "fraction_of_read": fraction, "over_floor": _ratio(1.0, fraction)}
+    return out
 
 
 def e2e_run(e2e, cache: str, context: int = CONTEXT_100K, batch: int = 1):
@@ -271,13 +299,14 @@ def e2e_run(e2e, cache: str, context: int = CONTEXT_100K, batch: int = 1):
                  and r["batch"] == batch), None)
 
 
-def _over_floor(e2e, run):
-    if run is None:
-        return None
-    if run.get("step_over_floor") is not None:
-        return run["step_over_floor"]
-    floor = (run["weight_bytes_read"] + run["kv_bytes_read"]) / (e2e["copy_bandwidth"]["gb_per_s"] * 1e9)
-    return run["median_s"] / floor
+def e2e_read_floor_s(e2e, run) -> float | None:
+    """(weight + KV bytes read) / the e2e file's read-only bandwidth."""
+    read = read_bandwidth(e2e)
+    return _ratio(run["weight_bytes_read"] + run["kv_bytes_read"], read and read * 1e9)
+
+
+def _over_read_floor(e2e, run):
+    return None if run is None else _ratio(run["median_s"], e2e_read_floor_s(e2e, run))
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -308,63 +337,60 @@ def summarize_results(results: dict, warnings: list[str]) -> tuple[dict, dict]:
             tree_warning = _tree_warning(env)
             if tree_warning:
                 warnings.append(f"{section}_h200.json: {tree_warning}")
-    for batch in (1, 8):
-        key = f"decode_speedup_vs_cudnn_bf16_128k_b{batch}"
-        config = _config(decode, CONTEXT_128K, batch)
+    speedups, fractions = {}, {}
+    for point, (context, batch) in DECODE_POINTS.items():
+        config = _config(decode, context, batch)
         if decode is not None and config is None:
-            _warn(warnings, f"decode_h200.json has no config at context {CONTEXT_128K}, batch {batch}: {key} is null")
-        summary[key] = None if config is None else _speedups(config, CUDNN)
-        if config is not None:
-            provenance[key] = {"jax_variant": best_pallas(config)[0], "torch_variant": best_triton(config)[0],
-                               "baseline": CUDNN,
-                               "context": CONTEXT_128K, "batch": batch}
-            for backend, value in summary[key].items():
-                if value is None:
-                    _warn(warnings, f"{key}.{backend} is null: a variant failed or was not timed")
+            _warn(warnings, f"decode_h200.json has no config at context {context}, batch {batch}: {point} is null")
+        if config is None:
+            speedups[point] = fractions[point] = None
+            continue
+        figures = decode_point(decode, config)
+        speedups[point] = {b: figures[b]["speedup"] for b in DEFAULTS}
+        fractions[point] = {b: figures[b]["fraction_of_read"] for b in DEFAULTS}
+        provenance[f"decode_{point}"] = figures
+        if figures["read_gb_per_s"] is None:
+            _warn(warnings, f"decode config {point}: no read-only bandwidth recorded: its fractions are null")
+        for backend in DEFAULTS:
+            if figures[backend]["speedup"] is None:
+                _warn(warnings, f"decode {point}.{backend} is null: the default launch or every BF16 baseline "
+                                "failed or was not timed")
+    summary["decode_speedup_vs_best_bf16"] = None if decode is None else speedups
+    summary["decode_fraction_of_read_bandwidth"] = None if decode is None else fractions
 
-    batch = _fraction_batch(decode)
-    key = "decode_fraction_of_copy_bandwidth_128k"
-    if batch is None:
-        summary[key] = None
-    else:
-        config = _config(decode, CONTEXT_128K, batch)
-        copy = _config_copy(decode, config)
-        name, pallas = best_pallas(config)
-        triton_name, triton = best_triton(config)
-        summary[key] = {"jax": _ratio(pallas and pallas["gb_per_s"], copy),
-                        "torch": _ratio(triton and triton["gb_per_s"], copy)}
-        provenance[key] = {"context": CONTEXT_128K, "batch": batch, "jax_variant": name,
-                           "torch_variant": triton_name, "copy_gb_per_s": copy}
-
-    key = "e2e_decode_step_over_bandwidth_floor"
+    int2, bf16 = e2e_run(e2e, "int2"), e2e_run(e2e, "bf16")
     if e2e is None:
-        summary[key] = None
+        summary["e2e_step_over_read_floor_100k_b1"] = summary["e2e_bf16_over_int2_step_100k_b1"] = None
     else:
-        summary[key] = {cache: _over_floor(e2e, e2e_run(e2e, cache)) for cache in ("int2", "bf16")}
-        provenance[key] = {"context": CONTEXT_100K, "batch": 1}
-        for cache, value in summary[key].items():
-            if value is None:
-                _warn(warnings, f"{key}.{cache} is null: no e2e run at context {CONTEXT_100K}, batch 1")
+        summary["e2e_step_over_read_floor_100k_b1"] = {"int2": _over_read_floor(e2e, int2),
+                                                       "bf16": _over_read_floor(e2e, bf16)}
+        summary["e2e_bf16_over_int2_step_100k_b1"] = _ratio(bf16 and bf16["median_s"], int2 and int2["median_s"])
+        provenance["e2e_100k_b1"] = {"context": CONTEXT_100K, "batch": 1, "read_gb_per_s": read_bandwidth(e2e),
+                                     **{f"{k}_floor_s": r and e2e_read_floor_s(e2e, r)
+                                        for k, r in (("int2", int2), ("bf16", bf16))}}
+        if int2 is None or bf16 is None:
+            _warn(warnings, f"e2e: no run of both caches at context {CONTEXT_100K}, batch 1: the e2e keys are "
+                            "(partly) null")
 
     capacity = (e2e or {}).get("capacity") or {}
-    int2, bf16 = capacity.get("int2") or {}, capacity.get("bf16") or {}
-    if e2e is not None and not (int2 and bf16):
+    cap_int2, cap_bf16 = capacity.get("int2") or {}, capacity.get("bf16") or {}
+    if e2e is not None and not (cap_int2 and cap_bf16):
         _warn(warnings, "e2e_h200.json has no capacity results: the capacity ratios are null")
-    # Sequences that fit = the batch whose decode step was built and ran, not the byte accounting
-    # (max_concurrent_100k): an unexplained pool-sized allocation has made the two differ.
-    concurrency = _ratio(int2.get("built_batch") or None, bf16.get("built_batch") or None)
-    if int2 and bf16 and concurrency is None:
-        _warn(warnings, "concurrent_100k_sequences_int2_over_bf16 is null: a capacity batch was not built "
-                        f"(built: int2 {int2.get('built_batch')}, bf16 {bf16.get('built_batch')}; byte accounting: "
-                        f"int2 {int2.get('max_concurrent_100k')}, bf16 {bf16.get('max_concurrent_100k')})")
-    throughput = _ratio(int2.get("tokens_per_s_at_capacity"), bf16.get("tokens_per_s_at_capacity"))
-    summary["concurrent_100k_sequences_int2_over_bf16"] = None if e2e is None else {"jax": concurrency}
-    summary["throughput_at_capacity_100k_int2_over_bf16"] = None if e2e is None else {"jax": throughput}
-    if int2 and bf16:
-        provenance["capacity"] = {kind: {k: entry.get(k) for k in ("max_concurrent_100k", "built_batch",
-                                                                   "tokens_per_s_at_capacity")}
-                                  for kind, entry in (("int2", int2), ("bf16", bf16))}
-        provenance["capacity"]["concurrency_basis"] = "built_batch (max_concurrent_100k is the byte accounting)"
+    # Whole sequences = the batches whose decode steps were built and ran, not the byte accounting.
+    whole = _ratio(cap_int2.get("built_batch") or None, cap_bf16.get("built_batch") or None)
+    if cap_int2 and cap_bf16 and whole is None:
+        _warn(warnings, "capacity whole_sequences is null: a capacity batch was not built "
+                        f"(built: int2 {cap_int2.get('built_batch')}, bf16 {cap_bf16.get('built_batch')}; byte "
+                        f"accounting: int2 {cap_int2.get('max_concurrent_100k')}, bf16 "
+                        f"{cap_bf16.get('max_concurrent_100k')})")
+    exact = _ratio(cap_bf16.get("per_sequence_bytes"), cap_int2.get("per_sequence_bytes"))
+    summary["capacity_100k_int2_over_bf16"] = None if e2e is None else {"exact": exact, "whole_sequences": whole}
+    summary["throughput_at_capacity_100k_int2_over_bf16"] = None if e2e is None else _ratio(
+        cap_int2.get("tokens_per_s_at_capacity"), cap_bf16.get("tokens_per_s_at_capacity"))
+    if cap_int2 and cap_bf16:
+        provenance["capacity"] = {kind: {k: entry.get(k) for k in ("per_sequence_bytes", "max_concurrent_100k",
+                                                                   "built_batch", "tokens_per_s_at_capacity")}
+                                  for kind, entry in (("int2", cap_int2), ("bf16", cap_bf16))}
     assert tuple(summary) == SUMMARY_KEYS
     return summary, provenance
 
@@ -377,49 +403,60 @@ def _met(value, ok) -> str:
 
 
 def targets(results: dict, summary: dict) -> list[dict]:
-    """The issue's targets, each {target, value, threshold, status}."""
+    """The targets, each {target, value, threshold, status}, on the definitions of the module docstring."""
     rows = []
 
     def add(target, value, threshold, ok, fmt="{:.2f}"):
         rows.append({"target": target, "value": None if value is None else fmt.format(value),
                      "threshold": threshold, "status": _met(value, ok)})
 
-    for batch in (1, 8):
-        s = summary[f"decode_speedup_vs_cudnn_bf16_128k_b{batch}"] or {}
-        for backend in ("jax", "torch"):
-            add(f"decode speedup vs cuDNN BF16, 128K, b{batch}, {backend}", s.get(backend),
-                f"≥ {TARGET_SPEEDUP:g}×", lambda v: v >= TARGET_SPEEDUP, "{:.2f}×")
-    fraction = summary["decode_fraction_of_copy_bandwidth_128k"] or {}
-    for backend in ("jax", "torch"):
-        add(f"decode achieved / copy bandwidth, 128K, {backend}", fraction.get(backend),
-            f"≥ {TARGET_FRACTION:.0%}", lambda v: v >= TARGET_FRACTION, "{:.1%}")
-    for batch in (1, 8):
-        s = summary[f"decode_speedup_vs_cudnn_bf16_128k_b{batch}"] or {}
-        gap = None
-        if s.get("jax") and s.get("torch"):
-            gap = max(s["jax"], s["torch"]) / min(s["jax"], s["torch"]) - 1
-        add(f"Pallas vs Triton time gap, 128K, b{batch}", gap, f"≤ {TARGET_BACKEND_GAP:.0%}",
-            lambda v: v <= TARGET_BACKEND_GAP, "{:.1%}")
+    speedups = summary["decode_speedup_vs_best_bf16"] or {}
+    for point, threshold in (("128k_b1", TARGET_SPEEDUP_128K), ("128k_b8", TARGET_SPEEDUP_128K),
+                             ("32k_b1", TARGET_SPEEDUP_32K), ("32k_b8", TARGET_SPEEDUP_32K)):
+        for backend in DEFAULTS:
+            add(f"decode speed-up vs fastest BF16, {point}, {backend}", (speedups.get(point) or {}).get(backend),
+                f"≥ {threshold:g}×", lambda v, t=threshold: v >= t, "{:.2f}×")
+    decode = results.get("decode")
+    for backend in DEFAULTS:
+        slowest = None
+        if decode is not None:
+            values = [decode_point(decode, c)[backend]["speedup"] for c in decode["configs"] if c["context"] >= 4096]
+            slowest = min((v for v in values if v is not None), default=None)
+        add(f"decode speed-up vs fastest BF16, slowest (context, batch) ≥ 4K, {backend}", slowest, "≥ 1×",
+            lambda v: v >= 1.0, "{:.2f}×")
+    fractions = summary["decode_fraction_of_read_bandwidth"] or {}
+    for point in ("128k_b1", "128k_b8"):
+        for backend in DEFAULTS:
+            add(f"decode fraction of read bandwidth, {point}, {backend}", (fractions.get(point) or {}).get(backend),
+                f"≥ {TARGET_READ_FRACTION:.0%}", lambda v: v >= TARGET_READ_FRACTION, "{:.1%}")
+    for point in ("128k_b1", "128k_b8"):
+        s = speedups.get(point) or {}
+        gap = s["torch"] / s["jax"] - 1 if s.get("jax") and s.get("torch") else None  # Pallas time over Triton's
+        add(f"Pallas time over Triton's, minus one, {point}", gap, f"≤ {TARGET_BACKEND_GAP:.0%}",
+            lambda v: v <= TARGET_BACKEND_GAP, "{:+.1%}")
     write = results.get("write")
     for backend in ("pallas", "triton"):
         worst = None
         if write is not None:
             copy = write["copy_bandwidth"]["gb_per_s"]
-            fractions = [e[backend]["gb_per_s"] / copy for _, e in write_rows(write)]
-            worst = min(fractions) if fractions else None
-        add(f"write path (worst case) / copy bandwidth, {backend}", worst, f"≥ {TARGET_WRITE_FRACTION:.0%}",
-            lambda v: v >= TARGET_WRITE_FRACTION, "{:.1%}")
-    e2e = summary["e2e_decode_step_over_bandwidth_floor"] or {}
+            fractions_w = [e[backend]["gb_per_s"] / copy for _, e in write_rows(write)]
+            worst = min(fractions_w) if fractions_w else None
+        add(f"write path (worst case) / copy bandwidth (it reads and writes), {backend}", worst,
+            f"≥ {TARGET_WRITE_FRACTION:.0%}", lambda v: v >= TARGET_WRITE_FRACTION, "{:.1%}")
+    e2e = summary["e2e_step_over_read_floor_100k_b1"] or {}
     for cache in ("int2", "bf16"):
-        add(f"e2e decode step / bandwidth floor, 100K, {cache} cache", e2e.get(cache),
-            f"≤ {TARGET_E2E_OVER_FLOOR:g}×", lambda v: v <= TARGET_E2E_OVER_FLOOR, "{:.2f}×")
-    conc = (summary["concurrent_100k_sequences_int2_over_bf16"] or {}).get("jax")
-    add("concurrent 100K sequences, INT2 / BF16", conc, f"≥ {TARGET_CONCURRENCY:g}×",
-        lambda v: v >= TARGET_CONCURRENCY, "{:.2f}×")
-    thr = (summary["throughput_at_capacity_100k_int2_over_bf16"] or {}).get("jax")
-    rows.append({"target": "throughput at capacity, 100K, INT2 / BF16",
-                 "value": None if thr is None else f"{thr:.2f}×", "threshold": "(reported)",
-                 "status": "no data" if thr is None else "—"})
+        add(f"e2e decode step / read floor, 100K b1, {cache} cache", e2e.get(cache),
+            f"≤ {TARGET_E2E_OVER_READ_FLOOR:g}×", lambda v: v <= TARGET_E2E_OVER_READ_FLOOR, "{:.2f}×")
+    add("e2e BF16 step / INT2 step, 100K b1", summary["e2e_bf16_over_int2_step_100k_b1"],
+        f"≥ {TARGET_E2E_BF16_OVER_INT2:g}×", lambda v: v >= TARGET_E2E_BF16_OVER_INT2, "{:.2f}×")
+    add("tokens/s at capacity, 100K, INT2 / BF16", summary["throughput_at_capacity_100k_int2_over_bf16"],
+        f"≥ {TARGET_THROUGHPUT_AT_CAPACITY:g}×", lambda v: v >= TARGET_THROUGHPUT_AT_CAPACITY, "{:.2f}×")
+    cap = summary["capacity_100k_int2_over_bf16"] or {}
+    for basis in ("exact", "whole_sequences"):
+        value = cap.get(basis)
+        rows.append({"target": f"sequences of 100K that fit, INT2 / BF16 ({basis.replace('_', ' ')})",
+                     "value": None if value is None else f"{value:.2f}×", "threshold": "(reported)",
+                     "status": "no data" if value is None else "—"})
     return rows
 
 
@@ -451,7 +488,7 @@ def make_plots(results: dict, out_dir: Path, warnings: list[str]) -> list[Path]:
     decode, e2e = results.get("decode"), results.get("e2e")
     if decode is not None and decode["configs"]:
         batches = sorted({c["batch"] for c in decode["configs"]})
-        copy = decode["copy_bandwidth"]["gb_per_s"]
+        copy, read = decode["copy_bandwidth"]["gb_per_s"], read_bandwidth(decode)
         for kind, ylabel, fname in (("time", "decode attention time (µs)", "decode_time_vs_context.png"),
                                     ("bw", "achieved GB/s (bytes read / time)", "decode_bandwidth.png")):
             fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
@@ -466,13 +503,15 @@ def make_plots(results: dict, out_dir: Path, warnings: list[str]) -> list[Path]:
                     tuned = "[" in name
                     ax.plot(*zip(*points), "x" if tuned else "o-", label=None if tuned else name,
                             color="grey" if tuned else None, markersize=5 if tuned else 4)
+                if kind == "bw" and read:
+                    ax.axhline(read, color="black", linestyle="--", label=f"read-only stream {read:.0f} GB/s")
                 if kind == "bw":
-                    ax.axhline(copy, color="black", linestyle="--", label=f"copy bandwidth {copy:.0f} GB/s")
+                    ax.axhline(copy, color="grey", linestyle=":", label=f"copy (read+write) {copy:.0f} GB/s")
                 ax.set_xscale("log", base=2)
                 ax.set_yscale("log")
                 ax.set_xlabel("context (tokens)")
                 ax.set_ylabel(ylabel)
-                ax.set_title(f"batch {batch}" + (" (× = Pallas tunings)" if kind == "time" else ""))
+                ax.set_title(f"batch {batch}" + (" (× = tuning sweeps)" if kind == "time" else ""))
                 ax.grid(True, which="both", alpha=0.3)
                 ax.legend(fontsize=7)
             fig.tight_layout()
@@ -481,15 +520,16 @@ def make_plots(results: dict, out_dir: Path, warnings: list[str]) -> list[Path]:
             plt.close(fig)
             written.append(path)
     if e2e is not None and e2e["runs"]:
-        runs = [r for r in e2e["runs"] if r.get("floor_s")]
+        runs = [dict(r, floor_s=e2e_read_floor_s(e2e, r)) for r in e2e["runs"]]
+        runs = [r for r in runs if r["floor_s"]]
         if runs:
             fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(runs)), 4))
             xs = range(len(runs))
             ax.bar([x - 0.2 for x in xs], [r["median_s"] * 1e3 for r in runs], 0.4, label="decode step")
-            ax.bar([x + 0.2 for x in xs], [r["floor_s"] * 1e3 for r in runs], 0.4, label="bandwidth floor")
+            ax.bar([x + 0.2 for x in xs], [r["floor_s"] * 1e3 for r in runs], 0.4, label="read floor")
             ax.set_xticks(list(xs), [f"{r['cache']}\n{r['context'] // 1000}K b{r['batch']}" for r in runs])
             ax.set_ylabel("ms per decode step")
-            ax.set_title("end-to-end decode step vs (weights + KV) / copy bandwidth")
+            ax.set_title("end-to-end decode step vs (weights + KV bytes) / read-only bandwidth")
             ax.legend()
             fig.tight_layout()
             path = out_dir / "e2e_step_vs_floor.png"
@@ -557,10 +597,14 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
         rows = [[f"`{s}_h200.json`", f"`{(e.get('git_sha') or '?')[:12]}`", e.get("date_utc"),
                  _f(present[s]["copy_bandwidth"].get("torch", {}).get("gb_per_s"), "{:.0f}"),
                  _f(present[s]["copy_bandwidth"].get("jax", {}).get("gb_per_s"), "{:.0f}"),
-                 _f(present[s]["copy_bandwidth"]["gb_per_s"], "{:.0f}")] for s, e in envs.items()]
-        lines += _table(["file", "git sha", "date (UTC)", "copy GB/s torch", "copy GB/s JAX", "copy GB/s used"], rows)
-        lines += ["Copy bandwidth = (bytes read + bytes written) / time of a device-to-device copy; the larger of "
-                  "the torch and JAX measurements is the reference (`copy GB/s used`).", ""]
+                 _f(present[s]["copy_bandwidth"]["gb_per_s"], "{:.0f}"), _f(read_bandwidth(present[s]), "{:.0f}")]
+                for s, e in envs.items()]
+        lines += _table(["file", "git sha", "date (UTC)", "copy GB/s torch", "copy GB/s JAX", "copy GB/s",
+                         "read-only GB/s"], rows)
+        lines += ["Copy bandwidth = (bytes read + bytes written) / time of a device-to-device copy (the larger of "
+                  "torch and JAX); read-only = bytes / time of a reduction over 4 GiB (torch). Decode and the "
+                  "end-to-end step only read, so their fractions and floors use the read-only figure; the write "
+                  "path reads and writes, so its fractions use the copy figure.", ""]
     missing = [f"`{s}_h200.json`" for s in FILES if results.get(s) is None]
     if missing:
         lines += [f"Missing result files: {', '.join(missing)} (the values that depend on them are shown as "
@@ -580,40 +624,73 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
                   f"{o.get('sink')}, recent {o.get('recent')}. Timing: {e2e.get('timing_method', '?')}.", ""]
 
     # ---- targets
-    lines += ["## Targets (issue 7)", ""]
+    lines += ["## Targets", "",
+              "Definitions (`benchmarks/summarize.py`): a speed-up is the fastest BF16 variant measured in the same "
+              "run for that (context, batch) over the **default launch** of each backend (jax: "
+              f"`{PALLAS}`, torch: `{TRITON}`); fractions and floors are taken against the **read-only stream** "
+              "measured in the same run (a decode kernel only reads); tuning sweeps are reported apart and never "
+              "enter these figures.", ""]
     lines += _table(["target", "measured", "threshold", "status"],
                     [[t["target"], t["value"] or "—", t["threshold"], t["status"]] for t in targets(results, summary)])
-    batch = (provenance.get("decode_fraction_of_copy_bandwidth_128k") or {}).get("batch")
-    lines += ["The JAX (torch) figures use the fastest passing Pallas (Triton) INT2 variant: the default tiling or one "
-              "of the tilings swept at 128K; which one is in `summary_h200_provenance.json`. The fraction of copy bandwidth is taken at "
-              f"128K with batch 8 when measured, else batch 1 (this run: {'batch ' + str(batch) if batch else 'no data'}). "
-              "The Pallas/Triton gap is the slower median over the faster, minus one.", ""]
 
     # ---- decode
     if decode is not None:
-        lines += ["## Decode attention", "",
-                  "Median time per call; GB/s = bytes the variant must read / time; × copy = that over the copy "
-                  "bandwidth (measured in the config's own run where it was recorded, else the file's); speedups are the cuDNN BF16 (or FlashAttention-2 BF16) median over this variant's. "
-                  "A variant that failed its accuracy check is not timed. `git`: the code each (context, batch) "
-                  "was measured at (`bench_h200 --merge` keeps configs of earlier runs).", ""]
+        configs = sorted(decode["configs"], key=lambda c: (c["context"], c["batch"]))
+        lines += ["## Decode attention: default launches against the fastest BF16", "",
+                  "Per (context, batch): the fastest passing BF16 variant of the same run, and each backend's default "
+                  "launch: its median, the speed-up over that BF16, its fraction of the read-only bandwidth (bytes "
+                  "it must read / time / read GB/s) and × floor (its time over bytes / read GB/s). `read GB/s` and "
+                  "`copy GB/s` are the read-only stream and the read+write copy measured in the config's own run.", ""]
         rows = []
-        for c in sorted(decode["configs"], key=lambda c: (c["context"], c["batch"])):
-            cudnn, fa2, copy = timed_variant(c, CUDNN), timed_variant(c, FA2), _config_copy(decode, c)
-            for name, v in c["variants"].items():
-                if "error" in v:
-                    rows.append([c["context"], c["batch"], f"`{name}`", "error", "", "", "", "", "",
-                                 v["error"][:80].replace("|", "/"), _short_sha(c)])
-                    continue
-                timed = timed_variant(c, name)
-                t = timed["median_s"] if timed else None
-                rows.append([c["context"], c["batch"], f"`{name}`", _f(t and t * 1e6),
-                             _f(timed and timed["gb_per_s"], "{:.0f}"), _f(timed and timed["gb_per_s"] / copy, "{:.2f}"),
-                             _f(_ratio(cudnn and cudnn["median_s"], t), "{:.2f}"),
-                             _f(_ratio(fa2 and fa2["median_s"], t), "{:.2f}"),
-                             _f(v.get("rel_error"), "{:.1e}"), "passed" if v.get("passed") else "**failed**",
-                             _short_sha(c)])
-        lines += _table(["context", "batch", "variant", "µs", "GB/s", "× copy", "vs cuDNN", "vs FA2", "rel. error",
-                         "check", "git"], rows)
+        for c in configs:
+            p = decode_point(decode, c)
+            rows.append([c["context"], c["batch"], f"`{p['best_bf16']}`" if p["best_bf16"] else "—",
+                         _f(p["best_bf16_s"] and p["best_bf16_s"] * 1e6)]
+                        + [x for b in DEFAULTS for x in (_f(p[b]["median_s"] and p[b]["median_s"] * 1e6),
+                                                         _f(p[b]["speedup"], "{:.2f}×"),
+                                                         _f(p[b]["fraction_of_read"], "{:.0%}"),
+                                                         _f(p[b]["over_floor"], "{:.2f}"))]
+                        + [_f(p["read_gb_per_s"], "{:.0f}"), _f(p["copy_gb_per_s"], "{:.0f}"), _short_sha(c)])
+        lines += _table(["context", "batch", "fastest BF16", "BF16 µs", "Pallas µs", "Pallas ×", "Pallas of read",
+                         "Pallas × floor", "Triton µs", "Triton ×", "Triton of read", "Triton × floor", "read GB/s",
+                         "copy GB/s", "git"], rows)
+
+        def variant_rows(sweeps: bool) -> list[list]:
+            out = []
+            for c in configs:
+                _, bf16 = best_bf16(c)
+                read = read_bandwidth(decode, c)
+                for name, v in c["variants"].items():
+                    if is_sweep(name) != sweeps:
+                        continue
+                    if "error" in v:
+                        out.append([c["context"], c["batch"], f"`{name}`", "error", "", "", "", "",
+                                    v["error"][:80].replace("|", "/"), _short_sha(c)])
+                        continue
+                    timed = timed_variant(c, name)
+                    t = timed["median_s"] if timed else None
+                    fraction = _ratio(timed and timed["gb_per_s"], read)
+                    out.append([c["context"], c["batch"], f"`{name}`", _f(t and t * 1e6),
+                                _f(timed and timed["gb_per_s"], "{:.0f}"), _f(fraction, "{:.2f}"),
+                                _f(_ratio(bf16 and bf16["median_s"], t), "{:.2f}"),
+                                _f(v.get("rel_error"), "{:.1e}"), "passed" if v.get("passed") else "**failed**",
+                                _short_sha(c)])
+            return out
+
+        header = ["context", "batch", "variant", "µs", "GB/s", "of read", "vs fastest BF16", "rel. error", "check",
+                  "git"]
+        lines += ["### Every variant at its default launch", "",
+                  "GB/s = bytes the variant must read / median time. A variant that failed its accuracy check is not "
+                  "timed. The `_rows_as_queries` SDPA variants pass the 4 query heads of a KV head as 4 query rows of "
+                  "that head, a form no decode user writes (`bench_decode`'s docstring); they count as BF16 "
+                  "baselines all the same.", ""]
+        lines += _table(header, variant_rows(sweeps=False))
+        sweep_rows = variant_rows(sweeps=True)
+        if sweep_rows:
+            lines += ["### Tuning sweeps", "",
+                      "Launch keywords other than the defaults (`bench_h200`'s TUNING_128K / TRITON_TUNING_128K, "
+                      "`--splits`, `--variants`), each timed once; never used in the figures above.", ""]
+            lines += _table(header, sweep_rows)
 
     # ---- write
     if write is not None:
@@ -631,17 +708,26 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
 
     # ---- e2e
     if e2e is not None:
+        read = read_bandwidth(e2e)
         lines += ["## End-to-end decode (JAX)", "",
-                  "Floor = (weight bytes read + KV bytes read) / copy bandwidth. Checks: logits finite, and two "
-                  "steps from the same state bit-identical (not a comparison against a reference model).", ""]
+                  f"Floor = (weight bytes read + KV bytes read) / the read-only bandwidth of the run "
+                  f"({_f(read, '{:.0f}')} GB/s). BF16 / INT2 = the BF16 cache's step over the INT2 cache's at the same "
+                  "context and batch: what a user feels. Checks: logits finite, and two steps from the same state "
+                  "bit-identical (not a comparison against a reference model).", ""]
+
+        def bf16_over_int2(r):  # on the INT2 rows: the BF16 step at the same context and batch over this one
+            pair = e2e_run(e2e, "bf16", r["context"], r["batch"]) if r["cache"] == "int2" else None
+            return pair and _ratio(pair["median_s"], r["median_s"])
+
         rows = [[r["cache"], r["context"], r["batch"], _f(r["median_s"] * 1e3, "{:.2f}"),
-                 _f(r.get("floor_s") and r["floor_s"] * 1e3, "{:.2f}"), _f(_over_floor(e2e, r), "{:.2f}"),
+                 _f(e2e_read_floor_s(e2e, r) and e2e_read_floor_s(e2e, r) * 1e3, "{:.2f}"),
+                 _f(_over_read_floor(e2e, r), "{:.2f}"), _f(bf16_over_int2(r), "{:.2f}×", none=""),
                  _f(r["weight_bytes_read"] / 1e9, "{:.2f}"), _f(r["kv_bytes_read"] / 1e9, "{:.2f}"),
                  _f(r["batch"] / r["median_s"], "{:.0f}"),
                  "yes" if r.get("logits_finite") and r.get("deterministic") else "**no**"]
                 for r in e2e["runs"]]
-        lines += _table(["cache", "context", "batch", "step ms", "floor ms", "step / floor", "weights GB",
-                         "KV GB", "tokens/s", "finite + deterministic"], rows)
+        lines += _table(["cache", "context", "batch", "step ms", "read floor ms", "step / floor", "BF16 / INT2",
+                         "weights GB", "KV GB", "tokens/s", "finite + deterministic"], rows)
         cap = e2e.get("capacity") or {}
         if cap.get("int2") or cap.get("bf16"):
             lines += [f"Capacity at {cap.get('context')} tokens per sequence: ⌊(device memory "
@@ -658,6 +744,10 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
                              _f(step.get("median_s") and step["median_s"] * 1e3, "{:.2f}"),
                              _f(entry.get("tokens_per_s_at_capacity"), "{:.0f}")])
             lines += _table(["cache", "GB / sequence", "max sequences", "built batch", "step ms", "tokens/s"], rows)
+            ratio = summary.get("capacity_100k_int2_over_bf16") or {}
+            lines += [f"INT2 / BF16: {_f(ratio.get('exact'), '{:.2f}×')} by bytes per sequence (exact), "
+                      f"{_f(ratio.get('whole_sequences'), '{:.2f}×')} in whole sequences built; tokens/s at capacity "
+                      f"{_f(summary.get('throughput_at_capacity_100k_int2_over_bf16'), '{:.2f}×')}.", ""]
 
     # ---- summary and plots
     lines += ["## Summary (`summary_h200.json`)", "", "```json", json.dumps(summary, indent=1), "```", ""]

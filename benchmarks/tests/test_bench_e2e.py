@@ -102,7 +102,7 @@ def test_tiny_run_end_to_end(tiny_model):
     weights = bench_e2e.param_bytes(init_params(tiny_model, jax.random.key(0), dtype=jnp.bfloat16))["weight_bytes"]
     memory = weights + 3 * per_seq + per_seq // 2
     snapshots = []  # what a run cut off after each measurement would have saved
-    result = bench_e2e.run(contexts=(500, 700), copy_gb_per_s=100.0, model=tiny_model, oscar=oscar,
+    result = bench_e2e.run(contexts=(500, 700), floor_gb_per_s=100.0, model=tiny_model, oscar=oscar,
                            capacity_context=700, memory_bytes=memory, reserve_bytes=0, steps=2, trials=2,
                            interpret=True, on_progress=lambda partial: snapshots.append(json.dumps(partial)))
     partial_runs = [len(json.loads(s)["runs"]) for s in snapshots]

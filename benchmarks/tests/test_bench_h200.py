@@ -18,7 +18,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(harness, "environment", lambda: {"gpu": "fake", "jax": "-", "torch": "-", "triton": "-",
                                                         "git_sha": "abc1234"})
     monkeypatch.setattr(harness, "copy_bandwidth", lambda: {"torch": {"gb_per_s": 1.0}, "jax": {"gb_per_s": 2.0},
-                                                            "gb_per_s": 2.0})
+                                                            "gb_per_s": 2.0, "read_gb_per_s": 3.0})
 
 
 def _fake_run_config(stop_after):
@@ -150,7 +150,7 @@ def test_capacity_only_merges_into_the_existing_e2e_file(fake_gpu, monkeypatch, 
     (tmp_path / "e2e_h200.json").write_text(json.dumps(steps))
     calls = []
 
-    def fake_run(contexts=None, copy_gb_per_s=None, on_progress=None, **kw):
+    def fake_run(contexts=None, floor_gb_per_s=None, on_progress=None, **kw):
         calls.append(contexts)
         partial = {"runs": [], "capacity": {"int2": {"max_concurrent_100k": 55, "built_batch": 55}}}
         on_progress(partial)

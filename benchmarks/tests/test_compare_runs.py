@@ -1,5 +1,5 @@
 """benchmarks.compare_runs on the fake raw files of test_summarize: identical runs agree, a moved
-figure is named with its change, a changed default is compared with the variant it became."""
+figure is named with its change, a change of which BF16 variant is fastest is named."""
 
 import pytest
 
@@ -29,33 +29,32 @@ def test_identical_runs_agree_on_every_figure(tmp_path):
 def test_a_moved_figure_is_named_with_its_change(tmp_path):
     new = fake_results()
     config = next(c for c in new["decode"]["configs"] if (c["context"], c["batch"]) == (131072, 8))
-    config["variants"]["cudnn_bf16"]["median_s"] *= 1.10  # 10 % slower baseline
+    config["variants"]["bf16_paged_pallas"]["median_s"] *= 1.10  # the fastest BF16, 10 % slower
     new["e2e"]["capacity"]["int2"]["built_batch"] = 30
     report = C.compare(*_dirs(tmp_path, new), tolerance=0.05)
     rows = {r["label"]: r for r in report["rows"]}
-    assert rows["ctx 131072 b8 cudnn_bf16"]["change"] == pytest.approx(0.10)
-    assert rows["ctx 131072 b8 cudnn_bf16"]["outside"]
+    assert rows["ctx 131072 b8 bf16_paged_pallas"]["change"] == pytest.approx(0.10)
+    assert rows["ctx 131072 b8 fastest BF16 (bf16_paged_pallas)"]["outside"]
     assert rows["int2 sequences of 100K built"]["change"] == pytest.approx(-0.25)
-    # the speedup at b8 follows the baseline: both summary keys of b8 moved by +10 %
-    assert rows["decode_speedup_vs_cudnn_bf16_128k_b8.jax"]["change"] == pytest.approx(0.10)
-    assert set(report["outside"]) == {"ctx 131072 b8 cudnn_bf16", "int2 sequences of 100K built",
-                                      "decode_speedup_vs_cudnn_bf16_128k_b8.jax",
-                                      "decode_speedup_vs_cudnn_bf16_128k_b8.torch",
-                                      "concurrent_100k_sequences_int2_over_bf16.jax"}
+    # the speed-ups at 128K b8 follow their baseline
+    assert rows["decode_speedup_vs_best_bf16.128k_b8.jax"]["change"] == pytest.approx(0.10)
+    assert set(report["outside"]) == {"ctx 131072 b8 bf16_paged_pallas", "ctx 131072 b8 fastest BF16 (bf16_paged_pallas)",
+                                      "int2 sequences of 100K built",
+                                      "decode_speedup_vs_best_bf16.128k_b8.jax",
+                                      "decode_speedup_vs_best_bf16.128k_b8.torch",
+                                      "capacity_100k_int2_over_bf16.whole_sequences"}
     text = C.render(report)
-    assert "| decode | ctx 131072 b8 cudnn_bf16 | 4000 | 4400 | µs | +10.0% **outside** |" in text
+    assert "| decode | ctx 131072 b8 bf16_paged_pallas | 3000 | 3300 | µs | +10.0% **outside** |" in text
 
 
-def test_the_fastest_variant_is_compared_whatever_its_name(tmp_path):
-    """A default that became a tuned variant's launch: the rows name both and compare their times."""
+def test_a_change_of_the_fastest_bf16_is_named(tmp_path):
     new = fake_results()
     config = next(c for c in new["decode"]["configs"] if (c["context"], c["batch"]) == (131072, 1))
-    del config["variants"]["oscar_int2_pallas[{'pages_per_split': 16}]"]
-    config["variants"]["oscar_int2_pallas"]["median_s"] = 81e-6
+    config["variants"]["cudnn_bf16"]["median_s"] = 490e-6  # now faster than FA2's 500
     report = C.compare(*_dirs(tmp_path, new), tolerance=0.05)
-    row = next(r for r in report["rows"] if r["label"].startswith("ctx 131072 b1 fastest Pallas"))
-    assert "oscar_int2_pallas[{'pages_per_split': 16}] → oscar_int2_pallas" in row["label"]
-    assert row["base"] == pytest.approx(80.0) and row["new"] == pytest.approx(81.0)
+    row = next(r for r in report["rows"] if r["label"].startswith("ctx 131072 b1 fastest BF16"))
+    assert "flash2_bf16 → cudnn_bf16" in row["label"]
+    assert row["base"] == pytest.approx(500.0) and row["new"] == pytest.approx(490.0)
     assert not row["outside"]
 
 
@@ -65,6 +64,6 @@ def test_a_missing_figure_and_a_bad_tolerance(tmp_path):
     config["variants"]["oscar_int2_triton"] = {"error": "RuntimeError: out of resources"}
     base, new_dir = _dirs(tmp_path, new)
     report = C.compare(base, new_dir, tolerance=0.05)
-    assert "ctx 8192 b1 fastest Triton INT2 (oscar_int2_triton → None)" in report["missing"]
+    assert "ctx 8192 b1 oscar_int2_triton" in report["missing"]
     with pytest.raises(ValueError, match="tolerance must be a fraction in \\(0, 1\\), got 5"):
         C.compare(base, new_dir, tolerance=5)
