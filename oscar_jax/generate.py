@@ -67,7 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m", help="a known model name (default: smollm2-135m)")
     p.add_argument("--model-path", help="a .gguf file or a Hugging Face directory (overrides --model)")
     p.add_argument("--kv-cache-dtype", choices=("int2", "bf16"), default="int2")
-    p.add_argument("--oscar-rotation-path", type=Path, help="calibration output dir (default: the shipped artifact)")
+    p.add_argument("--oscar-rotation-path", type=Path,
+                   help="calibration output dir, or a dir with the OSCAR authors' k_rotation*.pt + v_rotation*.pt "
+                        "(RotationZoo; imported on the fly) (default: the shipped artifact)")
     p.add_argument("--oscar-sink-size", type=int, default=64)
     p.add_argument("--oscar-recent-size", type=int, default=256)
     p.add_argument("--oscar-group-size", type=int, default=None, help="default: the artifact's")
@@ -92,9 +94,10 @@ def main(argv=None) -> int:
     from oscar_jax.cache_api import DenseKVCache
     from oscar_jax.loaders import load_model
     from oscar_jax.model import _decode_step_jit, _prefill_jit, cast_params, describe
-    from oscar_jax.runtime import OscarRuntime
+    from calibration.import_rotations import read_rotation_path
+    from oscar_jax.runtime import OscarRuntime, fingerprint
     from oscar_jax.tokenizer import load_tokenizer
-    from shared_math.artifact import ArtifactError, read_artifact
+    from shared_math.artifact import ArtifactError
 
     model = args.model_path or args.model
     try:
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
             print("error: --oscar-rotation-path is required for this model (run `python -m calibration`)", file=sys.stderr)
             return 2
         try:
-            artifact = read_artifact(rotation_path)
+            artifact = read_rotation_path(rotation_path, fingerprint(cfg))  # ours, or the authors' .pt pair
             runtime = OscarRuntime(params, cfg, artifact, max_batch=1, max_seq_len=max_seq_len,
                                    sink=args.oscar_sink_size, recent=args.oscar_recent_size,
                                    group_size=args.oscar_group_size)

@@ -58,7 +58,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from shared_math.allocator import PageAllocator  # pure numpy: the host planner both runtimes share
 from oscar_torch.cache import OscarTorchCache, StepPlan
-from shared_math.artifact import ArtifactError, ModelFingerprint, RotationArtifact, read_artifact, validate_artifact
+from shared_math.artifact import ArtifactError, ModelFingerprint, RotationArtifact, validate_artifact
 from shared_math.spec import OscarConfig
 from shared_math.tiers import tier_split
 from shared_math.tiling import next_power_of_two
@@ -224,7 +224,10 @@ class OscarHFCache(Cache):
         device: torch.device | str | None = None,
     ) -> "OscarHFCache":
         """A cache for `model_config` (a transformers LlamaConfig / Qwen3Config / ...) from a
-        rotation artifact (a RotationArtifact, its .safetensors file or its directory).
+        rotation artifact (a RotationArtifact, its .safetensors file or its directory), or from a
+        directory holding the OSCAR authors' `k_rotation*.pt` + `v_rotation*.pt` (RotationZoo),
+        imported on the fly by `calibration.import_rotations.read_rotation_path` (torch.load with
+        weights_only=True, the same validation as the importer, clip ratios 0.96 / 0.92).
 
         max_batch_size: sequences per forward (all of one length); max_cache_len: tokens per
         sequence (prompt + generated). sink / recent / page_size / group_size override the
@@ -238,7 +241,9 @@ class OscarHFCache(Cache):
         if isinstance(path_or_artifact, RotationArtifact):
             artifact = path_or_artifact
         elif isinstance(path_or_artifact, (str, os.PathLike)):
-            artifact = read_artifact(Path(path_or_artifact), expected_model=fingerprint)
+            from calibration.import_rotations import read_rotation_path  # JAX-free: the one resolver of both runtimes
+
+            artifact = read_rotation_path(Path(path_or_artifact), fingerprint)
         else:
             raise ValueError(f"path_or_artifact must be a path or a RotationArtifact, got {type(path_or_artifact).__name__}")
         return cls(artifact, fingerprint, max_batch_size=max_batch_size, max_cache_len=max_cache_len, sink=sink,
