@@ -9,10 +9,15 @@ files (`k_rotation_qqt_r_h_pbr.pt`, `v_rotation_sst_r_h_pbr.pt` in the RotationZ
 default names, `srt/mem_cache/oscar_rotation_paths.py`):
     {"format_version": 1, "objective": str, "source_grouping": "layer",
      "layers": {layer_id: {"layer_id": int, "rotation": float32 [D, D], "eigenvalues": float32 [D]}}}
-Layer ids are ints (their loader also accepts their str forms). format_version 2 (their open PR
-#20, "per-(layer, KV head) rotations", dispatch on `rotation.dim()`) holds `[Hkv, D, D]` per
-layer and may carry extra keys; both are read here. Clip ratios are not in the files: their server
-takes them from SGLANG_OSCAR_{K,V}_CLIP_RATIO, so they are flags here (defaults 0.96 / 0.92).
+Layer ids are ints (their loader also accepts their str forms); the authors' Qwen3-8B and
+Qwen3-4B-Thinking files on their repository's branches have exactly this layout. format_version 2
+is their open PR #20 ("per-(layer, KV head) rotations (`format_version: 2`) … dispatch is on
+`rotation.dim()`", from its description: its writer was not in the stored snapshot); the one v2
+writer we could read (an "OptR" calibration script, repository not identified) stores
+`[Hkv, D, D]` rotations, `source_grouping: "kv_head"`, per-layer `[D]` eigenvalues and extra keys.
+Here v2 takes `[Hkv, D, D]` or `[D, D]` rotations and `[D]` or `[Hkv, D]` eigenvalues; extra keys
+are ignored. Clip ratios are not in the files: their server takes them from
+SGLANG_OSCAR_{K,V}_CLIP_RATIO, so they are flags here (defaults 0.96 / 0.92).
 
 Convention: row vectors, `k' = k·R`, exactly ours (DESIGN.md §3), so matrices are copied without a
 transpose. Their runtime applies `tensor @ R` to q and k (`_apply_oscar_rotation`,
@@ -141,7 +146,7 @@ def _float_array(value, what: str) -> np.ndarray:
     if value.layout != torch.strided or value.is_quantized:
         raise ZooImportError(f"{what} must be a dense tensor, got layout {value.layout}")
     if value.dtype not in (torch.float32, torch.float64):  # the authors save float32 (add_layer)
-        raise ZooImportError(f"{what} must be float32, got {value.dtype}")
+        raise ZooImportError(f"{what} must be float32 or float64, got {value.dtype}")
     return value.detach().cpu().numpy().astype(np.float32)
 
 
@@ -171,7 +176,7 @@ def read_zoo_file(path: str | os.PathLike, model: ModelFingerprint, *, target: s
         where = f"{file}: layer {layer}"
         if not isinstance(entry, dict):
             raise ZooImportError(f"{where}: entry must be a dict, got {type(entry).__name__}")
-        if "layer_id" in entry and (isinstance(entry["layer_id"], bool) or entry["layer_id"] != layer):
+        if "layer_id" in entry and (type(entry["layer_id"]) is not int or entry["layer_id"] != layer):
             raise ZooImportError(f"{where}: entry says layer_id={entry['layer_id']!r}")
         for key in ("rotation", "eigenvalues"):
             if key not in entry or entry[key] is None:
@@ -317,7 +322,7 @@ def _hf_dir_fingerprint(directory: Path) -> ModelFingerprint:
         raw = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file}: cannot read the model config ({e})") from None
-    cfg = raw.get("text_config", raw) if isinstance(raw, dict) else raw  # composite configs nest the decoder
+    cfg = (raw.get("text_config") or raw) if isinstance(raw, dict) else raw  # composite configs nest the decoder
     try:
         q_heads = int(cfg["num_attention_heads"])
         return ModelFingerprint(
@@ -330,7 +335,7 @@ def _hf_dir_fingerprint(directory: Path) -> ModelFingerprint:
         raise ValueError(f"{file}: not a decoder config with the attention shape ({e!r})") from None
 
 
-def model_fingerprint(name_or_path: str | os.PathLike) -> ModelFingerprint:
+def model_path_fingerprint(name_or_path: str | os.PathLike) -> ModelFingerprint:
     """The model shape fingerprint our artifacts carry, for a model named as everywhere in the project
     (`smollm2-135m`, a .gguf file, or an HF directory). An HF directory needs only its config.json
     (no JAX); a name or a GGUF goes through oscar_jax.loaders."""
@@ -363,12 +368,12 @@ def main(argv=None) -> int:
     command = "python -m calibration.import_rotations " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     try:
-        model = model_fingerprint(args.model_path)
+        model = model_path_fingerprint(args.model_path)
         artifact = import_zoo(args.k_rotation, args.v_rotation, model, k_clip_ratio=args.k_clip_ratio,
                               v_clip_ratio=args.v_clip_ratio, group_size=args.group_size, command=command)
         artifact.provenance["model_path"] = args.model_path
         file = write_artifact(args.output_dir, artifact)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:  # ArtifactError is a ValueError
+    except (ValueError, OSError, NotImplementedError) as e:  # ArtifactError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {file} ({model}; G={artifact.group_size}, clip K {args.k_clip_ratio} V {args.v_clip_ratio})")

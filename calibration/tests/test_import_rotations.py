@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from calibration.import_rotations import ZooImportError, import_zoo, main, model_fingerprint, read_rotation_path
+from calibration.import_rotations import ZooImportError, import_zoo, main, model_path_fingerprint, read_rotation_path
 from shared_math.artifact import ARTIFACT_FILENAME, ArtifactError, ModelFingerprint, read_artifact, write_artifact
 from shared_math.rotation import rotation_from_covariance
 
@@ -150,14 +150,20 @@ def test_read_rotation_path_takes_our_artifact_or_the_authors_directory(tmp_path
 
 
 def test_model_path_resolves_like_the_rest_of_the_project(tmp_path):
-    assert model_fingerprint(hf_config_dir(tmp_path / "m")) == MODEL
+    from oscar_jax.loaders import hf_config
+    from oscar_jax.runtime import fingerprint
+
+    directory = hf_config_dir(tmp_path / "m")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "vocab_size": 64, "intermediate_size": 96}))
+    assert model_path_fingerprint(directory) == MODEL == fingerprint(hf_config(directory))  # the JAX loader agrees
     nested = tmp_path / "vlm"
     nested.mkdir()
     (nested / "config.json").write_text(json.dumps({"text_config": {
         "num_hidden_layers": 5, "num_attention_heads": 8, "hidden_size": 512}}))
-    assert model_fingerprint(nested) == ModelFingerprint(5, 8, 8, 64)  # no KV heads given → MHA; D = hidden / heads
+    assert model_path_fingerprint(nested) == ModelFingerprint(5, 8, 8, 64)  # no KV heads given → MHA; D = hidden / heads
     with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
-        model_fingerprint("no-such-model")  # names go through oscar_jax.loaders.resolve_model_path
+        model_path_fingerprint("no-such-model")  # names go through oscar_jax.loaders.resolve_model_path
 
 
 def test_resolver_and_importer_load_no_jax(tmp_path):
@@ -235,7 +241,7 @@ def test_refuses_a_wrong_head_dim(tmp_path):
     (lambda s: s["layers"].update({3: s["layers"][0]}), "unexpected layer(s) [3]"),
     (lambda s: s["layers"].update({"1": s["layers"][1]}), "layer 1 appears twice"),
     (lambda s: s["layers"][0]["rotation"].__setitem__((0, 0), float("nan")), "layer 0: rotation has non-finite"),
-    (lambda s: s["layers"][1].update(rotation=s["layers"][1]["rotation"].half()), "must be float32, got torch.float16"),
+    (lambda s: s["layers"][1].update(rotation=s["layers"][1]["rotation"].half()), "must be float32 or float64, got torch.float16"),
     (lambda s: s["layers"][1].update(rotation=s["layers"][1]["rotation"].expand(2, 16, 16)),
      "format_version 1 expects [16, 16]"),  # per-head rotations are format_version 2
     (lambda s: s["layers"][0].pop("eigenvalues"), "layer 0: no 'eigenvalues'"),
