@@ -63,6 +63,26 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_triton_language_once_per_launch()
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        'kernels(choice): run oscar_jax ops called with interpret=None on "pallas" (the kernels: interpret '
+        'mode on CPU) or "xla" (the native XLA path), whatever the platform default (oscar_jax.xla.kernels)',
+    )
+
+
+@pytest.fixture(autouse=True)
+def _oscar_jax_kernels(request, monkeypatch):
+    """Apply a test's `kernels` marker through OSCAR_JAX_KERNELS (read at each op call)."""
+    marker = request.node.get_closest_marker("kernels")
+    if marker is not None:
+        from oscar_jax.xla import KERNEL_CHOICES, KERNELS_ENV
+
+        choice = marker.args[0]
+        assert choice in KERNEL_CHOICES, choice
+        monkeypatch.setenv(KERNELS_ENV, choice)
+
+
 def _gpu_missing() -> str | None:
     """Why OSCAR_TEST_GPU=1 cannot be honoured (None when JAX and torch both see a GPU)."""
     try:

@@ -24,6 +24,10 @@ Precision: the compute dtype of the dots is q's dtype. float32 q: float32 (IEEE)
 bfloat16 q: bfloat16 dot operands (the probabilities are rounded to bfloat16 before P·V), float32
 accumulation. Softmax statistics are always float32. Outputs are float32.
 A sequence with no cached token (decode) gets a zero output row.
+
+With interpret=None the public ops run `oscar_jax.xla.kernels()`'s implementation: on a CPU backend
+the native XLA path (`oscar_jax.xla.attention`: the same tables and pools, float32 throughout), on
+a GPU backend the kernels above. Validation is the same for both and comes first.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oscar_jax import xla
 from oscar_jax.kernels.codec import INTERPRET_BLOCK_TOKENS, resolve_interpret
 from oscar_jax.kernels.decode_attention import (
     MIN_DOT_DIM,
@@ -365,7 +370,8 @@ def decode_attention(
         can run (compiled), False → separate multiplies and adds.
       layer: None, or a static layer index when the eight pools are stacked [Y, P, …] (all
         layers): that layer is read in place, without slicing it out (`kernels.layered`).
-      interpret: run the Pallas kernels in interpret mode; None → on when the default backend is CPU.
+      interpret: True / False: the Pallas kernels in interpret mode / compiled; None → the XLA path
+        on a CPU backend, compiled kernels on a GPU backend (`oscar_jax.xla.kernels`).
       channels_on_m: the INT2 tier's values dot as oᵀ = Vᵀ·p (channels on the dot's M, the rows on N;
         `kernels.decode_attention.int2_tier_partials`), which needs its scores with tokens on M, one
         group per row and D ≥ 128 (`shared_math.tiling.int2_decode_channels_on_m`); None → on where
@@ -389,6 +395,7 @@ def decode_attention(
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
     views = _layer_views(cache, layer)
     pool_shape = getattr(views[0], "shape", ())  # k_bf16 [P, Hkv, L, D]; a malformed one is named below
+    use_xla = xla.use_xla(interpret)
     interpret = resolve_interpret(interpret)
     pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
         pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]),
@@ -426,6 +433,11 @@ def decode_attention(
     fma_asm = _resolve_fma_asm(fma_asm, interpret)
     if max_registers is None:
         max_registers = int2_decode_max_registers(int2_tokens_on_m, channels_on_m, rows_on_m=0)
+    if use_xla:
+        from oscar_jax.xla import attention as xla_attention  # imports this module's merge_partials
+
+        return xla_attention.decode_attention(q, cache, sink_slots=int(sink_slots), group_size=int(group_size),
+                                              softmax_scale=float(softmax_scale), layer=layer)
     return _decode_attention(
         q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
         pages_per_split=int(pages_per_split), bf16_pages_per_split=int(bf16_pages_per_split),
@@ -531,6 +543,7 @@ def prefill_attention(
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
     views = _layer_views(cache, layer)
+    use_xla = xla.use_xla(interpret)
     interpret = resolve_interpret(interpret)
     pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
         pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]),
@@ -546,6 +559,12 @@ def prefill_attention(
     _check("new_tokens", new_tokens, (batch,), jnp.int32)
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         _check_static_int(name, value, power_of_two=True, minimum=MIN_DOT_DIM)
+    if use_xla:
+        from oscar_jax.xla import attention as xla_attention  # imports this module's merge_partials
+
+        return xla_attention.prefill_attention(q, k_new, v_new, cache, new_tokens, sink_slots=int(sink_slots),
+                                               group_size=int(group_size), softmax_scale=float(softmax_scale),
+                                               layer=layer)
     return _prefill_attention(
         q, k_new, v_new, cache, new_tokens, sink_slots=int(sink_slots), group_size=int(group_size),
         softmax_scale=float(softmax_scale), pages_per_split=int(pages_per_split),

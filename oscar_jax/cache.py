@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax import ops
+from oscar_jax.xla import kernels as current_kernels
+from oscar_jax.xla import use_kernels
 from shared_math.spec import CODES_PER_BYTE, OscarConfig
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -75,6 +77,9 @@ class OscarKVCache:
     v_clip_ratio: tuple[float, ...] = _static()
     phase: str = _static(default="decode")
     interpret: bool | None = _static(default=None)
+    # The implementation the ops run when interpret is None ("xla" or "pallas"), fixed when the cache
+    # is created: a static field, so a jit traced for one never serves the other.
+    kernels: str | None = _static(default=None)
 
     @classmethod
     def create(
@@ -90,7 +95,8 @@ class OscarKVCache:
         v_clip_ratio,
         interpret: bool | None = None,
     ) -> "OscarKVCache":
-        """Zero-filled pools. k_rotation [Y, K, D, D]; clip ratios one per layer."""
+        """Zero-filled pools. k_rotation [Y, K, D, D]; clip ratios one per layer. interpret=None: the
+        ops run `oscar_jax.xla.kernels()` as it stands now (the XLA path on a CPU backend)."""
         d, page, g = config.head_dim, config.page_size, config.group_size
         k_rotation = jnp.asarray(k_rotation, jnp.float32)
         if k_rotation.shape != (num_layers, num_kv_heads, d, d):
@@ -106,7 +112,7 @@ class OscarKVCache:
             k_codes=jnp.zeros(codes, jnp.uint8), k_scale=jnp.zeros(meta, jnp.float16), k_min=jnp.zeros(meta, jnp.float16),
             v_codes=jnp.zeros(codes, jnp.uint8), v_scale=jnp.zeros(meta, jnp.float16), v_min=jnp.zeros(meta, jnp.float16),
             k_rotation=k_rotation, plan=None, config=config, k_clip_ratio=k_clip, v_clip_ratio=v_clip,
-            interpret=interpret,
+            interpret=interpret, kernels=current_kernels() if interpret is None else None,
         )
 
     def with_plan(self, plan: StepPlan, phase: str) -> "OscarKVCache":
@@ -127,6 +133,10 @@ class OscarKVCache:
         del positions  # tiers and slots come from the plan; RoPE was applied by the model
         if self.plan is None:
             raise ValueError("OscarKVCache.attend needs a StepPlan: use oscar_jax.runtime")
+        with use_kernels(self.kernels):
+            return self._attend(layer, q, k, v)
+
+    def _attend(self, layer, q, k, v):
         cfg, plan = self.config, self.plan
         b, t, hq, d = q.shape
         kv = k.shape[2]
@@ -164,6 +174,10 @@ class OscarKVCache:
 
     def demote(self, src_pages, dst_pages) -> "OscarKVCache":
         """Quantize BF16 pages src → INT2 pages dst for every layer (one launch per clip ratio)."""
+        with use_kernels(self.kernels):
+            return self._demote(src_pages, dst_pages)
+
+    def _demote(self, src_pages, dst_pages) -> "OscarKVCache":
         cfg = self.config
         updates = {}
         for prefix, clips in (("k", self.k_clip_ratio), ("v", self.v_clip_ratio)):

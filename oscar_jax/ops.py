@@ -2,8 +2,11 @@
 
 Same names and argument order as shared_math.codec and oscar_torch.ops. Every op is jittable
 (validation reads only shapes and dtypes; value checks such as page-id ranges run when the ids
-are concrete) and takes `interpret=None`: interpret on a CPU backend, compile for the GPU
-otherwise. Invalid arguments raise ValueError naming the value.
+are concrete) and takes `interpret`: True / False run the Pallas kernels interpreted / compiled;
+None (the default) runs the implementation `oscar_jax.xla.kernels()` names — the native XLA path
+(oscar_jax/xla) on a CPU backend, the compiled kernels on a GPU backend, unless OSCAR_JAX_KERNELS
+or `oscar_jax.xla.use_kernels` says otherwise. Both write the same bytes. Invalid arguments raise
+ValueError naming the value (validation comes first, whichever implementation runs).
 
 Sections, in order:
   codec        encode, decode                              (format v1, DESIGN.md §2)
@@ -33,6 +36,9 @@ from oscar_jax.kernels.write import (
     write_int2_rows,
     write_pages_rows,
 )
+from oscar_jax import xla
+from oscar_jax.xla import codec as xla_codec
+from oscar_jax.xla import write as xla_write
 from shared_math.spec import CODES_PER_BYTE, clip_index, validate_codec_shape, validate_levels
 
 _KERNEL_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -114,7 +120,7 @@ def _check_byte_addressable(a, name: str, interpret: bool | None) -> None:
     """The Triton lowering indexes arrays of ≤ 4 GiB with 32-bit element offsets, which wrap
     (sign-extended) past 2^31 elements: only uint8 arrays of 2–4 GiB can reach that. (On the H200,
     a write to the last page of a 2.17 GB codes pool landed elsewhere.)"""
-    if resolve_interpret(interpret) or jnp.dtype(a.dtype).itemsize != 1:
+    if xla.use_xla(interpret) or resolve_interpret(interpret) or jnp.dtype(a.dtype).itemsize != 1:
         return
     if 2**31 < math.prod(a.shape) <= 2**32:
         raise NotImplementedError(
@@ -157,9 +163,12 @@ def encode(x, *, group_size: int, clip_ratio: float, levels: str = "minmax", int
             jnp.zeros(lead + (d // group_size,), jnp.float16),
             jnp.zeros(lead + (d // group_size,), jnp.float16),
         )
-    packed, scale, minimum = encode_rows(
-        jnp.reshape(x, (num_rows, d)), group_size=group_size, clip_index=k, levels=levels, interpret=interpret
-    )
+    rows = jnp.reshape(x, (num_rows, d))
+    if xla.use_xla(interpret):
+        packed, scale, minimum = xla_codec.encode_rows(rows, group_size=group_size, clip_index=k, levels=levels)
+    else:
+        packed, scale, minimum = encode_rows(rows, group_size=group_size, clip_index=k, levels=levels,
+                                             interpret=interpret)
     return (
         packed.reshape(lead + packed.shape[-1:]),
         scale.reshape(lead + scale.shape[-1:]),
@@ -186,13 +195,12 @@ def decode(packed, scale, minimum, *, group_size: int, interpret: bool | None = 
     num_rows = math.prod(lead)
     if num_rows == 0:
         return jnp.zeros(lead + (d,), jnp.float32)
-    values = decode_rows(
-        jnp.reshape(packed, (num_rows, -1)),
-        jnp.reshape(scale, (num_rows, -1)),
-        jnp.reshape(minimum, (num_rows, -1)),
-        group_size=group_size,
-        interpret=interpret,
-    )
+    rows = (jnp.reshape(packed, (num_rows, -1)), jnp.reshape(scale, (num_rows, -1)),
+            jnp.reshape(minimum, (num_rows, -1)))
+    if xla.use_xla(interpret):
+        values = xla_codec.decode_rows(*rows, group_size=group_size)
+    else:
+        values = decode_rows(*rows, group_size=group_size, interpret=interpret)
     return values.reshape(lead + (d,))
 
 
@@ -284,6 +292,9 @@ def write_int2(
             jnp.zeros((0, num_heads, d // group_size), jnp.float16),
             jnp.zeros((0, num_heads, d // group_size), jnp.float16),
         )
+    if xla.use_xla(interpret):
+        return tuple(xla_write.write_int2_rows(jnp.asarray(x), rotation, group_size=group_size, clip_index=k,
+                                               levels=levels))
     return tuple(
         write_int2_rows(
             jnp.asarray(x), rotation, group_size=group_size, clip_index=k, levels=levels, interpret=interpret
@@ -337,6 +348,11 @@ def write_pages(
     _check_byte_addressable(codes, "codes", interpret)  # the whole (stacked) pool the kernel indexes
     if num_tokens == 0:
         return codes, scale, minimum
+    if xla.use_xla(interpret):
+        return tuple(xla_write.write_pages_rows(
+            codes, scale, minimum, jnp.asarray(rows), _as_int32(page_ids), _as_int32(slots), rotation,
+            group_size=group_size, clip_index=k, levels=levels, layer=layer,
+        ))
     return tuple(
         write_pages_rows(
             codes,
@@ -377,6 +393,9 @@ def write_bf16_pages(pool, rows, page_ids, slots, *, layer: int | None = None, i
     _check_distinct([page_ids, slots], "(page_id, slot) destinations")
     if num_tokens == 0:
         return pool
+    if xla.use_xla(interpret):
+        return xla_write.write_bf16_pages_rows(pool, jnp.asarray(rows), _as_int32(page_ids), _as_int32(slots),
+                                               layer=layer)
     return write_bf16_pages_rows(
         pool, jnp.asarray(rows), _as_int32(page_ids), _as_int32(slots), interpret=interpret, layer=layer
     )
@@ -436,7 +455,12 @@ def demote_pages(
     _check_range(dst_pages, "dst_pages", codes.shape[1], "pages in the INT2 pools")
     _check_distinct([dst_pages], "dst_pages")
     _check_byte_addressable(codes, "codes", interpret)
-    if src_pages.shape[0] > 0:
+    if src_pages.shape[0] > 0 and xla.use_xla(interpret):
+        codes, scale, minimum = xla_write.demote_pages_rows(
+            bf16_pool, codes, scale, minimum, _as_int32(src_pages), _as_int32(dst_pages), group_size=group_size,
+            clip_index=k, levels=levels,
+        )
+    elif src_pages.shape[0] > 0:
         codes, scale, minimum = demote_pages_rows(
             bf16_pool,
             codes,

@@ -1,8 +1,10 @@
-"""The three implementations of format v1 behind one numpy-in, numpy-out interface.
+"""The four implementations of format v1 behind one numpy-in, numpy-out interface.
 
-`shared_math` (the reference), `jax` (oscar_jax.ops / attention_ops: Pallas, interpret mode on a
-CPU backend, compiled on a GPU backend) and `torch` (oscar_torch.ops: Triton, the interpreter on
-CPU, compiled on cuda). Every backend receives the same numpy arrays (bfloat16 as uint16 bit
+`shared_math` (the reference), `jax` (oscar_jax.ops / attention_ops with the Pallas kernels:
+interpret mode on a CPU backend, compiled on a GPU backend), `xla` (the same public ops on their
+native XLA path, oscar_jax/xla) and `torch` (oscar_torch.ops: Triton, the interpreter on CPU,
+compiled on cuda). The two oscar_jax implementations are chosen with `oscar_jax.xla.use_kernels`
+around each call, so each runs whatever the platform default or OSCAR_JAX_KERNELS says. Every backend receives the same numpy arrays (bfloat16 as uint16 bit
 patterns) and returns numpy arrays, so a test compares bytes directly. This module (and the tests
 beside it) is the only code that imports both backends.
 
@@ -24,12 +26,14 @@ import torch  # noqa: E402
 
 import oscar_jax.attention_ops as jax_attention  # noqa: E402
 import oscar_jax.ops as jax_ops  # noqa: E402
+from oscar_jax.xla import use_kernels  # noqa: E402
 import oscar_torch.ops as torch_ops  # noqa: E402
 from parity_tests import cases  # noqa: E402
 from shared_math import codec as reference  # noqa: E402
 
 ON_GPU = os.environ.get("OSCAR_TEST_GPU") == "1"
 TORCH_DEVICE = torch.device("cuda" if ON_GPU and torch.cuda.is_available() else "cpu")
+JAX_KERNELS = {"jax": "pallas", "xla": "xla"}  # backend → the oscar_jax implementation it runs
 
 
 # ------------------------------------------------------------------------------ conversion
@@ -76,8 +80,9 @@ def _query_torch(q: np.ndarray, dtype: str):
 def encode(backend: str, x: np.ndarray, **kwargs):
     if backend == "shared_math":
         return reference.encode(x, **kwargs)
-    if backend == "jax":
-        return tuple(from_jax(a) for a in jax_ops.encode(to_jax(x), **kwargs))
+    if backend in JAX_KERNELS:
+        with use_kernels(JAX_KERNELS[backend]):
+            return tuple(from_jax(a) for a in jax_ops.encode(to_jax(x), **kwargs))
     return tuple(from_torch(a) for a in torch_ops.encode(to_torch(x), **kwargs))
 
 
@@ -87,10 +92,11 @@ def write_pages(backend: str, pools, rows, page_ids, slots, rotation=None, **kwa
     if backend == "shared_math":
         assert rotation is None, "shared_math.encode takes rotated rows"
         return cases.reference_scatter(pools, rows, page_ids, slots, **kwargs)
-    if backend == "jax":
+    if backend in JAX_KERNELS:
         rotation = None if rotation is None else to_jax(rotation)
-        out = jax_ops.write_pages(*(to_jax(p) for p in pools), to_jax(rows), to_jax(page_ids), to_jax(slots),
-                                  rotation=rotation, **kwargs)
+        with use_kernels(JAX_KERNELS[backend]):
+            out = jax_ops.write_pages(*(to_jax(p) for p in pools), to_jax(rows), to_jax(page_ids), to_jax(slots),
+                                      rotation=rotation, **kwargs)
         return tuple(from_jax(a) for a in out)
     rotation = None if rotation is None else to_torch(rotation)
     tensors = tuple(to_torch(p) for p in pools)
@@ -101,8 +107,9 @@ def write_pages(backend: str, pools, rows, page_ids, slots, rotation=None, **kwa
 def write_bf16_pages(backend: str, pool, rows, page_ids, slots):
     if backend == "shared_math":
         return cases.reference_bf16_scatter(pool, rows, page_ids, slots)
-    if backend == "jax":
-        return from_jax(jax_ops.write_bf16_pages(to_jax(pool), to_jax(rows), to_jax(page_ids), to_jax(slots)))
+    if backend in JAX_KERNELS:
+        with use_kernels(JAX_KERNELS[backend]):
+            return from_jax(jax_ops.write_bf16_pages(to_jax(pool), to_jax(rows), to_jax(page_ids), to_jax(slots)))
     tensor = to_torch(pool)
     torch_ops.write_bf16_pages(tensor, to_torch(rows), to_torch(page_ids), to_torch(slots))
     return from_torch(tensor)
@@ -111,8 +118,10 @@ def write_bf16_pages(backend: str, pool, rows, page_ids, slots):
 def demote_pages(backend: str, bf16_pool, pools, src, dst, **kwargs):
     if backend == "shared_math":
         return cases.reference_demote(bf16_pool, pools, src, dst, **kwargs)
-    if backend == "jax":
-        out = jax_ops.demote_pages(to_jax(bf16_pool), *(to_jax(p) for p in pools), to_jax(src), to_jax(dst), **kwargs)
+    if backend in JAX_KERNELS:
+        with use_kernels(JAX_KERNELS[backend]):
+            out = jax_ops.demote_pages(to_jax(bf16_pool), *(to_jax(p) for p in pools), to_jax(src), to_jax(dst),
+                                       **kwargs)
         return tuple(from_jax(a) for a in out)
     tensors = tuple(to_torch(p) for p in pools)
     torch_ops.demote_pages(to_torch(bf16_pool), *tensors, to_torch(src), to_torch(dst), **kwargs)
@@ -141,9 +150,10 @@ def write_cache(backend: str, case: cases.AttentionCase, cache: cases.PagedCache
 def decode_attention(backend: str, case: cases.AttentionCase, pools, tables, q: np.ndarray) -> np.ndarray:
     kwargs = dict(sink_slots=case.sink_slots, group_size=case.group_size, softmax_scale=case.softmax_scale,
                   pages_per_split=case.pages_per_split, pages_per_block=case.pages_per_block)
-    if backend == "jax":
-        out = jax_attention.decode_attention(_query_jax(q, case.q_dtype), *(to_jax(a) for a in pools + tables),
-                                             **kwargs)
+    if backend in JAX_KERNELS:
+        with use_kernels(JAX_KERNELS[backend]):
+            out = jax_attention.decode_attention(_query_jax(q, case.q_dtype), *(to_jax(a) for a in pools + tables),
+                                                 **kwargs)
         return np.asarray(out)
     out = torch_ops.decode_attention(_query_torch(q, case.q_dtype), *(to_torch(a) for a in pools + tables), **kwargs)
     return from_torch(out)
@@ -155,11 +165,12 @@ def prefill_attention(backend: str, case: cases.PrefillCase, pools, tables, q, k
                   pages_per_split=p.pages_per_split, pages_per_block=p.pages_per_block,
                   block_m=case.block_m, block_n=case.block_n)
     new_tokens = np.asarray(case.new_tokens, np.int32)
-    if backend == "jax":
+    if backend in JAX_KERNELS:
         kv = jnp.bfloat16 if case.kv_dtype == "bfloat16" else jnp.float32
-        out = jax_attention.prefill_attention(
-            _query_jax(q, p.q_dtype), to_jax(k_new).astype(kv), to_jax(v_new).astype(kv),
-            *(to_jax(a) for a in pools + tables), to_jax(new_tokens), **kwargs)
+        with use_kernels(JAX_KERNELS[backend]):
+            out = jax_attention.prefill_attention(
+                _query_jax(q, p.q_dtype), to_jax(k_new).astype(kv), to_jax(v_new).astype(kv),
+                *(to_jax(a) for a in pools + tables), to_jax(new_tokens), **kwargs)
         return np.asarray(out)
     kv = torch.bfloat16 if case.kv_dtype == "bfloat16" else torch.float32
     out = torch_ops.prefill_attention(

@@ -2,7 +2,8 @@
 
 Each check asserts (bytes bit-identical, or attention within cases.ATTENTION_TOLERANCES of the
 float64 reference over the dequantized cache) and returns what it measured, so the GPU test can
-record a result file. Backends: "shared_math", "jax", "torch" (parity_tests.backends).
+record a result file. Backends: "shared_math", "jax" (Pallas), "xla" (oscar_jax's XLA path),
+"torch" (parity_tests.backends).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from parity_tests.cases import assert_close, assert_same_bits
 from shared_math.codec import decode as reference_decode_rows
 from shared_math.codec import unpack_codes as reference_unpack
 
-CODEC_BACKENDS = ("shared_math", "jax", "torch")
+CODEC_BACKENDS = ("shared_math", "jax", "xla", "torch")
+KERNEL_BACKENDS = CODEC_BACKENDS[1:]  # the implementations that run attention and the fused rotation
 ARRAYS = ("packed", "scale", "minimum")
 
 
@@ -27,7 +29,7 @@ def _same(results: dict, what: str) -> None:
 
 
 def codec(case: cases.CodecCase, levels: str) -> dict:
-    """encode bytes of every data kind (one launch per backend): bit-identical across the three."""
+    """encode bytes of every data kind (one launch per backend): bit-identical across the four."""
     kinds = sorted(cases.DATA)
     x = np.stack([case.rows(kind) for kind in kinds])
     kwargs = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
@@ -39,7 +41,7 @@ def codec(case: cases.CodecCase, levels: str) -> dict:
 
 def write(case: cases.WriteCase, levels: str) -> dict:
     """INT2 pages written by write_pages and by demote_pages, and BF16 pages written by
-    write_bf16_pages, from identical (rotated) inputs: bit-identical across the three."""
+    write_bf16_pages, from identical (rotated) inputs: bit-identical across the four."""
     codec_args = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
     pools, rows = case.int2_pools(), case.rows()
     page_ids, slots = case.destinations()
@@ -63,7 +65,9 @@ def fused_rotation(case: cases.WriteCase, rows_dtype: str, levels: str) -> dict:
     of the format, so against shared_math's encoding of the float64-rotated rows each backend may
     flip a code by one level (metadata by one float16 step) where a rotated value sits on a
     threshold, rarely; compiled on the GPU the two backends run the same products in the same
-    order and write bit-identical pages. (The interpreters sum in their own orders.)"""
+    order and write bit-identical pages. (The interpreters and the XLA path sum in their own orders; whether
+    the XLA path wrote the Pallas interpreter's bytes is recorded as `xla_equals_jax`, not asserted:
+    a CPU's dot library may order the sums either way.)"""
     codec_args = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
     pools, rows, rotation = case.int2_pools(), case.rows("random"), case.rotation()
     page_ids, slots = case.destinations()
@@ -75,7 +79,7 @@ def fused_rotation(case: cases.WriteCase, rows_dtype: str, levels: str) -> dict:
     rotated = np.einsum("tkd,kde->tke", exact.astype(np.float64), rotation.astype(np.float64)).astype(np.float32)
     want = cases.reference_scatter(pools, rotated, page_ids, slots, **codec_args)
     got = {b: backends.write_pages(b, pools, rows, page_ids, slots, rotation=rotation, **codec_args)
-           for b in ("jax", "torch")}
+           for b in KERNEL_BACKENDS}
     flips = {}
     for backend, arrays in got.items():
         codes = reference_unpack(arrays[0][page_ids, :, slots]).astype(int)
@@ -92,8 +96,10 @@ def fused_rotation(case: cases.WriteCase, rows_dtype: str, levels: str) -> dict:
     if backends.ON_GPU:
         for name, a, e in zip(ARRAYS, got["jax"], got["torch"]):
             assert_same_bits(a, e, f"{case.name} {rows_dtype} fused rotation: jax vs torch {name}")
+    xla_equals_jax = all(np.array_equal(a.view(np.uint8), e.view(np.uint8)) for a, e in zip(got["xla"], got["jax"]))
     return dict(tokens=case.num_tokens, rows_dtype=rows_dtype, code_flips_vs_float64_rotation=flips,
-                jax_torch_bit_identical=True if backends.ON_GPU else None)  # None: not checked (interpreters)
+                jax_torch_bit_identical=True if backends.ON_GPU else None,  # None: not checked (interpreters)
+                xla_equals_jax=xla_equals_jax)
 
 
 def _within_tolerance(outputs: dict, want: np.ndarray, q_dtype: str) -> dict:
@@ -112,7 +118,7 @@ def _within_tolerance(outputs: dict, want: np.ndarray, q_dtype: str) -> dict:
 
 
 def decode_attention(case: cases.AttentionCase, cut_history_tokens: int = 0) -> dict:
-    """Both backends' decode attention on the same pools vs the float64 reference (one table);
+    """Every backend's decode attention on the same pools vs the float64 reference (one table);
     cut_history_tokens > 0: with the last INT2 page of each sequence partly valid
     (`cases.cut_history`)."""
     cache = cases.build_cache(case)
@@ -120,44 +126,49 @@ def decode_attention(case: cases.AttentionCase, cut_history_tokens: int = 0) -> 
         cache = cases.cut_history(cache, cut_history_tokens, case.page_size)
     q = case.query()
     want = cases.reference_decode(case, cache, q)
-    outputs = {b: backends.decode_attention(b, case, cache.pools(), cache.tables(), q) for b in ("jax", "torch")}
+    outputs = {b: backends.decode_attention(b, case, cache.pools(), cache.tables(), q) for b in KERNEL_BACKENDS}
     errors = _within_tolerance(outputs, want, case.q_dtype)
     return dict(max_abs_error=errors, tolerance=cases.ATTENTION_TOLERANCES[case.q_dtype])
 
 
 def cross_backend(case: cases.AttentionCase, writer: str) -> dict:
     """A page pool written by `writer` (its write path, from the poisoned empty pools) holds the
-    format's bytes, and the other backend decodes it (format decode of the INT2 pages) and
-    attends over it within the tolerance table."""
-    reader = {"jax": "torch", "torch": "jax"}[writer]
+    format's bytes, and another implementation decodes it (format decode of the INT2 pages) and
+    attends over it within the tolerance table: jax → torch, torch → jax and xla, xla → torch."""
+    readers = {"jax": ("torch",), "torch": ("jax", "xla"), "xla": ("torch",)}[writer]
     cache = cases.build_cache(case)
     pools = backends.write_cache(writer, case, cache)
     for name, got, want in zip(cache.POOLS, pools, cache.pools()):
         assert_same_bits(got, want, f"{case.name}: {name} written by {writer}")
     k_codes, k_scale, k_min = pools[2:5]
-    decoded = _decode(reader, k_codes, k_scale, k_min, case.group_size)
-    np.testing.assert_array_equal(decoded, reference_decode_rows(k_codes, k_scale, k_min, group_size=case.group_size))
     q = case.query()
-    out = backends.decode_attention(reader, case, pools, cache.tables(), q)
-    error = assert_close(out, cases.reference_decode(case, cache, q), case.q_dtype)
-    return dict(writer=writer, reader=reader, max_abs_error=error, tolerance=cases.ATTENTION_TOLERANCES[case.q_dtype])
+    want = cases.reference_decode(case, cache, q)
+    errors = {}
+    for reader in readers:
+        decoded = _decode(reader, k_codes, k_scale, k_min, case.group_size)
+        np.testing.assert_array_equal(decoded,
+                                      reference_decode_rows(k_codes, k_scale, k_min, group_size=case.group_size))
+        out = backends.decode_attention(reader, case, pools, cache.tables(), q)
+        errors[reader] = assert_close(out, want, case.q_dtype)
+    return dict(writer=writer, readers=readers, max_abs_error=errors, tolerance=cases.ATTENTION_TOLERANCES[case.q_dtype])
 
 
 def _decode(backend: str, codes, scale, minimum, group_size: int) -> np.ndarray:
-    if backend == "jax":
-        return np.asarray(backends.jax_ops.decode(backends.to_jax(codes), backends.to_jax(scale),
-                                                  backends.to_jax(minimum), group_size=group_size))
+    if backend in backends.JAX_KERNELS:
+        with backends.use_kernels(backends.JAX_KERNELS[backend]):
+            return np.asarray(backends.jax_ops.decode(backends.to_jax(codes), backends.to_jax(scale),
+                                                      backends.to_jax(minimum), group_size=group_size))
     return backends.from_torch(backends.torch_ops.decode(backends.to_torch(codes), backends.to_torch(scale),
                                                          backends.to_torch(minimum), group_size=group_size))
 
 
 def prefill_attention(case: cases.PrefillCase) -> dict:
-    """Both backends' prefill (chunk causal in full precision + prefix through the tiers) vs the
+    """Every backend's prefill (chunk causal in full precision + prefix through the tiers) vs the
     float64 reference, within the tolerance table (keyed by q's dtype)."""
     cache = cases.build_cache(case.prefix)
     q, k_new, v_new = case.chunk_arrays()
     want = cases.reference_prefill(case, cache, q, k_new, v_new)
     outputs = {b: backends.prefill_attention(b, case, cache.pools(), cache.tables(), q, k_new, v_new)
-               for b in ("jax", "torch")}
+               for b in KERNEL_BACKENDS}
     errors = _within_tolerance(outputs, want, case.prefix.q_dtype)
     return dict(max_abs_error=errors, tolerance=cases.ATTENTION_TOLERANCES[case.prefix.q_dtype])

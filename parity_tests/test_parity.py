@@ -1,19 +1,20 @@
-"""Cross-framework parity of format v1: shared_math vs oscar_jax (Pallas) vs oscar_torch (Triton).
+"""Cross-framework parity of format v1: shared_math vs oscar_jax (Pallas) vs oscar_jax (XLA path)
+vs oscar_torch (Triton).
 
-On CPU (the default, `make test`): Pallas interpret mode and the Triton interpreter. With
+On CPU (the default, `make test`): Pallas interpret mode, the XLA path and the Triton interpreter. With
 OSCAR_TEST_GPU=1 on a GPU machine the same tests run both backends' compiled kernels (and
 test_parity_gpu.py records a result file). What is claimed, per test:
-  * encode bytes (packed, scale, minimum) bit-identical across the three, every data kind
+  * encode bytes (packed, scale, minimum) bit-identical across the four, every data kind
     (random, heavy-tailed, ties, NaN/Inf/huge/subnormal, tiny), both encoders;
   * INT2 pages written by write_pages and by demote_pages, and BF16 pages written by
-    write_bf16_pages, from identical rotated inputs: bit-identical across the three;
+    write_bf16_pages, from identical rotated inputs: bit-identical across the four;
   * write_pages with the key rotation fused (float32 and bfloat16 rows): within rare one-level
     flips of shared_math's encoding of the float64-rotated rows; on the GPU, jax ≡ torch;
-  * decode attention of both backends vs the float64 reference over the dequantized cache,
-    within THE tolerance table (cases.ATTENTION_TOLERANCES);
-  * a pool written by one backend is the format's bytes and the other backend decodes and attends
-    over it (jax → torch and torch → jax);
-  * prefill attention of both backends vs the float64 reference.
+  * decode attention of the three kernel implementations vs the float64 reference over the
+    dequantized cache, within THE tolerance table (cases.ATTENTION_TOLERANCES);
+  * a pool written by one implementation is the format's bytes and another decodes and attends
+    over it (jax → torch, torch → jax and xla, xla → torch);
+  * prefill attention of the three vs the float64 reference.
 """
 
 import pytest
@@ -39,7 +40,8 @@ def test_written_and_demoted_pages_identical(case, levels):
 @pytest.mark.parametrize("case", (cases.WRITE_CASES[2], cases.WRITE_CASES[4]), ids=lambda c: c.name)
 def test_fused_rotation_writes_the_rotated_encoding(case, rows_dtype):
     result = checks.fused_rotation(case, rows_dtype, cases.LEVELS[0])
-    print(f"{case.name} {rows_dtype}: {result['code_flips_vs_float64_rotation']}")
+    print(f"{case.name} {rows_dtype}: {result['code_flips_vs_float64_rotation']}, "
+          f"xla wrote jax's bytes: {result['xla_equals_jax']}")
 
 
 @pytest.mark.parametrize("case", cases.ATTENTION_CASES, ids=lambda c: c.name)
@@ -59,11 +61,11 @@ def test_decode_attention_masks_a_partly_valid_last_history_page(case, int2_layo
     print(f"{case.name}: {result['max_abs_error']}")
 
 
-@pytest.mark.parametrize("writer", ["jax", "torch"])
+@pytest.mark.parametrize("writer", ["jax", "torch", "xla"])
 @pytest.mark.parametrize("case", CROSS_CASES, ids=lambda c: c.name)
 def test_pool_written_by_one_backend_is_read_by_the_other(case, writer):
     result = checks.cross_backend(case, writer)
-    print(f"{case.name} {writer}→{result['reader']}: {result['max_abs_error']:.3g}")
+    print(f"{case.name} {writer}→{result['readers']}: {result['max_abs_error']}")
 
 
 @pytest.mark.parametrize("case", cases.PREFILL_CASES[1:3], ids=lambda c: c.name)

@@ -1,4 +1,5 @@
-"""The parity suite on a GPU: Pallas compiled by JAX vs Triton compiled by torch vs shared_math.
+"""The parity suite on a GPU: Pallas compiled by JAX vs oscar_jax's XLA path vs Triton compiled by
+torch vs shared_math.
 
 Skipped on CPU (the root conftest skips `gpu` tests unless OSCAR_TEST_GPU=1 on a GPU machine).
 Runs every named case of parity_tests.cases through every check of parity_tests.checks, does not
@@ -56,7 +57,7 @@ def _named_checks():
                    lambda c=case, d=rows_dtype: checks.fused_rotation(c, d, cases.LEVELS[0]))
     for case in cases.ATTENTION_CASES:
         yield f"decode_attention/{case.name}", lambda c=case: checks.decode_attention(c)
-        for writer in ("jax", "torch"):
+        for writer in ("jax", "torch", "xla"):
             yield f"cross_backend/{case.name}/{writer}", lambda c=case, w=writer: checks.cross_backend(c, w)
     for case in cases.PREFILL_CASES:
         yield f"prefill_attention/{case.name}", lambda c=case: checks.prefill_attention(c)

@@ -32,6 +32,8 @@ from shared_math.codec import decode, encode
 from shared_math.spec import CODES_PER_BYTE, DEFAULT_K_CLIP_RATIO, DEFAULT_V_CLIP_RATIO, OscarConfig
 from shared_math.tiers import tier_split
 
+pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
+
 # THE tolerance table of the attention tests (test_prefill_attention uses it too), keyed by the
 # dtype of the dots (= q's dtype): |out − ref| ≤ atol + rtol·|ref|, ref in float64 over the
 # dequantized cache. Scale of the data: K/V entries N(0, 1) (|v| ≤ ~4.5), scores with std ~3.

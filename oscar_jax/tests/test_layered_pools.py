@@ -16,6 +16,8 @@ from oscar_jax import ops
 from oscar_jax.tests.test_decode_attention import SINK_SLOTS, build_cache, random_query
 from oscar_jax.tests.test_ops_write import assert_same_bits
 
+pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
+
 LAYERS = 3
 
 

@@ -21,6 +21,8 @@ from parity_tests.cases import checked_max_rows, encode_planes_rows, order_stati
 from shared_math import codec as ref
 from shared_math.spec import FP16_MAX, clip_index
 
+pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
+
 F32 = np.float32
 
 

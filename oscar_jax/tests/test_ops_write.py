@@ -19,6 +19,8 @@ from shared_math import codec as ref
 from shared_math.rotation import split_bf16
 from shared_math.spec import clip_index
 
+pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
+
 F32 = np.float32
 INTERPRET = resolve_interpret(None)
 

@@ -24,6 +24,8 @@ from oscar_jax.tests.test_decode_attention import (
 )
 from shared_math.attention import softmax_attention
 
+pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
+
 # Tolerances: the one table of test_decode_attention (keyed by the dtype of the dots). The prefix
 # path computes in q's dtype, the chunk path in promote(q, k_new); float32 q → every dot float32.
 # The chunk adds one more partial to the merge (O(ulp)).

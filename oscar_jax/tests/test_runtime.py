@@ -13,6 +13,9 @@ from shared_math.codec import decode, encode
 from shared_math.tests.test_artifact import make_artifact
 from shared_math.tiers import tier_split
 
+# The runtime over the Pallas kernels (interpret mode on CPU); test_xla_ops runs it on the XLA path.
+pytestmark = pytest.mark.kernels("pallas")
+
 CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_q_heads=6,
                   num_kv_heads=2, head_dim=64, rope_theta=1e4, rms_norm_eps=1e-5, tie_embeddings=True)
 WINDOWS = dict(sink=16, recent=32)  # small windows: many demotions in a short test

@@ -9,6 +9,8 @@ import pytest
 
 from oscar_jax.attention_ops import decode_attention
 
+pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
+
 
 def test_unpack_asm_refuses_what_it_cannot_run():
     from oscar_jax.tests.test_decode_attention import SINK_SLOTS, build_cache

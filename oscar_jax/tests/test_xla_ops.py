@@ -1,0 +1,338 @@
+"""The native XLA path of oscar_jax.ops (oscar_jax/xla) against shared_math and float64 references.
+
+Integer results (packed codes, float16 metadata, bfloat16 pages) are compared bit for bit with
+shared_math; attention outputs against the float64 reference over the dequantized cache, within
+THE tolerance table (parity_tests.cases.ATTENTION_TOLERANCES); the float32 key rotation against a
+float64 product (ROTATION_RTOL). Cases come from parity_tests.cases (real model shapes, several
+pages, GQA 1/3/4/8, odd lengths). Every test here runs the XLA path (the `kernels("xla")` marker),
+on any backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oscar_jax import attention_ops, ops, xla
+from oscar_jax.kernels import codec as kcodec
+from oscar_jax.xla import codec as xla_codec
+from oscar_jax.xla.write import rotate_rows
+from parity_tests import cases
+from parity_tests.cases import assert_same_bits
+from shared_math import codec as ref
+
+pytestmark = pytest.mark.kernels("xla")
+
+ARRAYS = ("packed", "scale", "minimum")
+# float32 rotation vs float64: D products of |x·r| ≤ |x| summed in float32, |Δ| ≤ D·2⁻²⁴·‖x‖ ≈ 4e-6·‖x‖
+# at D = 64; measured ≤ 5e-7 relative (in norm) on these rows. Half a decade of margin.
+ROTATION_RTOL = 2e-6
+
+
+def to_jax(a: np.ndarray):
+    """numpy → jax; uint16 arrays are bfloat16 bit patterns (parity_tests.cases' convention)."""
+    if a.dtype == np.uint16:
+        return jax.lax.bitcast_convert_type(jnp.asarray(a), jnp.bfloat16)
+    return jnp.asarray(a)
+
+
+def from_jax(x) -> np.ndarray:
+    if x.dtype == jnp.bfloat16:
+        return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16))
+    return np.asarray(x)
+
+
+def assert_encoding(got, want, what: str) -> None:
+    for name, a, e in zip(ARRAYS, got, want):
+        assert_same_bits(from_jax(a), e, f"{what} {name}")
+
+
+# ------------------------------------------------------------------------------------ dispatch
+
+
+def test_interpret_none_runs_xla_and_interpret_true_runs_the_kernels(monkeypatch):
+    calls = []
+    monkeypatch.setattr(xla_codec, "encode_rows", lambda *a, **k: calls.append("xla") or (None, None, None))
+    monkeypatch.setattr(ops, "encode_rows", lambda *a, **k: calls.append("pallas") or (None, None, None))
+    x = np.zeros((2, 64), np.float32)
+    for interpret in (None, True):
+        with pytest.raises(AttributeError):  # the stubs return None; only which one ran matters
+            ops.encode(x, group_size=64, clip_ratio=0.9, interpret=interpret)
+    assert calls == ["xla", "pallas"]
+
+
+@pytest.mark.parametrize("choice,want", [("xla", "xla"), ("pallas", "pallas"),
+                                         ("auto", "xla" if jax.default_backend() == "cpu" else "pallas")])
+def test_the_environment_variable_and_the_context_choose(monkeypatch, choice, want):
+    monkeypatch.setenv(xla.KERNELS_ENV, choice)
+    assert xla.kernels() == want
+    other = "pallas" if want == "xla" else "xla"
+    with xla.use_kernels(other):
+        assert xla.kernels() == other
+    assert xla.kernels() == want
+
+
+def test_an_unknown_choice_is_named(monkeypatch):
+    monkeypatch.setenv(xla.KERNELS_ENV, "triton")
+    with pytest.raises(ValueError, match="OSCAR_JAX_KERNELS='triton'"):
+        xla.kernels()
+    with pytest.raises(ValueError, match="kernels='cuda'"):
+        with xla.use_kernels("cuda"):
+            pass
+
+
+# --------------------------------------------------------------------------------------- codec
+
+
+@pytest.mark.parametrize("levels", cases.LEVELS)
+@pytest.mark.parametrize("case", cases.CODEC_CASES, ids=lambda c: c.name)
+def test_encode_bit_identical_to_shared_math(case, levels):
+    """Every data kind (normal, heavy-tailed, ties, NaN/±Inf/huge/subnormal, tiny) in one call."""
+    x = np.stack([case.rows(kind) for kind in sorted(cases.DATA)])
+    kwargs = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
+    assert_encoding(ops.encode(x, **kwargs), ref.encode(x, **kwargs), f"{case.name} {levels}")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_encode_of_narrow_dtypes_encodes_their_float32_values(dtype):
+    rows = cases.CODEC_CASES[1].rows("heavy")
+    narrow = jnp.asarray(rows).astype(dtype)
+    want = ref.encode(np.asarray(narrow.astype(jnp.float32)), group_size=64, clip_ratio=0.92)
+    assert_encoding(ops.encode(narrow, group_size=64, clip_ratio=0.92), want, dtype)
+
+
+@pytest.mark.parametrize("case", cases.CODEC_CASES[:3], ids=lambda c: c.name)
+def test_decode_bit_identical_to_shared_math(case):
+    encoded = ref.encode(case.rows("heavy"), group_size=case.group_size, clip_ratio=case.clip_ratio)
+    got = ops.decode(*encoded, group_size=case.group_size)
+    assert_same_bits(np.asarray(got), ref.decode(*encoded, group_size=case.group_size), case.name)
+
+
+def test_encode_is_deterministic_and_jittable():
+    x = cases.CODEC_CASES[0].rows("ties")
+    encode = jax.jit(lambda a: ops.encode(a, group_size=128, clip_ratio=0.96, levels="moments"))
+    first, second = encode(x), encode(x)
+    for a, b in zip(first, second):
+        assert_same_bits(np.asarray(a), np.asarray(b), "run twice")
+    assert_encoding(first, ref.encode(x, group_size=128, clip_ratio=0.96, levels="moments"), "jit")
+
+
+# ---------------------------------------------------------------------------------- write path
+
+
+@pytest.mark.parametrize("rows_dtype", ["float32", "bfloat16"])
+def test_rotated_write_is_the_encoding_of_a_float32_accurate_rotation(rows_dtype):
+    """Bytes: exactly shared_math.encode of the rows this path rotated. The rotation: within
+    ROTATION_RTOL of the float64 product (bfloat16 rows: of their bfloat16 values)."""
+    case = cases.WRITE_CASES[4]  # 77 tokens, 2 kv heads, D 64, G 16
+    rows, rotation = case.rows("random"), case.rotation()
+    if rows_dtype == "bfloat16":
+        rows = cases.bf16_values(cases.bf16_bits(rows))
+    x = jnp.asarray(rows).astype(rows_dtype)
+    rotated = np.asarray(rotate_rows(x, jnp.asarray(rotation)))
+    exact = np.einsum("tkd,kde->tke", rows.astype(np.float64), rotation.astype(np.float64))
+    error = np.linalg.norm(rotated - exact, axis=-1) / np.linalg.norm(exact, axis=-1)
+    assert error.max() < ROTATION_RTOL, error.max()
+    got = ops.write_int2(x, rotation, group_size=case.group_size, clip_ratio=case.clip_ratio)
+    assert_encoding(got, ref.encode(rotated, group_size=case.group_size, clip_ratio=case.clip_ratio), rows_dtype)
+
+
+@pytest.mark.parametrize("levels", cases.LEVELS)
+@pytest.mark.parametrize("case", cases.WRITE_CASES, ids=lambda c: c.name)
+def test_write_pages_and_bf16_pages_land_exactly(case, levels):
+    """Rows land at their (page, slot) with shared_math's bytes; every other byte of the (random)
+    pools is unchanged (reference_scatter copies the pools and writes only the destinations)."""
+    kwargs = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
+    pools, rows = case.int2_pools(), case.rows()
+    page_ids, slots = case.destinations()
+    got = ops.write_pages(*pools, rows, page_ids, slots, **kwargs)
+    assert_encoding(got, cases.reference_scatter(pools, rows, page_ids, slots, **kwargs), case.name)
+    pool = case.bf16_pool()
+    got = ops.write_bf16_pages(to_jax(pool), rows, page_ids, slots)
+    assert_same_bits(from_jax(got), cases.reference_bf16_scatter(pool, rows, page_ids, slots), case.name)
+
+
+@pytest.mark.parametrize("case", [c for c in cases.WRITE_CASES if c.num_layers > 1], ids=lambda c: c.name)
+def test_stacked_pools_write_one_layer_and_demote_all_layers(case):
+    kwargs = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels="minmax")
+    pools, rows = case.int2_pools(layers=True), case.rows()
+    page_ids, slots = case.destinations()
+    layer = case.num_layers - 1
+    got = [from_jax(a) for a in ops.write_pages(*pools, rows, page_ids, slots, layer=layer, **kwargs)]
+    want = cases.reference_scatter(tuple(p[layer] for p in pools), rows, page_ids, slots, **kwargs)
+    for name, a, p, w in zip(ARRAYS, got, pools, want):
+        assert_same_bits(a[layer], w, f"layer {layer} {name}")
+        assert_same_bits(a[:layer], p[:layer], f"other layers' {name}")  # untouched
+    bf16_pool = case.bf16_pool(layers=True)
+    src, dst = case.demotions()
+    got = ops.demote_pages(to_jax(bf16_pool), *pools, src, dst, **kwargs)
+    assert_encoding(got, cases.reference_demote(bf16_pool, pools, src, dst, **kwargs), f"{case.name} demote")
+
+
+def test_demote_pages_of_one_layer_pools():
+    case = cases.WRITE_CASES[1]  # SmolLM2 K, D; one page
+    kwargs = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels="moments")
+    bf16_pool, pools = case.bf16_pool(), case.int2_pools()
+    src, dst = case.demotions()
+    got = ops.demote_pages(to_jax(bf16_pool), *pools, src, dst, **kwargs)
+    assert_encoding(got, cases.reference_demote(bf16_pool, pools, src, dst, **kwargs), case.name)
+
+
+def test_traced_out_of_range_destinations_are_skipped():
+    """Under jit the ids are not checked on the host: a page or slot outside the pool (negative ones
+    included, which indexing would wrap) is never written; the valid rows are."""
+    case = cases.WRITE_CASES[4]
+    kwargs = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels="minmax")
+    pools, rows = case.int2_pools(), case.rows()[:6]
+    page_ids = np.array([-1, case.num_pages, 0, 2, 3, 4], np.int32)
+    slots = np.array([0, 0, -1, case.page_size, 5, 7], np.int32)
+    got = jax.jit(lambda p, s: ops.write_pages(*pools, rows, p, s, **kwargs))(page_ids, slots)
+    want = cases.reference_scatter(pools, rows[4:], page_ids[4:], slots[4:], **kwargs)
+    assert_encoding(got, want, "only the two valid rows")
+    src, dst = np.array([-1, 1, 2], np.int32), np.array([0, case.num_pages, 3], np.int32)
+    bf16_pool = case.bf16_pool()
+    got = jax.jit(lambda s, d: ops.demote_pages(to_jax(bf16_pool), *pools, s, d, **kwargs))(src, dst)
+    assert_encoding(got, cases.reference_demote(bf16_pool, pools, src[2:], dst[2:], **kwargs), "one valid demotion")
+
+
+def test_write_pages_token_by_token_under_jit_with_donation():
+    """The cache's pattern: the pools donated to a jit that writes one token; 19 steps equal one write."""
+    case = cases.WRITE_CASES[2]
+    kwargs = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels="minmax")
+    pools, rows = case.int2_pools(), case.rows()
+    page_ids, slots = case.destinations()
+    step = jax.jit(lambda c, s, m, r, p, t: ops.write_pages(c, s, m, r, p, t, **kwargs), donate_argnums=(0, 1, 2))
+    state = tuple(jnp.asarray(p) for p in pools)
+    for t in range(case.num_tokens):
+        state = step(*state, rows[t : t + 1], page_ids[t : t + 1], slots[t : t + 1])
+    assert_encoding(state, cases.reference_scatter(pools, rows, page_ids, slots, **kwargs), "token by token")
+
+
+# ----------------------------------------------------------------------------------- attention
+
+
+def _decode(case, cache, **kwargs):
+    out = attention_ops.decode_attention(
+        to_jax(case.query()).astype(case.q_dtype), *(to_jax(a) for a in cache.pools() + cache.tables()),
+        sink_slots=case.sink_slots, group_size=case.group_size, softmax_scale=case.softmax_scale, **kwargs)
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("cut", [0, 5])
+@pytest.mark.parametrize("case", cases.ATTENTION_CASES, ids=lambda c: c.name)
+def test_decode_attention_within_tolerance_of_float64(case, cut):
+    """Poisoned (NaN) pages behind every unused table entry; cut > 0: the last INT2 page of each
+    sequence holds 5 tokens fewer than a page."""
+    cache = cases.build_cache(case)
+    if cut:
+        cache = cases.cut_history(cache, cut, case.page_size)
+    out = _decode(case, cache)
+    cases.assert_close(out, cases.reference_decode(case, cache, case.query()), case.q_dtype)
+
+
+def test_a_sequence_with_no_cached_token_gets_zeros():
+    case = cases.AttentionCase("empty_and_full", 64, 64, 3, 3, (0, 100))
+    cache = cases.build_cache(case)
+    out = _decode(case, cache)
+    assert np.all(out[0] == 0)
+    rest = dataclasses.replace(cache, sequences=cache.sequences[1:])  # the reference rejects an empty cache
+    cases.assert_close(out[1:], cases.reference_decode(case, rest, case.query()[1:]), case.q_dtype)
+
+
+def test_stacked_pools_read_one_layer_in_place():
+    """layer=1 of pools stacked [3, P, …] reads exactly what the unstacked call reads."""
+    case = cases.ATTENTION_CASES[1]
+    cache = cases.build_cache(case)
+    stacked = tuple(np.stack([np.roll(a, 1, axis=0), a, a[::-1]]) for a in cache.pools())
+    q = to_jax(case.query())
+    common = dict(sink_slots=case.sink_slots, group_size=case.group_size, softmax_scale=case.softmax_scale)
+    tables = tuple(to_jax(a) for a in cache.tables())
+    got = attention_ops.decode_attention(q, *(to_jax(a) for a in stacked), *tables, layer=1, **common)
+    want = attention_ops.decode_attention(q, *(to_jax(a) for a in cache.pools()), *tables, **common)
+    assert_same_bits(np.asarray(got), np.asarray(want), "layer 1 of the stack")
+
+
+@pytest.mark.parametrize("case", cases.PREFILL_CASES, ids=lambda c: c.name)
+def test_prefill_attention_within_tolerance_of_float64(case):
+    p = case.prefix
+    cache = cases.build_cache(p)
+    q, k_new, v_new = case.chunk_arrays()
+    out = attention_ops.prefill_attention(
+        to_jax(q).astype(p.q_dtype), to_jax(k_new).astype(case.kv_dtype), to_jax(v_new).astype(case.kv_dtype),
+        *(to_jax(a) for a in cache.pools() + cache.tables()), jnp.asarray(case.new_tokens, jnp.int32),
+        sink_slots=p.sink_slots, group_size=p.group_size, softmax_scale=p.softmax_scale)
+    want = cases.reference_prefill(case, cache, q, k_new, v_new)
+    cases.assert_close(np.asarray(out), want, p.q_dtype)
+    for b, n in enumerate(case.new_tokens):  # ragged chunk: padding rows are exactly 0
+        assert np.all(np.asarray(out)[b, n:] == 0)
+
+
+# --------------------------------------------------------------------------------- error paths
+
+
+GOOD = np.zeros((3, 2, 64), np.float32)
+POOLS = (np.zeros((2, 2, 16, 16), np.uint8), np.zeros((2, 2, 16, 1), np.float16), np.zeros((2, 2, 16, 1), np.float16))
+IDS = np.zeros(3, np.int32)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: ops.encode(GOOD, group_size=24, clip_ratio=0.9), "group_size=24"),
+    (lambda: ops.encode(GOOD, group_size=64, clip_ratio=1.5), "clip_ratio=1.5"),
+    (lambda: ops.encode(GOOD, group_size=64, clip_ratio=0.9, levels="lloyd"), "levels='lloyd'"),
+    (lambda: ops.decode(POOLS[0], POOLS[1][..., :0], POOLS[2], group_size=64), "scale has shape"),
+    (lambda: ops.write_int2(GOOD, np.zeros((2, 64, 64), np.float64), group_size=64, clip_ratio=0.9),
+     "rotation must be float32"),
+    (lambda: ops.write_pages(*POOLS, GOOD, np.array([0, 1, 2], np.int32), IDS, group_size=64, clip_ratio=0.9),
+     r"page_ids must lie in \[0, 2\)"),
+    (lambda: ops.write_pages(*POOLS, GOOD, IDS, IDS, group_size=64, clip_ratio=0.9), "must be distinct"),
+    (lambda: ops.write_bf16_pages(np.zeros((2, 2, 16, 64), jnp.bfloat16), GOOD, IDS, np.array([0, 1, 16], np.int32)),
+     r"slots must lie in \[0, 16\)"),
+    (lambda: ops.demote_pages(np.zeros((2, 2, 16, 64), jnp.bfloat16), *POOLS, np.array([0]), np.array([2]),
+                              group_size=64, clip_ratio=0.9), r"dst_pages must lie in \[0, 2\)"),
+])
+def test_bad_inputs_raise_value_error_before_dispatch(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_attention_validation_is_the_same_on_the_xla_path():
+    case = cases.ATTENTION_CASES[1]
+    cache = cases.build_cache(case)
+    args = [to_jax(a) for a in cache.pools() + cache.tables()]
+    common = dict(sink_slots=case.sink_slots, group_size=case.group_size, softmax_scale=case.softmax_scale)
+    q = to_jax(case.query())
+    with pytest.raises(ValueError, match="query heads Hq=8"):
+        attention_ops.decode_attention(q[:, :8], *args, **common)
+    with pytest.raises(ValueError, match="softmax_scale=-1.0"):
+        attention_ops.decode_attention(q, *args, **{**common, "softmax_scale": -1.0})
+    with pytest.raises(ValueError, match="history_tokens must have dtype int32"):
+        attention_ops.decode_attention(q, *args[:-1], args[-1].astype(jnp.int64 if jax.config.x64_enabled
+                                                                         else jnp.int16), **common)
+    chunk = jnp.zeros((2, 4, 9, 64), jnp.float32)
+    with pytest.raises(ValueError, match="k_new has 2 KV heads but the cache has 3"):
+        attention_ops.prefill_attention(chunk, chunk[:, :, :2], chunk[:, :, :2], *args, **common)
+
+
+# ------------------------------------------------------------------------------------- runtime
+
+
+def test_runtime_on_the_xla_path_matches_the_tier_reference():
+    """OscarRuntime end to end (prefill, decode, demotions) on the XLA path, against the float
+    reference that emulates the tiers (oscar_jax/tests/test_runtime.py), with its tolerance."""
+    from oscar_jax.model import init_params
+    from oscar_jax.tests.test_runtime import CFG, LOGIT_TOL, _run_both
+    from shared_math.artifact import ModelFingerprint
+    from shared_math.tests.test_artifact import make_artifact
+
+    params = init_params(CFG, jax.random.PRNGKey(1), std=0.08)
+    art = make_artifact(ModelFingerprint(2, 6, 2, 64))
+    prompt = (np.arange(81) * 7 + 3) % CFG.vocab_size
+    rt, got, want = _run_both(params, art, prompt, steps=40, prefill_chunk=32)
+    assert rt.cache.kernels == "xla"
+    assert rt.allocator.sequences[0].history_pages  # the INT2 tier was written and demoted into
+    err = np.abs(got - want).max(axis=-1)
+    assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
