@@ -188,7 +188,7 @@ def test_capacity_needs_a_preallocated_allocator(fake_gpu, monkeypatch, tmp_path
     monkeypatch.setattr(bench_e2e, "run", lambda **kw: calls.append(kw) or {"runs": []})
     bench_h200.main(["--sections", "e2e", "--out", str(tmp_path)])
     assert calls[0]["capacity_context"] is None
-    assert "XLA_PYTHON_CLIENT_PREALLOCATE=true python3 -m benchmarks.bench_h200" in capsys.readouterr().out
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.bench_h200" in capsys.readouterr().out
 
 
 def test_git_state_flags_a_tree_that_differs_from_head(tmp_path):
