@@ -1,0 +1,185 @@
+"""Issue 41, first Mosaic GPU kernel: the INT2 tier of decode attention on Pallas Mosaic GPU
+(oscar_jax.kernels.mosaic.decode_attention) against the Triton-lowered INT2 tier launched as
+oscar_jax.ops.decode_attention launches it by default, on the H200, Qwen3-8B shapes (32 q heads,
+8 KV heads, d 128, G 128, pages of 64), 128K context, batch 1 and 8.
+
+Per (context, batch): the INT2 tier's partials of both kernels on the same pools and split
+(`shared_math.tiling.resolve_splits`, the default), compared (lse, and o where the split holds
+tokens; relative error ‖Δ‖/‖ref‖); then each timed alone (harness.time_jax_loop: a chain of calls
+in one jitted program, `copies` pool sets rotated so L2 holds none), and the whole default decode
+call (both tiers + merge) for scale. Mosaic variants: pipeline stages, and the output as written
+(oᵀ [B, K, S, D, R], `transposed=True`) or swapped to the Triton kernel's [B, K, S, R, D] by XLA.
+Writes $OUT/probe_mosaic_decode_h200.json (or argv[1]); prints a table last.
+
+    OSCAR_GIT_SHA=$(git rev-parse HEAD) PYTHONPATH=. python benchmarks/probe_mosaic_decode.py out.json
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from benchmarks import harness
+from benchmarks.bench_decode import PAGE, QWEN3_8B, RECENT, SINK, build_int2_cache, int2_bytes_read
+
+CONFIGS = ((131072, 1), (131072, 8))
+STAGES = (2, 4, 8)
+
+
+def main(out_path: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from oscar_jax import ops
+    from oscar_jax.kernels import decode_attention as triton_kernels
+    from oscar_jax.kernels.mosaic import decode_attention as mosaic_kernels
+    from shared_math import tiling
+
+    hq, kv, d = QWEN3_8B["q_heads"], QWEN3_8B["kv_heads"], QWEN3_8B["head_dim"]
+    group_size, scale = d, d**-0.5
+    rows = tiling.int2_decode_rows(hq // kv)
+    result = {"environment": harness.environment(), "configs": []}
+
+    def save():
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    for context, batch in CONFIGS:
+        cfg = {"context": context, "batch": batch, "rows": rows, "variants": {}}
+        result["configs"].append(cfg)
+        read = int2_bytes_read(batch, context, kv, d, group_size)
+        history_slots = (context - SINK - RECENT) // PAGE
+        bf16_slots = (SINK + RECENT) // PAGE
+        pages_per_split, _, _ = tiling.resolve_splits(None, 1, bf16_slots, history_slots, PAGE,
+                                                      sequence_heads=batch * kv)
+        int2_history_bytes = batch * kv * history_slots * PAGE * 2 * (d // 4 + 4)
+        cfg.update(pages_per_split=pages_per_split, history_slots=history_slots,
+                   int2_history_bytes=int2_history_bytes, int2_bytes_read_all_tiers=read["total"])
+        copies = harness.copies_to_defeat_l2(int2_history_bytes)
+        cfg["copies"] = copies
+        key = jax.random.key(0)
+        pools, bf16_tables, history_tables, lengths = build_int2_cache(
+            jax.random.fold_in(key, 2), batch, context, copies, group_size, kv, d)
+        names = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
+        int2_pools = tuple(pools[n] for n in names)
+        history_t = jnp.asarray(history_tables)
+        history_tokens = jnp.asarray(lengths["history_tokens"])
+        q = jax.random.normal(jax.random.fold_in(key, 1), (batch, hq, d), jnp.float32).astype(jnp.bfloat16)
+        q_rows = jnp.pad(q.reshape(batch, kv, hq // kv, d), ((0, 0), (0, 0), (0, 16 - hq // kv), (0, 0)))
+        split_common = dict(group_size=group_size, softmax_scale=scale, pages_per_split=pages_per_split,
+                            pages_per_block=1, block_m=rows, rows=rows)
+        # The Triton-lowered INT2 tier as ops.decode_attention launches it by default on this grid.
+        tokens_on_m = tiling.int2_decode_tokens_on_m(batch, kv, history_slots, pages_per_split, PAGE)
+        channels_on_m = tiling.int2_decode_channels_on_m(tokens_on_m, group_size, d)
+        triton_launch = dict(
+            tokens_on_m=tokens_on_m, channels_on_m=channels_on_m, unpack_asm=True, fma_asm=True,
+            num_warps=tiling.INT2_DECODE_NUM_WARPS if tokens_on_m else 2, num_stages=tiling.DECODE_NUM_STAGES,
+            max_registers=tiling.int2_decode_max_registers(tokens_on_m, channels_on_m, rows_on_m=0))
+        cfg["triton_launch"] = triton_launch
+
+        def triton_tier(q_, c, operands):
+            pools_, table, hist = operands
+            return triton_kernels.int2_tier_partials(q_, *pools_, table[c], hist, interpret=False,
+                                                     **split_common, **triton_launch)
+
+        def mosaic_tier(q_, c, operands, **kw):
+            pools_, table, hist = operands
+            return mosaic_kernels.int2_tier_partials(q_, *pools_, table[c], hist, interpret=False,
+                                                     **split_common, **kw)
+
+        operands = (int2_pools, history_t, history_tokens)
+        want_o, want_lse = jax.jit(lambda q_, ops_: triton_tier(q_, 0, ops_))(q_rows, operands)
+        want_o, want_lse = np.asarray(want_o), np.asarray(want_lse)
+        nonempty = np.isfinite(want_lse)
+
+        def compare(o, lse):
+            o, lse = np.asarray(o), np.asarray(lse)
+            same_empty = bool((np.isfinite(lse) == nonempty).all())
+            o_err = float(np.linalg.norm(o - want_o) / np.linalg.norm(want_o))
+            lse_err = float(np.abs(lse[nonempty] - want_lse[nonempty]).max())
+            return {"o_rel_error": o_err, "lse_max_abs_error": lse_err, "same_empty_splits": same_empty,
+                    "finite": bool(np.isfinite(o).all()),
+                    "passed": bool(same_empty and o_err < 1e-2 and lse_err < 1e-2 and np.isfinite(o).all())}
+
+        def timed(name, fn, check=None):
+            entry = {}
+            try:
+                if check is not None:
+                    entry.update(check)
+
+                def step(i, q_, ops_):
+                    o, lse = fn(q_, i % copies, ops_)
+                    return (q_.astype(jnp.float32) + 0.0 * jnp.sum(o) + 0.0 * jnp.sum(lse)).astype(q_.dtype)
+
+                t = harness.time_jax_loop(step, q_rows, reps=max(32, 2 * copies), operands=(operands,))
+                entry.update(t, gb_per_s=int2_history_bytes / t["median_s"] / 1e9)
+            except Exception as e:  # noqa: BLE001 - a failing variant is recorded, not fatal
+                entry["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+                traceback.print_exc()
+            cfg["variants"][name] = entry
+            save()
+            us = f"{entry['median_s'] * 1e6:8.1f} us {entry['gb_per_s']:6.0f} GB/s" if "median_s" in entry else "ERROR"
+            print(f"  {name:34s} {context // 1024}K b{batch}: {us} {check or ''}", flush=True)
+
+        timed("triton_int2_tier_default", triton_tier)
+        for a_regs in (True, False):
+            for stages in STAGES:
+                name = f"mosaic_int2_tier[stages={stages},a_{'regs' if a_regs else 'smem'}]"
+                kw = dict(stages=stages, a_in_registers=a_regs)
+                try:
+                    check = compare(*jax.jit(lambda q_, ops_, kw=kw: mosaic_tier(q_, 0, ops_, **kw))(q_rows, operands))
+                except Exception as e:  # noqa: BLE001
+                    cfg["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:3000]}"}
+                    traceback.print_exc()
+                    save()
+                    print(f"  {name}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                    continue
+                timed(name, functools.partial(mosaic_tier, **kw), check)
+                if stages == 4:
+                    timed(name + "[transposed]", functools.partial(mosaic_tier, transposed=True, **kw))
+            if any("median_s" in v for k, v in cfg["variants"].items() if "a_regs" in k):
+                break  # the registers form compiled: the shared-memory form only as a fallback
+
+        # The whole default decode call (both tiers + merge), for scale against the cuDNN figures.
+        all_pools = tuple(pools[n] for n in ("k_bf16", "v_bf16", *names))
+        bf16_t = jnp.asarray(bf16_tables)
+        sink, recent = jnp.asarray(lengths["sink_tokens"]), jnp.asarray(lengths["recent_tokens"])
+        full_ops = (all_pools, bf16_t, history_t, sink, recent, history_tokens)
+
+        def full_step(i, q_, ops_):
+            p_, bt, ht, s_, r_, h_ = ops_
+            o = ops.decode_attention(q_, *p_, bt[i % copies], s_, r_, ht[i % copies], h_, sink_slots=SINK // PAGE,
+                                     group_size=group_size, softmax_scale=scale)
+            return (q_.astype(jnp.float32) + 0.0 * jnp.sum(o)).astype(q_.dtype)
+
+        try:
+            t = harness.time_jax_loop(full_step, q, reps=max(32, 2 * copies), operands=(full_ops,))
+            cfg["variants"]["ops_decode_attention_default_all_tiers"] = dict(t)
+            print(f"  {'ops.decode_attention default':34s} {context // 1024}K b{batch}: {t['median_s'] * 1e6:8.1f} us",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001
+            cfg["variants"]["ops_decode_attention_default_all_tiers"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        save()
+        del pools, int2_pools, operands, full_ops
+
+    print("\nvariant                                  config     median_us  GB/s  check")
+    for cfg in result["configs"]:
+        for name, v in cfg["variants"].items():
+            med = f"{v['median_s'] * 1e6:9.1f}" if "median_s" in v else "    error"
+            gbs = f"{v.get('gb_per_s', 0):5.0f}"
+            chk = ("pass" if v.get("passed") else "FAIL") if "passed" in v else ""
+            print(f"{name:40s} {cfg['context'] // 1024}K b{cfg['batch']}  {med} {gbs}  {chk}")
+    return result
+
+
+if __name__ == "__main__":
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.environ.get("OUT", "."), "probe_mosaic_decode_h200.json")
+    t0 = time.time()
+    main(out)
+    print(f"total {time.time() - t0:.0f} s")

@@ -1,0 +1,310 @@
+"""INT2 tier of decode attention on Pallas Mosaic GPU (issue 41): the history pages of OSCAR's
+paged cache (format v1), split-K partials with the same arguments and outputs as
+`oscar_jax.kernels.decode_attention.int2_tier_partials` (the Triton-lowered kernel).
+
+One program per (sequence b, KV head h, split s), one warpgroup (128 threads). Per page of L
+tokens (L a multiple of 64, wgmma's M):
+
+* TMA copies the page's K and V codes [L, D/4] u8 and its four fp16 metadata rows [L] into a
+  ring of STAGES shared-memory slots (one mbarrier a slot; a slot is refilled once the
+  warpgroup has read it), the page id read from the page table in global memory.
+* Scores with the tokens on wgmma's M and the query rows on N (rows = 8: mma's smallest N):
+  the K codes are widened to int32 (Mosaic GPU has no 8-bit arithmetic), each bit plane
+  `(byte >> 2·plane) & 3` converted to bfloat16 (exact), the four planes concatenated into the
+  quartered channel order (plane p holds channels [p·D/4, (p+1)·D/4)), and fed to wgmma from
+  registers as A [L, D] against qᵀ (q [rows, D] in shared memory, B) → q·c [L, rows].
+  With x̂ = m + c·s (one group per row, G = D): q·x̂ = s·(q·c) + m·Σq. Σq comes from one
+  wgmma of a ones tile against qᵀ before the loop (every row of it is Σq, in the scores'
+  layout).
+* Online softmax in base-2 units along the tokens (axis 0 of the score tile).
+* Values transposed, oᵀ [D, rows] += V̂ᵀ·(p·s_v): the V codes unpacked the same way and stored
+  as bfloat16 [L, D] into shared memory, read by wgmma as the transposed A [D, L]; p·s_v is
+  stored transposed into shared memory ([rows, L], K-major B). The minimum term Σ_t p·m_v adds
+  to every channel of a row.
+
+Supported (else NotImplementedError): bfloat16 q (wgmma operands; the codes are exact in
+bfloat16), one group per row (G = D ∈ {64, 128, 256}), L a multiple of 64, rows a multiple of 8.
+Robustness as the Triton kernel: tokens past the history are masked (scores to MASK_VALUE, their
+V metadata zeroed: stale pool memory may hold NaN), only pages holding a valid token are copied,
+a split with no token writes o = 0, lse = −inf.
+
+Interpret mode: `plgpu.InterpretGPUParams` (the GPU interpreter of jax 0.11.2: shared memory,
+barriers and TMA simulated on the CPU). It does not apply Mosaic GPU's lowering rules; lowering
+for the GPU (`jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`) runs on a CPU-only
+machine too and does (the tests do both).
+
+Dimension vocabulary of the shape comments: B batch, K KV heads, M query rows of one KV head,
+D head dim, P pages of a pool, L page size, S splits, NH table slots, R rows attended.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from shared_math.spec import CODE_BITS, CODE_MASK, CODES_PER_BYTE
+from shared_math.tiling import LN2, base2_score_scale, num_splits
+
+# Scores of masked tokens: finite (as the Triton kernel's), so exp2(m_old − m_new) never sees −inf + inf.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+WGMMA_M = 64  # wgmma's M: the page size must be a multiple
+WGMMA_MIN_N = 8  # wgmma's N granule: the rows attended
+SWIZZLE_BYTES = 128  # the shared-memory swizzle of every wgmma operand
+DEFAULT_STAGES = 4  # pages in flight per program
+METADATA_COPIES = 4  # k_scale, k_min, v_scale, v_min
+COPIES_PER_PAGE = 2 + METADATA_COPIES  # + K and V codes
+
+
+def _swizzled(dtype, swizzle: int = SWIZZLE_BYTES):
+    """The (tiling, swizzle) transforms of a wgmma operand in shared memory."""
+    elements = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elements)), plgpu.SwizzleTransform(swizzle))
+
+
+def _unpack_planes(codes_smem):
+    """Packed codes [L, D/4] u8 in shared memory → the codes as bfloat16 [L, D] in channel order
+    (quartered packing: plane p of byte j is channel p·D/4 + j), each code exact (0 … 3)."""
+    codes = codes_smem[...].astype(jnp.int32)  # widened before any arithmetic (no 8-bit ops)
+    planes = [
+        (lax.shift_right_logical(codes, plane * CODE_BITS) if plane else codes) & CODE_MASK
+        for plane in range(CODES_PER_BYTE)
+    ]
+    return jnp.concatenate([plane.astype(jnp.bfloat16) for plane in planes], axis=1)
+
+
+def _int2_tier_kernel(
+    page_table_ref,  # [B, NH] int32 (GMEM)
+    history_tokens_ref,  # [B] int32 (GMEM)
+    q_ref,  # [B, K, M, D] bfloat16 (GMEM)
+    k_codes_ref,  # [(Y,) P, K, L, D/4] uint8 (GMEM)
+    k_scale_ref,  # [(Y,) P, K, L] float16 (GMEM; one group per row)
+    k_min_ref,  # [(Y,) P, K, L] float16
+    v_codes_ref,  # [(Y,) P, K, L, D/4] uint8
+    v_scale_ref,  # [(Y,) P, K, L] float16
+    v_min_ref,  # [(Y,) P, K, L] float16
+    o_ref,  # [B, K, S, D, R] float32 (GMEM): normalised partial outputs, transposed
+    lse_ref,  # [B, K, S, R] float32 (GMEM): their log-sum-exp
+    q_smem,  # [R, D] bfloat16, swizzled
+    codes_smem,  # 2 × [STAGES, L, D/4] uint8: K, V codes
+    meta_smem,  # 4 × [STAGES, L] float16: k_scale, k_min, v_scale, v_min
+    values_smem,  # [L, D] bfloat16, swizzled: the page's unpacked V codes
+    probs_smem,  # [R, L] bfloat16, swizzled: p·s_v transposed
+    out_smem,  # [D, R] float32: oᵀ (a transposed float32 store does not lower: layout inference fails)
+    lse_smem,  # [R] float32
+    q_barrier,
+    page_barriers,  # STAGES barriers of COPIES_PER_PAGE arrivals
+    *,
+    PAGE_SIZE: int,
+    PAGES_PER_SPLIT: int,
+    SCORE_SCALE: float,
+    STAGES: int,
+    LAYER: int | None,
+    A_IN_REGISTERS: bool,
+):
+    b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    rows, head_dim = q_smem.shape
+    n_history = history_tokens_ref[b]
+    first_slot = split * PAGES_PER_SPLIT
+    last_slot = jnp.minimum(first_slot + PAGES_PER_SPLIT, (n_history + PAGE_SIZE - 1) // PAGE_SIZE)
+    num_pages = jnp.maximum(last_slot - first_slot, 0)  # pages holding a valid token
+    layer = () if LAYER is None else (LAYER,)
+    k_codes_smem, v_codes_smem = codes_smem
+    sources = (k_codes_ref, v_codes_ref, k_scale_ref, k_min_ref, v_scale_ref, v_min_ref)
+    destinations = (k_codes_smem, v_codes_smem, *meta_smem)
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(0, rows)], q_smem, q_barrier)
+
+    def fetch(page_index, stage):
+        page = page_table_ref[b, first_slot + page_index]
+        for src, dst in zip(sources, destinations):
+            plgpu.copy_gmem_to_smem(src.at[(*layer, page, h)], dst.at[stage], page_barriers.at[stage])
+
+    for stage in range(STAGES):
+        pl.when(stage < num_pages)(functools.partial(fetch, stage, stage))
+    plgpu.barrier_wait(q_barrier)
+
+    values_smem[...] = jnp.ones((PAGE_SIZE, head_dim), jnp.bfloat16)
+    plgpu.commit_smem()
+
+    def q_sums(acc_ref):  # every row: Σ_c q[r, c], in the score tile's layout
+        plgpu.wgmma(acc_ref, values_smem, q_smem.T)
+        return acc_ref[...]
+
+    q_sum = pl.run_scoped(q_sums, plgpu.ACC((PAGE_SIZE, rows), jnp.float32)) * SCORE_SCALE  # [L, R]
+
+    def body(i, carry):
+        out_t, m, l = carry  # oᵀ [D, R], running max and sum [R]
+        stage = lax.rem(i, STAGES)
+        plgpu.barrier_wait(page_barriers.at[stage])
+        k_hat = _unpack_planes(k_codes_smem.at[stage])  # [L, D]
+        plgpu.commit_smem()  # every warp is past the last wgmma before its operands are overwritten
+        if not A_IN_REGISTERS:  # the GPU interpreter's wgmma takes A from shared memory only
+            values_smem[...] = k_hat
+            plgpu.commit_smem()
+
+        def code_dots(acc_ref):  # q·c [L, R]
+            plgpu.wgmma(acc_ref, k_hat if A_IN_REGISTERS else values_smem, q_smem.T)
+            return acc_ref[...]
+
+        dots = pl.run_scoped(code_dots, plgpu.ACC((PAGE_SIZE, rows), jnp.float32))
+        k_scale, k_min, v_scale, v_min = (ref.at[stage][...].astype(jnp.float32) for ref in meta_smem)
+        token = lax.broadcasted_iota(jnp.int32, (PAGE_SIZE, rows), 0)
+        valid = (first_slot + i) * PAGE_SIZE + token < n_history  # [L, R]
+        scores = (k_scale * SCORE_SCALE)[:, None] * dots + k_min[:, None] * q_sum
+        scores = jnp.where(valid, scores, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=0))
+        correction = jnp.exp2(m - m_new)
+        p = jnp.where(valid, jnp.exp2(scores - m_new[None, :]), 0.0)  # [L, R]
+        l = l * correction + jnp.sum(p, axis=0)
+        p_scaled = p * jnp.where(valid, v_scale[:, None], 0.0)  # stale metadata may be NaN
+        p_min = jnp.sum(p * jnp.where(valid, v_min[:, None], 0.0), axis=0)  # [R]
+        v_hat = _unpack_planes(v_codes_smem.at[stage])  # [L, D]
+        if not A_IN_REGISTERS:
+            plgpu.commit_smem()  # every warp is past the scores' wgmma before V̂ overwrites K̂
+        values_smem[...] = v_hat
+        probs_smem.T[...] = p_scaled.astype(jnp.bfloat16)
+        plgpu.commit_smem()  # the stores visible to wgmma; every warp has read this stage's slot
+
+        @pl.when(i + STAGES < num_pages)
+        def _refill():
+            fetch(i + STAGES, stage)
+
+        def values_dot(acc_ref):  # V̂ᵀ·(p·s_v) [D, R]
+            plgpu.wgmma(acc_ref, values_smem.T, probs_smem.T)
+            return acc_ref[...]
+
+        # A fresh accumulator added to oᵀ (not an accumulator initialised with oᵀ: `pl.run_state`
+        # discharges to a primitive the GPU interpreter does not run).
+        values = pl.run_scoped(values_dot, plgpu.ACC((head_dim, rows), jnp.float32))
+        out_t = out_t * correction[None, :] + p_min[None, :] + values
+        return out_t, m_new, l
+
+    carry = (
+        jnp.zeros((head_dim, rows), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    out_t, m, l = lax.fori_loop(0, num_pages, body, carry)
+    nonempty = l > 0.0
+    inv_l = 1.0 / jnp.where(nonempty, l, 1.0)
+    lse = jnp.where(nonempty, (m + jnp.log2(jnp.where(nonempty, l, 1.0))) * LN2, -jnp.inf)
+    out_smem[...] = out_t * inv_l[None, :]
+    lse_smem[...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, o_ref.at[b, h, split])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, split])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def check_supported(q_dtype, head_dim: int, group_size: int, page_size: int, rows: int) -> None:
+    """NotImplementedError naming what this kernel does not cover (yet)."""
+    if jnp.dtype(q_dtype) != jnp.dtype(jnp.bfloat16):
+        raise NotImplementedError(f"the Mosaic GPU INT2 tier takes bfloat16 q (wgmma operands), got {q_dtype}")
+    if group_size != head_dim or head_dim not in (64, 128, 256):
+        raise NotImplementedError(f"the Mosaic GPU INT2 tier needs one group per row (group_size == head_dim in "
+                                  f"(64, 128, 256)), got group_size={group_size}, head_dim={head_dim}")
+    if page_size % WGMMA_M:
+        raise NotImplementedError(f"page_size={page_size} must be a multiple of {WGMMA_M} (wgmma's M)")
+    if rows % WGMMA_MIN_N or rows > 256:
+        raise NotImplementedError(f"rows={rows} must be a multiple of {WGMMA_MIN_N} and <= 256 (wgmma's N)")
+
+
+def int2_tier_partials(
+    q,  # [B, K, M, D] bfloat16
+    k_codes,  # [(Y,) P, K, L, D/4] uint8
+    k_scale,  # [(Y,) P, K, L, D/G] float16
+    k_min,  # [(Y,) P, K, L, D/G] float16
+    v_codes,  # [(Y,) P, K, L, D/4] uint8
+    v_scale,  # [(Y,) P, K, L, D/G] float16
+    v_min,  # [(Y,) P, K, L, D/G] float16
+    page_table,  # [B, NH] int32
+    history_tokens,  # [B] int32
+    *,
+    group_size: int,
+    softmax_scale: float,
+    pages_per_split: int,
+    pages_per_block: int = 1,
+    block_m: int = WGMMA_MIN_N,
+    interpret: bool = False,
+    layer: int | None = None,
+    rows: int | None = None,
+    stages: int = DEFAULT_STAGES,
+    transposed: bool = False,
+    a_in_registers: bool | None = None,
+    **triton_launch,
+):
+    """Partials over the INT2 tier: (o float32[B, K, S, R, D], lse float32[B, K, S, R]), S =
+    num_splits(NH, pages_per_split), R = `rows` (default block_m): q's first R rows of each KV head.
+
+    Same arguments as `oscar_jax.kernels.decode_attention.int2_tier_partials`; the Triton lowering's
+    launch knobs (num_warps, num_stages, unpack_asm, fma_asm, tokens_on_m, channels_on_m,
+    max_registers) are accepted and ignored: this kernel always takes the tokens on M, the channels
+    on M for the values, one warpgroup. `pages_per_block` must be 1 (one page of ≥ 64 tokens is
+    one wgmma tile). `stages`: pages in flight per program. `transposed`: return o as the kernel
+    writes it, oᵀ float32[B, K, S, D, R] (no XLA transpose after the kernel). `a_in_registers`: the
+    scores' wgmma takes the unpacked K codes from registers (None → compiled only: the GPU
+    interpreter's wgmma reads A from shared memory, so interpret mode stores them there first).
+    `interpret`: True runs the Mosaic GPU
+    interpreter on the CPU (`plgpu.InterpretGPUParams()`; an InterpretGPUParams is passed through).
+    """
+    unknown = set(triton_launch) - {"num_warps", "num_stages", "unpack_asm", "fma_asm", "tokens_on_m",
+                                    "channels_on_m", "max_registers"}
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+    batch, num_kv_heads, q_rows, head_dim = q.shape
+    rows = block_m if rows is None else rows
+    if not 0 < rows <= q_rows:
+        raise ValueError(f"rows={rows} must lie in (0, {q_rows}] (q's rows)")
+    pool_shape = tuple(k_codes.shape) if layer is None else tuple(k_codes.shape[1:])
+    _, _, page_size, packed = pool_shape
+    check_supported(q.dtype, head_dim, group_size, page_size, rows)
+    if pages_per_block != 1:
+        raise NotImplementedError(f"pages_per_block={pages_per_block}: the Mosaic GPU kernel reads one page a step")
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages={stages!r} must be a positive int")
+    assert packed * CODES_PER_BYTE == head_dim and k_scale.shape[-1] == 1
+    splits = num_splits(page_table.shape[1], pages_per_split)
+    table_len = splits * pages_per_split
+    page_table = jnp.pad(page_table, ((0, 0), (0, table_len - page_table.shape[1])))
+    # One group per row: the metadata of a (page, head) is one contiguous [L] row (a free reshape).
+    k_scale, k_min, v_scale, v_min = (x.reshape(x.shape[:-1]) for x in (k_scale, k_min, v_scale, v_min))
+    stages = max(1, min(stages, pages_per_split))
+    kernel = functools.partial(
+        _int2_tier_kernel, PAGE_SIZE=page_size, PAGES_PER_SPLIT=pages_per_split,
+        SCORE_SCALE=base2_score_scale(softmax_scale), STAGES=stages, LAYER=layer,
+        A_IN_REGISTERS=(not interpret) if a_in_registers is None else bool(a_in_registers))
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    elif interpret is False:
+        interpret = None
+    scratch = (
+        plgpu.SMEM((rows, head_dim), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),  # q
+        [plgpu.SMEM((stages, page_size, packed), jnp.uint8) for _ in range(2)],  # K, V codes
+        [plgpu.SMEM((stages, page_size), jnp.float16) for _ in range(METADATA_COPIES)],
+        plgpu.SMEM((page_size, head_dim), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),  # V̂
+        plgpu.SMEM((rows, page_size), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),  # (p·s_v)ᵀ
+        plgpu.SMEM((head_dim, rows), jnp.float32),  # oᵀ
+        plgpu.SMEM((rows,), jnp.float32),  # lse
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=COPIES_PER_PAGE, num_barriers=stages),
+    )
+    out_t, lse = plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, head_dim, rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows), jnp.float32),
+        ),
+        scratch_types=scratch,
+        grid=(batch, num_kv_heads, splits),
+        grid_names=("b", "h", "s"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+        kernel_name=(f"oscar_int2_tier_mosaic_L{page_size}_R{rows}_split{pages_per_split}_stages{stages}"
+                     + ("_a_regs" if kernel.keywords["A_IN_REGISTERS"] else "_a_smem")),
+    )(page_table, history_tokens, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
+    return (out_t if transposed else jnp.swapaxes(out_t, -1, -2)), lse
