@@ -1,9 +1,11 @@
 """OscarRuntime: a model decoding from OscarKVCache — admit (prefill), step (decode), finish.
 
 The host plans every step with the PageAllocator (page tables, write destinations, demotions);
-the device runs one jitted, cache-donating function per step. Prompts are admitted one at a
-time, so a prompt can reuse pages of any earlier prompt in its namespace (prefix sharing) and
-never pages that are still being written.
+the device runs one jitted, cache-donating function per step. A prompt is either admitted whole
+(`admit`) or started (`start`) and then prefilled chunk by chunk between decode steps
+(`prefill`, what a serving engine does). A prompt's pages are published for prefix sharing only
+once their chunk is written, so a prompt can reuse pages of any earlier prompt in its namespace
+and never pages that are still being written.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shared_math.allocator import PageAllocator
+from shared_math.allocator import AdmitPlan, PageAllocator, PoolExhausted
 from oscar_jax.cache import OscarKVCache, StepPlan
 from oscar_jax.model import ModelConfig, Params, decode_step, fold_value_rotation, fuse_qkv, prefill
 from shared_math.artifact import ModelFingerprint, RotationArtifact
 from shared_math.spec import OscarConfig
-from shared_math.tiers import tier_split
+from shared_math.tiers import demotes_on_append, tier_split
 
 MIN_PREFILL_BUCKET = 16  # chunks are padded to a power of two ≥ this, to bound recompilation
 DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill launch (a multiple of the page size)
@@ -62,8 +64,12 @@ class OscarRuntime:
         page_size: int | None = None,
         extra_pages: int = 0,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        num_bf16_pages: int | None = None,
+        num_int2_pages: int | None = None,
         interpret: bool | None = None,
     ):
+        """Pools default to room for `max_batch` sequences of `max_seq_len` tokens (+ extra_pages
+        each); num_bf16_pages / num_int2_pages size them explicitly (page 0 of each is scratch)."""
         if artifact.model != fingerprint(cfg):
             raise ValueError(f"the rotation artifact was calibrated for {artifact.model}, not {fingerprint(cfg)}")
         defaults = OscarConfig(head_dim=cfg.head_dim)
@@ -86,8 +92,10 @@ class OscarRuntime:
         self.prefill_chunk = prefill_chunk
         self.history_slots = -(-max_seq_len // page)
         per_seq_bf16 = (self.config.sink + self.config.recent) // page + 1
-        num_bf16 = 1 + max_batch * per_seq_bf16 + extra_pages
-        num_int2 = 1 + max_batch * self.history_slots + extra_pages
+        num_bf16 = num_bf16_pages or 1 + max_batch * per_seq_bf16 + extra_pages
+        num_int2 = num_int2_pages or 1 + max_batch * self.history_slots + extra_pages
+        self.max_batch = max_batch
+        self._written: dict[int, int] = {}  # seq_id → prompt tokens prefilled so far
         self.allocator = PageAllocator(self.config, num_bf16_pages=num_bf16, num_int2_pages=num_int2)
         self.cache = OscarKVCache.create(
             self.config, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
@@ -135,53 +143,156 @@ class OscarRuntime:
         straight into its final tier (history positions are quantized by the fused write). A
         chunk attends to itself in full precision and to everything before it through the tiers.
         """
+        plan = self.start(tokens, namespace=namespace, share_prefix=share_prefix)
+        for begin in range(plan.reused_tokens, plan.length, self.prefill_chunk):
+            logits = self.prefill(plan.seq_id, begin, min(begin + self.prefill_chunk, plan.length))
+        return plan.seq_id, logits, plan.reused_tokens
+
+    def start(self, tokens, *, namespace: str | None = None, share_prefix: bool = True) -> AdmitPlan:
+        """Allocate the pages of a prompt (reusing its namespace's prefix pages) without computing
+        anything: `prefill` then writes tokens [reused_tokens, length) in page-aligned chunks.
+        Raises PoolExhausted, with nothing allocated, when the pools cannot hold the prompt."""
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         if len(tokens) > self.max_seq_len:
             raise ValueError(f"prompt of {len(tokens)} tokens exceeds max_seq_len={self.max_seq_len}")
         plan = self.allocator.admit(tokens.tolist(), namespace=namespace, share_prefix=share_prefix)
-        seq = self.allocator.sequences[plan.seq_id]
-        length = plan.length
-        assert plan.reused_tokens < length, "the allocator never shares the page holding the last token"
-        split = tier_split(length, self.config)
-        cfg, page = self.config, self.config.page_size
-        for start in range(plan.reused_tokens, length, self.prefill_chunk):
-            chunk = min(self.prefill_chunk, length - start)
-            bucket = max(MIN_PREFILL_BUCKET, 1 << (chunk - 1).bit_length())
-            writes = self._no_write((1, bucket))
-            for i, position in enumerate(range(start, start + chunk)):
-                tier, page_id, slot = self._destination(seq, position, split)
-                writes[f"{tier}_write_page"][0, i], writes[f"{tier}_write_slot"][0, i] = page_id, slot
-            # The prefix before this chunk, in its final tiers (chunk starts are page-aligned).
-            sink = min(start, split.sink_tokens)
-            history = min(max(start - split.history_start, 0), split.history_tokens)
-            recent = max(start - split.recent_start, 0)
-            tables = self.allocator.tables([plan.seq_id], self.history_slots)
-            tables["history_page_table"][0, history // page :] = 0
-            tables["bf16_page_table"][0, cfg.sink // page + -(-recent // page) :] = 0
-            tables.update(sink_tokens=np.array([sink], np.int32), recent_tokens=np.array([recent], np.int32),
-                          history_tokens=np.array([history], np.int32))
-            cache = self.cache.with_plan(self._plan(tables, writes, [chunk]), "prefill")
-            padded = np.zeros((1, bucket), np.int32)
-            padded[0, :chunk] = tokens[start : start + chunk]
-            positions = (start + np.arange(bucket, dtype=np.int32))[None]
-            logits, cache = _prefill(self.params, self.cfg, jnp.asarray(padded), cache, jnp.asarray(positions),
-                                     jnp.asarray([chunk], jnp.int32))
-            self.cache = dataclasses.replace(cache, plan=None)
-        return plan.seq_id, logits[0], plan.reused_tokens
+        assert plan.reused_tokens < plan.length, "the allocator never shares the page holding the last token"
+        self._written[plan.seq_id] = plan.reused_tokens
+        # The allocator registers every full page of the prompt at admission; until a page is
+        # written, a request of the same namespace must not find it.
+        self._publish(plan.seq_id)
+        return plan
 
-    def step(self, seq_ids, tokens) -> jax.Array:
-        """Append one token to each sequence and decode: logits f32 [B, V]."""
+    def prefill(self, seq_id: int, start: int, stop: int) -> jax.Array:
+        """Write prompt tokens [start, stop) of a started sequence: logits f32 [V] of token stop − 1.
+
+        `start` must be where the previous chunk ended (a multiple of the page size) and the chunk
+        at most `prefill_chunk` long; its length is padded to a power of two ≥ MIN_PREFILL_BUCKET.
+        """
+        seq = self._sequence(seq_id)
+        written, length, page = self._written.get(seq_id, seq.length), seq.length, self.config.page_size
+        if start != written or not start < stop <= length or stop - start > self.prefill_chunk:
+            raise ValueError(f"sequence {seq_id}: chunk [{start}, {stop}) must start at {written} (tokens "
+                             f"written), end by {length} and hold at most prefill_chunk={self.prefill_chunk}")
+        if start % page:
+            raise ValueError(f"sequence {seq_id}: chunk {start=} must be a multiple of the page size {page}")
+        split = tier_split(length, self.config)
+        chunk = stop - start
+        bucket = max(MIN_PREFILL_BUCKET, 1 << (chunk - 1).bit_length())
+        writes = self._no_write((1, bucket))
+        for i, position in enumerate(range(start, stop)):
+            tier, page_id, slot = self._destination(seq, position, split)
+            writes[f"{tier}_write_page"][0, i], writes[f"{tier}_write_slot"][0, i] = page_id, slot
+        # The prefix before this chunk, in its final tiers (chunk starts are page-aligned).
+        sink = min(start, split.sink_tokens)
+        history = min(max(start - split.history_start, 0), split.history_tokens)
+        recent = max(start - split.recent_start, 0)
+        tables = self.allocator.tables([seq_id], self.history_slots)
+        tables["history_page_table"][0, history // page :] = 0
+        tables["bf16_page_table"][0, self.config.sink // page + -(-recent // page) :] = 0
+        tables.update(sink_tokens=np.array([sink], np.int32), recent_tokens=np.array([recent], np.int32),
+                      history_tokens=np.array([history], np.int32))
+        cache = self.cache.with_plan(self._plan(tables, writes, [chunk]), "prefill")
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, :chunk] = seq.tokens[start:stop]
+        positions = (start + np.arange(bucket, dtype=np.int32))[None]
+        logits, cache = _prefill(self.params, self.cfg, jnp.asarray(padded), cache, jnp.asarray(positions),
+                                 jnp.asarray([chunk], jnp.int32))
+        self.cache = dataclasses.replace(cache, plan=None)
+        if stop == length:
+            del self._written[seq_id]
+        else:
+            self._written[seq_id] = stop
+        self._publish(seq_id)
+        return logits[0]
+
+    def prefilled(self, seq_id: int) -> int:
+        """Prompt tokens of a sequence written so far (its length once the prompt is done)."""
+        seq = self._sequence(seq_id)
+        return self._written.get(seq_id, seq.length)
+
+    def _publish(self, seq_id: int) -> None:
+        """Register the sink and history pages of a sequence that are written (up to its
+        prefilled length) for prefix sharing; withdraw this sequence's registrations of pages
+        that are not written yet."""
+        alloc, page = self.allocator, self.config.page_size
+        seq = alloc.sequences[seq_id]
+        written = self.prefilled(seq_id)
+        split = tier_split(seq.length, self.config)
+        full_sink = [(alloc.bf16, p, (j + 1) * page) for j, p in enumerate(seq.sink_pages)
+                     if (j + 1) * page <= split.sink_tokens]
+        history = [(alloc.int2, p, split.history_start + (j + 1) * page) for j, p in enumerate(seq.history_pages)]
+        for pool, page_id, end in full_sink + history:
+            key = alloc._page_end_key(seq, end)
+            if end <= written:
+                pool.register(key, page_id)
+            elif pool.registry.get(key) == page_id:
+                del pool.registry[key], pool.key_of[page_id]
+
+    def pages_needed(self, seq_ids) -> tuple[int, int]:
+        """(BF16, INT2) pages that one `step` of these sequences allocates (new recent or sink
+        pages, demotion destinations)."""
+        bf16 = int2 = 0
+        for sid in seq_ids:
+            seq = self._sequence(sid)
+            demote = demotes_on_append(seq.length, self.config)
+            split = tier_split(seq.length + 1, self.config)
+            bf16 += max(0, split.sink_pages - len(seq.sink_pages))
+            bf16 += max(0, split.recent_pages + demote - len(seq.recent_pages))
+            int2 += int(demote)
+        return bf16, int2
+
+    def free_pages(self) -> tuple[int, int]:
+        """(BF16, INT2) pages that allocation can hand out (free or cached, never scratch)."""
+        return self.allocator.bf16.num_free, self.allocator.int2.num_free
+
+    def _sequence(self, seq_id):
+        if not isinstance(seq_id, (int, np.integer)) or seq_id not in self.allocator.sequences:
+            raise ValueError(f"unknown sequence {seq_id!r}: not admitted, or already finished "
+                             f"(live: {sorted(self.allocator.sequences)[:16]})")
+        return self.allocator.sequences[seq_id]
+
+    def step(self, seq_ids, tokens, *, batch_size: int | None = None) -> jax.Array:
+        """Append one token to each sequence and decode: logits f32 [B, V].
+
+        batch_size pads the batch to that many rows (rows past len(seq_ids) read and write
+        nothing; their logits are meaningless), so callers that vary the batch compile once per
+        padded size. Nothing changes when a check fails: each sequence at most once, every one
+        admitted and fully prefilled, and the pools able to hold the step's new pages (else
+        PoolExhausted).
+        """
         seq_ids = list(seq_ids)
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         if len(tokens) != len(seq_ids):
             raise ValueError(f"{len(tokens)} tokens for {len(seq_ids)} sequences")
+        if not seq_ids:
+            raise ValueError("step needs at least one sequence")
+        seen = set()
         for sid in seq_ids:
-            if self.allocator.sequences[sid].length >= self.max_seq_len:
+            seq = self._sequence(sid)
+            if sid in seen:
+                raise ValueError(f"sequence {sid} appears more than once in one step ({seq_ids})")
+            seen.add(sid)
+            if sid in self._written:
+                raise ValueError(f"sequence {sid} is still prefilling ({self._written[sid]} of {seq.length} "
+                                 "prompt tokens written)")
+            if seq.length >= self.max_seq_len:
                 raise ValueError(f"sequence {sid} reached max_seq_len={self.max_seq_len}")
-        positions = np.array([self.allocator.sequences[s].length for s in seq_ids], np.int32)
+        rows = len(seq_ids) if batch_size is None else batch_size
+        if rows < len(seq_ids):
+            raise ValueError(f"{batch_size=} is smaller than the {len(seq_ids)} sequences")
+        need, free = self.pages_needed(seq_ids), self.free_pages()
+        for tier, n, f in zip(("BF16", "INT2"), need, free):
+            if n > f:
+                raise PoolExhausted(f"this step needs {n} new {tier} pages and {f} are free: finish or "
+                                    "preempt a sequence first")
+        positions = np.zeros(rows, np.int32)
+        positions[: len(seq_ids)] = [self.allocator.sequences[s].length for s in seq_ids]
+        padded_tokens = np.zeros(rows, np.int32)
+        padded_tokens[: len(seq_ids)] = tokens
         demotions = [self.allocator.extend(sid, tok) for sid, tok in zip(seq_ids, tokens)]
-        tables = self.allocator.tables(seq_ids, self.history_slots)
-        writes = self._no_write((len(seq_ids), 1))
+        tables = self._padded(self.allocator.tables(seq_ids, self.history_slots), rows)
+        writes = self._no_write((rows, 1))
         for i, (sid, position) in enumerate(zip(seq_ids, positions)):
             seq = self.allocator.sequences[sid]
             page, sink = self.config.page_size, int(tables["sink_tokens"][i])
@@ -190,8 +301,10 @@ class OscarRuntime:
             else:
                 offset = position - sink - int(tables["history_tokens"][i])
                 writes["bf16_write_page"][i, 0], writes["bf16_write_slot"][i, 0] = seq.recent_pages[offset // page], offset % page
-        cache = self.cache.with_plan(self._plan(tables, writes, np.ones(len(seq_ids))), "decode")
-        logits, cache = _decode(self.params, self.cfg, jnp.asarray(tokens), cache, jnp.asarray(positions))
+        new_tokens = np.zeros(rows, np.int32)
+        new_tokens[: len(seq_ids)] = 1
+        cache = self.cache.with_plan(self._plan(tables, writes, new_tokens), "decode")
+        logits, cache = _decode(self.params, self.cfg, jnp.asarray(padded_tokens), cache, jnp.asarray(positions))
         cache = dataclasses.replace(cache, plan=None)
         due = [d for d in demotions if d is not None]
         if due:
@@ -203,8 +316,22 @@ class OscarRuntime:
         self.cache = cache
         return logits
 
+    @staticmethod
+    def _padded(tables: dict, rows: int) -> dict:
+        """Page tables padded with rows that hold no token (scratch pages, zero counts)."""
+        out = {}
+        for name, table in tables.items():
+            padded = np.zeros((rows,) + table.shape[1:], table.dtype)
+            padded[: len(table)] = table
+            out[name] = padded
+        return out
+
     def finish(self, seq_id: int) -> None:
+        """Release a sequence's pages (also mid-prefill: its unwritten pages were never published)."""
+        self._sequence(seq_id)
+        self._written.pop(seq_id, None)
         self.allocator.finish(seq_id)
 
     def length(self, seq_id: int) -> int:
-        return self.allocator.sequences[seq_id].length
+        return self._sequence(seq_id).length
+
