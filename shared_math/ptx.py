@@ -11,7 +11,7 @@ holds them (places 0, 2, 4: factors 1, 4, 16), so a mask alone extracts them; pl
 would reach the exponent and is shifted right by one to place 5 (factor 32). The kernels take
 the factors back out where it costs a vector, not a matrix: the query plane is multiplied by
 1 / factor (exact: a power of two), the output plane is carried in units of its factor and
-divided once at the end (benchmarks/NOTES.md v17). The code bias (128) is subtracted in the
+divided once at the end (benchmarks/DECISIONS.md D11). The code bias (128) is subtracted in the
 minimum terms.
 
 One instance of `unpack_plane_ptx(plane)` runs under Triton's `inline_asm_elementwise` /

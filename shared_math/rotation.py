@@ -20,7 +20,7 @@ ROTATION_KINDS = ("identity", "hadamard", "eigen", "eigen_hadamard", "oscar")
 # The fused key rotation of bfloat16 rows runs as three bfloat16 tensor-core products, k·hi +
 # k·mid + k·lo with R = hi + mid + lo (each part the round-to-nearest-even bfloat16 of what the
 # previous parts leave): a bfloat16 row times a bfloat16 part is exact in float32, so the sum
-# keeps ~24 bits of R, as the float32 product does (benchmarks/NOTES.md v9). Not part of the
+# keeps ~24 bits of R, as the float32 product does (benchmarks/DECISIONS.md W1). Not part of the
 # format: the rotation's rounding is not pinned, only the encoding of the rotated row.
 BF16_SPLIT_PARTS = 3
 

@@ -4,10 +4,9 @@ encode kernels' choice of order statistic for the clip threshold, shared by both
 Not part of format v1 (it changes no byte); one module so that the Pallas and Triton kernels run
 the same tiling by default and the parity backend is timed like for like.
 
-Measured on the H200 at 128K context, Qwen3-8B shapes, pages of 64 tokens (benchmarks/NOTES.md,
-results/decode_sweep_128k_b1_h200.json): 16 pages per split (128 splits) beat 64 pages by 20 %
-at batch 1 and 8, and one page per inner iteration beat four by 20 %; more splits add partial
-outputs to write and merge ([B, Hkv, S, 16, D] float32).
+The split-K defaults (about TARGET_SPLITS splits, one page per inner iteration) trade parallel
+programs against partial outputs to write and merge ([B, Hkv, S, 16, D] float32). Every default
+here names its measurement in benchmarks/DECISIONS.md (rows D1–D18, W1–W5, C1).
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ MERGE_BLOCK_D = 32  # … and columns per merge program: [32, 32] float32 = 4 KB
 
 # The attention kernels keep scores in base-2 units (softmax scale × log2 e), so that every
 # exponential of the online softmax is an exp2: on the GPU one MUFU.EX2, where Pallas's jnp.exp
-# lowers to libdevice's accurate __nv_expf (~9 instructions per element; benchmarks/NOTES.md
-# v11). The partials' log-sum-exp stays a natural log: lse = (m + log2 l)·ln 2.
+# lowers to libdevice's accurate __nv_expf, several instructions per element (DECISIONS.md D12).
+# The partials' log-sum-exp stays a natural log: lse = (m + log2 l)·ln 2.
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -55,7 +54,7 @@ def default_pages_per_split(table_slots: int, pages_per_block: int, page_size: i
     """≈ table_slots / TARGET_SPLITS and ≥ MIN_TOKENS_PER_SPLIT tokens: a power of two
     ≥ pages_per_block. `table_slots` is the longer of a sequence's two page tables: the history
     table in an OSCAR cache, the BF16 table in a cache with no INT2 tier (the BF16 baseline,
-    benchmarks/NOTES.md v13)."""
+    DECISIONS.md D3)."""
     floor = -(-MIN_TOKENS_PER_SPLIT // max(page_size, 1))
     return max(pages_per_block, next_power_of_two(max(floor, -(-table_slots // TARGET_SPLITS))))
 
@@ -64,13 +63,8 @@ def default_pages_per_split(table_slots: int, pages_per_block: int, page_size: i
 # program's prologue and a partial row to write and merge, worth paying only while the grid needs
 # the programs to fill the SMs. The split doubles from default_pages_per_split's while B × Hkv ×
 # splits stays ≥ INT2_DECODE_MIN_PROGRAMS (≈ one wave of one-warp programs at 8 per SM on the H200's
-# 132) and the split ≤ INT2_DECODE_MAX_SPLIT_TOKENS. H200, Qwen3-8B shapes, 32K (benchmarks/NOTES.md
-# v20, results/decode_sweep_32k_v20_h200.json), 4 → 8 → 32 pages of 64: b8 Triton 126.8 → 117.7 →
-# 109.5 µs, Pallas 124.8 → 113.3 → 109.2; b32 Triton 454.6 → 417.6 → 394.2, Pallas 477.0 → 443.8 →
-# 437.1; 128K b8 16 → 32 pages −3 %, and b1 (1,024 programs at 16 pages) 60.6 → 84.8 µs at 32.
-# Checked as the default at every (context, batch) of 8K/32K/128K × 1/8/32 (NOTES v21,
-# results/decode_splits_v21_h200.json): −1 to −15 % against the split by length, within ~2 % of
-# the best split timed.
+# 132) and the split ≤ INT2_DECODE_MAX_SPLIT_TOKENS. Longer splits win at batch 8 and 32; at batch 1
+# they leave the grid too few programs (DECISIONS.md D2).
 INT2_DECODE_MIN_PROGRAMS = 1024
 INT2_DECODE_MAX_SPLIT_TOKENS = 2048
 
@@ -103,8 +97,8 @@ def bf16_tier_pages_per_split(bf16_slots: int, history_slots: int, pages_per_spl
     """Pages per program of the BF16 tier. Without an INT2 tier it holds the context and takes the
     cache's split (`pages_per_split`). Beside an INT2 tier its table holds only the sink and recent
     pages (5 at the defaults with pages of 64): ≈ bf16_slots / TARGET_SPLITS with no token floor, so
-    those few pages are read by parallel programs instead of one serial chain of them (12.5 µs a
-    layer as one program in the 100K e2e step on the H200, benchmarks/NOTES.md v14)."""
+    those few pages are read by parallel programs instead of one serial chain of them
+    (DECISIONS.md D3)."""
     if history_slots == 0:
         return pages_per_split
     return max(pages_per_block, next_power_of_two(-(-bf16_slots // TARGET_SPLITS)))
@@ -131,20 +125,15 @@ def resolve_splits(pages_per_split, pages_per_block, bf16_slots: int, history_sl
 
 
 # Tokens per program of the fused write when it rotates bfloat16 rows (three bf16 products per
-# block, the parts read once per program): H200, 65,536 tokens × 8 heads × d 128, 4 warps, the
-# shipped kernel (results/profile_write_v9_product_h200.json): 16 / 32 / 64 / 128 tokens
-# 923.6 / 636.0 / 371.8 / 392.6 µs.
+# block, the parts read once per program): enough tokens to amortise splitting R, few enough to keep
+# the program's registers (DECISIONS.md W1).
 SPLIT_ROTATION_BLOCK_TOKENS = 64
 
 # Launch of the decode tier kernels, both backends, with rows on the dots' M (the BF16 tier; the INT2
-# tier before v15, and where it cannot take tokens on M): 3 pipeline stages, and 2 warps per program
-# once the tier has enough programs (B × Hkv × splits) to fill the SMs with them, else 4.
-# H200, Qwen3-8B shapes (benchmarks/NOTES.md v12, results/decode_h200.json). 128K (1024 programs at
-# b1): Pallas b1 / b8 / b32 103.0 / 583.4 / 2132.4 µs at (2 warps, 3 stages) vs 143.2 / 725.4 /
-# 2696.3 at (4, 2); Triton, its INT2 kernel capped at TRITON_INT2_MAX_REGISTERS, 106.8 / 636.3 /
-# 2393.0 vs 125.7 / 712.0 / 2709.0. The b8 kernel is latency-bound (NOTES v11): 2-warp programs,
-# more of them per SM, keep more loads in flight. 8K b1 (248 programs, under 2 per SM): Triton
-# 4 warps 28.8 µs vs 2 warps 33.3; 8K b8 (1984 programs) 2 warps 67.8 vs 78.3.
+# tier where it cannot take tokens on M): 3 pipeline stages, and 2 warps per program once the tier
+# has enough programs (B × Hkv × splits) to fill the SMs with them, else 4. The batched kernel is
+# latency-bound: 2-warp programs, more of them per SM, keep more loads in flight; a grid under ~2
+# programs an SM needs wider ones (DECISIONS.md D7).
 DECODE_NUM_WARPS = 2
 DECODE_FEW_PROGRAMS_NUM_WARPS = 4
 DECODE_TWO_WARPS_MIN_PROGRAMS = 512  # ≈ 4 per SM on the H200's 132
@@ -153,13 +142,10 @@ DECODE_NUM_STAGES = 3
 
 # The INT2 tier's decode scores with the tokens on the dot's M ([L, rows], the codes as its A
 # operand) and the GQA rows on its N, padded to INT2_DECODE_MIN_ROWS (mma's n8) instead of 16, in
-# one-warp programs: H200, 128K, Pallas (benchmarks/NOTES.md v15, results/probe_int2_layout_h200.json):
-# b1 93.2 → 74.3 µs, b8 550.9 → 431.4 µs against [16, L] scores at 2 warps; the same layout at 2
-# warps took 132.0 / 735.3 µs, [16, L] at 1 warp 92.8 / 617.0. Static sm_90: 34.2 → 22.2 warp
-# instructions per (token, KV head): no cross-warp reductions, q's fragments reused over 64 tokens.
-# Only on a grid of at least DECODE_TWO_WARPS_MIN_PROGRAMS INT2 programs, though: one-warp programs
-# leave a smaller grid's SMs short of warps. 8K b1 (248 programs): Triton 21.0 → 24.7 µs, Pallas
-# 26.1 → 32.6 with them, where 8K b8 (1984) gained 61.7 → 50.7 / 69.1 → 59.2 (NOTES v16).
+# one-warp programs: fewer instructions per (token, KV head) — no cross-warp reductions, q's
+# fragments reused over a page's tokens. Only on a grid of at least DECODE_TWO_WARPS_MIN_PROGRAMS
+# INT2 programs, though: one-warp programs leave a smaller grid's SMs short of warps
+# (DECISIONS.md D4).
 INT2_DECODE_MIN_ROWS = 8
 INT2_DECODE_NUM_WARPS = 1
 
@@ -175,9 +161,8 @@ def int2_decode_tokens_on_m(batch: int, num_kv_heads: int, history_slots: int, p
 
 # The INT2 tier's values dot transposed, oᵀ = Vᵀ·(p·s_v): the channels on the dot's M (head_dim /
 # (CODES_PER_BYTE · BYTES_PER_PAIR) rows of 16-bit code pairs, read by ldmatrix.trans) and the query
-# rows on N, where the scores run with tokens on M. H200, 128K (benchmarks/NOTES.md v27,
-# results/decode_128k_v26_h200.log): b8 Triton 381.4 → 276.7 µs, Pallas 412.3 → 350.7; b1 59.5 →
-# 53.3 / 66.8 → 57.8 (sm_90: 0.76× the instructions a page at 166–168 registers instead of 228–232).
+# rows on N, where the scores run with tokens on M: fewer instructions a page and fewer registers
+# than the rows on M (DECISIONS.md D5).
 def int2_decode_channels_on_m(tokens_on_m: bool, group_size: int, head_dim: int) -> bool:
     """Whether the INT2 tier's values dot can run with the channels on M (`channels_on_m`): its
     scores with tokens on M, one group per row (G ≥ D) and a dot M of head_dim / 8 ≥ MIN_DOT_DIM."""
@@ -190,9 +175,8 @@ def int2_decode_rows(heads_per_kv: int) -> int:
     return max(INT2_DECODE_MIN_ROWS, next_power_of_two(heads_per_kv))
 
 
-# The BF16 tier's kernel streams bf16 pages at 0.7–0.9× copy bandwidth and loses at 3 stages:
-# whole-context BF16 tier (bf16_paged_pallas), 32K b1 58.9 µs at (4 warps, 2 stages) vs 66.1 at
-# (4, 3), b8 273.0 at (2, 2) vs 291.0 at (4, 3) (benchmarks/NOTES.md v12).
+# The BF16 tier's kernel streams bf16 pages near copy bandwidth and is slower at 3 stages than at 2
+# (DECISIONS.md D9).
 BF16_TIER_NUM_STAGES = 2
 
 
@@ -222,19 +206,16 @@ def default_decode_launch(batch: int, num_kv_heads: int, bf16_slots: int, histor
             (int2_warps, DECODE_NUM_STAGES))
 
 
-# Triton's maxnreg for its INT2 tier kernel: at 2 warps it holds 161 registers uncapped (6 programs
-# per SM), 128 fits 8 at the price of 24 B of spills (NOTES v11). Pallas's Triton CompilerParams
-# have no register cap (`oscar_jax.kernels.register_cap` adds one, v28); its 2-warp kernel (152
-# registers, 6 programs per SM) gained instead from the unpacking placed between its MMAs (NOTES v12).
+# Triton's maxnreg for its rows-on-M INT2 tier kernel: 128 registers fit 8 two-warp programs an SM
+# instead of 6, at the price of a few spilled bytes (DECISIONS.md D8). The Pallas kernel is not
+# capped in that layout (not measured capped); its register use came down from the source instead
+# (each plane unpacked next to its MMA).
 TRITON_INT2_MAX_REGISTERS = 128
 # The INT2 tier kernel with its scores and values' dot transposed (tokens and channels on M), both
-# backends. XLA's compile of the Pallas kernel holds 217 registers uncapped (H200, Nsight Compute: 8
-# one-warp programs per SM) where the triton package's compile of the same Triton IR holds 168 and
-# the Triton backend's kernel 166 (12 per SM). Capped at 160 (Pallas through
-# `oscar_jax.kernels.register_cap`; outputs bit-identical): Pallas 128K b8 350 → 292–303 µs in four
-# runs (168: 307, 152: 307, 144: 310, 136: 321), b32 1388 → 1122, 32K b32 −14 %, one-wave grids within
-# ±1 %; Triton, at the same 12 programs per SM, 0.4–3 % faster in all nine configs timed (128K b1 54.5
-# → 52.8, b8 276.5 → 274.0, b32 1017.0 → 1006.3; benchmarks/NOTES.md v28, the default re-run in v29).
+# backends: XLA's compile of the Pallas kernel holds more registers uncapped than the Triton
+# backend's kernel, so fewer one-warp programs fit an SM; capped at 160 both fit 12 (Pallas through
+# `oscar_jax.kernels.register_cap`; outputs bit-identical), and both run faster for it
+# (DECISIONS.md D6).
 INT2_CHANNELS_ON_M_MAX_REGISTERS = 160
 MIN_MAX_REGISTERS = 32  # a cap below it leaves a kernel little but spills
 
@@ -291,19 +272,15 @@ def select_order_statistic(head_dim: int, clip_index: int, rows_bf16: bool) -> s
 
 def encode_planes_applies(head_dim: int, group_size: int, levels: str) -> bool:
     """Whether the kernels' `encode_planes` (the encode's common case, rows read as their four
-    quarter planes; benchmarks/NOTES.md v23) can encode these rows: one group a row, min/max levels."""
+    quarter planes; DECISIONS.md W3) can encode these rows: one group a row, min/max levels."""
     return levels == "minmax" and group_size == head_dim
 
 
 # Rows (tokens) per program of the encode by planes: the codec's encode_rows and the unrotated
-# write. H200, 65,536 tokens x 8 KV heads x d 128, medians in µs at 16 / 32 / 64 rows (Pallas ·
-# Triton; results/probe_encode_planes_h200.json, benchmarks/NOTES.md v24): bf16 keys 127.3 / 104.7 /
-# 107.2 · 127.8 / 100.0 / 105.9; float32 keys 127.9 / 108.5 / 138.1 · 129.1 / 104.2 / 120.3; the
-# unrotated page write of bf16 rows 163.6 / 123.0 / 125.1 · 171.0 / 135.0 / 145.2.
+# write; the fastest of 16 / 32 / 64 rows in both backends (DECISIONS.md W4).
 ENCODE_PLANES_BLOCK_ROWS = 32
 # ... and at least 4: at 2 rows a program the Triton lowering's layout of the [2, Q] planes spills
-# (sm_90, the Pallas page write: 255 registers and 1,584 B of spills for float32 rows, 1,192 B for
-# bf16; 1 row and 4 to 64 rows take 29-96 registers and none). Extra rows are masked.
+# (sm_90; 1 row and 4 to 64 rows do not). Extra rows are masked.
 ENCODE_PLANES_MIN_BLOCK_ROWS = 4
 
 
@@ -315,11 +292,10 @@ def planes_block_rows(rows: int, planes: bool) -> int:
 def resolve_encode_planes(planes: bool | None, head_dim: int, group_size: int, levels: str,
                           rotated: bool = False, rows_bf16: bool = False) -> bool:
     """The launchers' `planes`: None (the default) takes encode_planes wherever it applies to rows
-    the kernel does not rotate — 1.8-2.2x faster than encode_block on the H200 (benchmarks/NOTES.md
-    v24) and the same bytes —; True insists (check_encode_planes' ValueError where it does not
-    apply), and also takes it for bfloat16 rows the kernel rotates (the split rotation by columns:
-    the same bytes on the H200, but -7 % time in Triton and +7 % in Pallas, NOTES v25, so not the
-    default); False never takes it."""
+    the kernel does not rotate — faster than encode_block and the same bytes (DECISIONS.md W3) —;
+    True insists (check_encode_planes' ValueError where it does not apply), and also takes it for
+    bfloat16 rows the kernel rotates (the split rotation by columns: the same bytes, faster in one
+    backend and slower in the other, so not the default: DECISIONS.md W5); False never takes it."""
     if planes is None:
         return encode_planes_applies(head_dim, group_size, levels) and not rotated
     if not isinstance(planes, bool):
