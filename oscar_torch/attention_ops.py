@@ -259,25 +259,25 @@ def decode_attention(
       pages_per_block: pages per inner iteration (power of two, ≤ pages_per_split, × L ≥ 16);
         None → `shared_math.tiling.default_pages_per_block` (one page when L ≥ 16).
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, compiled Triton on a GPU):
-        the same operand bits in fewer instructions (H200, 128K: 211 → 192 µs, benchmarks/NOTES.md
-        v4); None → on where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
+        the same operand bits in fewer instructions (benchmarks/DECISIONS.md D10); None → on where
+        it can run (compiled, bfloat16 q), False → the compiler's unpacking.
       num_warps, num_stages: warps per program (a power of two) and software-pipelining depth of
         the page loops (≥ 1) of both tier kernels; None → each tier's own,
         `shared_math.tiling.default_decode_launch`: the INT2 tier 1 warp and 3 stages when its
         scores run with tokens on M (G ≥ D, pages of ≥ 16 tokens and ≥ 512 programs;
-        `shared_math.tiling.int2_decode_tokens_on_m`, benchmarks/NOTES.md v15–v16), else 2 warps
+        `shared_math.tiling.int2_decode_tokens_on_m`, DECISIONS.md D4), else 2 warps
         once it has ≥ 512 programs, else 4; the BF16 tier likewise by its own
-        programs, and 2 stages (NOTES v12–v13).
+        programs, and 2 stages (DECISIONS.md D7, D9).
       max_registers: registers per thread the compiled INT2 tier kernel may use (Triton's maxnreg,
         ≥ 32; spills beyond it), to fit more programs per SM; None →
         `shared_math.tiling.int2_decode_max_registers`: TRITON_INT2_MAX_REGISTERS (128) for its
-        rows-on-M kernel, 160 for the one-warp kernel with the tokens and channels on M (H200: 0.4–3 %
-        faster than uncapped in nine configs, benchmarks/NOTES.md v28), else the compiler's choice;
+        rows-on-M kernel, 160 for the one-warp kernel with the tokens and channels on M (DECISIONS.md
+        D6, D8), else the compiler's choice;
         0 → the compiler's choice. No effect under the Triton interpreter.
       channels_on_m: the INT2 tier's values dot as oᵀ = Vᵀ·p (channels on the dot's M, the rows on N;
         `kernels.decode_attention.int2_tier_partials`), which needs its scores with tokens on M and
-        D ≥ 128 (`shared_math.tiling.int2_decode_channels_on_m`); None → on where it applies (H200,
-        128K b8: 0.73× the time, benchmarks/NOTES.md v27), True → on or ValueError, False → the
+        D ≥ 128 (`shared_math.tiling.int2_decode_channels_on_m`); None → on where it applies (faster:
+        DECISIONS.md D5), True → on or ValueError, False → the
         values' dot with the rows on M.
     Returns:
       float32 [B, Hq, D].
@@ -338,8 +338,7 @@ def decode_attention(
         int2_rows=int2_decode_rows(heads_per_kv) if int2_tokens_on_m else None, channels_on_m=channels_on_m,
     )
     # One merge kernel over both tiers' splits, reading only the Gq kept rows of the padded ones
-    # (the eager concatenate + merge took ~60 µs at 128K b1:
-    # benchmarks/results/profile_decode_128k_b1_f737e6d_h200.json).
+    # (no eager concatenate + merge: benchmarks/DECISIONS.md D18).
     if len(tiers) == 1:  # no history slots: an INT2 tier of zero splits
         tiers.append((tiers[0][0][:, :, :0], tiers[0][1][:, :, :0]))
     (o_a, lse_a), (o_b, lse_b) = tiers

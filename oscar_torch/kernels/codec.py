@@ -390,10 +390,10 @@ def encode_block(
 # ------------------------------------------------------------------------ encode by planes
 #
 # encode_block spends ~50 ALU-pipe instructions an element (sm_90 SASS; Nsight Compute found the
-# encode bound by that pipe: benchmarks/NOTES.md v9–v10), most of them making rare inputs exact for
-# every element: the sanitize, the clamp, keys for signed zeros, and a layout where the four codes
-# of a byte live in four threads. `encode_planes` takes the common case, rows of one group (G = D)
-# with levels="minmax", in ~20 an element at 32 rows (NOTES v23), and says which rows it cannot
+# encode bound by that pipe: benchmarks/DECISIONS.md, "What bounds the unmet targets"), most of
+# them making rare inputs exact for every element: the sanitize, the clamp, keys for signed zeros,
+# and a layout where the four codes of a byte live in four threads. `encode_planes` takes the common case, rows of one group (G = D)
+# with levels="minmax", in ~20 an element at 32 rows (DECISIONS.md W3), and says which rows it cannot
 # take exactly; a block holding one of those is encoded again by encode_block. It reads each row as its four
 # quarter planes (plane p: elements p·Q … p·Q + Q − 1), so the elements a byte packs are in one
 # thread, and:

@@ -14,9 +14,8 @@ same tier kernels, names and tiling as oscar_jax/kernels/decode_attention.py:
   scores (s·(q·c) + m·Σq) and the V scale into the probabilities, so nothing is dequantized and
   bfloat16 queries run on tensor cores. This needs every bit plane inside one group (G ≥ D/4);
   narrower groups take `_int2_tier_dequantizing_kernel`, which dequantizes each tile in
-  registers (`decode_block`) and runs float32 dots. (The first version dequantized always: a
-  [256, 128] float32 tile per K and V spilled registers and ran at ~5 GB/s on the H200 —
-  benchmarks/NOTES.md.)
+  registers (`decode_block`) and runs float32 dots. (Dequantizing every tile is the slow path: a
+  [256, 128] float32 tile per K and V spills registers.)
 
 Both kernels handle all query rows of one KV head together (GQA: the Gq query heads of a KV head,
 padded to ≥ 16 rows for `tl.dot`; prefill: T·Gq rows), so each K/V tile is loaded once per row
@@ -38,7 +37,7 @@ id is replaced by 0 before the gather), V rows and INT2 metadata of masked token
 (stale pool memory may hold NaN), masked scores are a finite large negative value, and a split
 with no valid token writes o = 0, lse = −inf so the merge weighs it zero. The INT2 tier with
 tokens on M runs the blocks whose every token is valid (whole history pages) without masks, and
-masks only the block that may hold a partial page (`_full_blocks`; benchmarks/NOTES.md v19).
+masks only the block that may hold a partial page (`_full_blocks`; benchmarks/DECISIONS.md D15).
 
 Dimension vocabulary of the shape comments: B batch, K KV heads, M query rows of one KV head,
 D head dim, P pages of a pool, L page size, N tokens of one block, S splits, NB/NH table slots.
@@ -282,8 +281,8 @@ def _bf16_tier_kernel(
     else:
         # The interpreter cannot take a loaded value as a loop bound (numpy 2.5 refuses int() of
         # its 1-element arrays): a static trip count with a dynamic guard. Compiled, the guard
-        # kept Triton from pipelining the loop (no async copies: 28 vs 11 µs for Pallas's BF16
-        # tier at 128K b1, benchmarks/results/profile_decode_128k_b1_f737e6d_h200.json).
+        # kept Triton from pipelining the loop (no async copies), so the compiled kernel takes the
+        # loaded trip count.
         for i in range(0, PAGES_PER_SPLIT // PAGES_PER_BLOCK):
             if i < num_blocks:
                 o, m, l = _bf16_block(i, o, m, l, q, page_table_ptr, k_ptr, v_ptr, table_slots, b, h, first_slot,
@@ -297,7 +296,7 @@ def _bf16_tier_kernel(
 def partial_rows(q_rows: int, block_m: int) -> int:
     """Rows M of a tier's partials for q of q_rows rows: padded to whole row blocks. The kernels
     read the missing rows as zero queries, so callers pass q unpadded (no pad or copy kernel a
-    call: ~5 µs of the 128K b1 call, benchmarks/NOTES.md v17)."""
+    call: benchmarks/DECISIONS.md D18)."""
     return -(-q_rows // block_m) * block_m
 
 
@@ -419,8 +418,8 @@ def _plane_codes(packed, PLANE: tl.constexpr, BF16_DOTS: tl.constexpr, TENSOR_CO
                  UNPACK_ASM: tl.constexpr = False):
     """Bit plane PLANE of packed int32 [N, D/4]: the codes of channels [PLANE·D/4, …) as a dot
     operand, exact: c in float32; 128 + c·factor for bfloat16 dots (shared_math.ptx: one integer op,
-    no int→float conversion, which issues at a quarter of the integer rate on sm_90 and bounded the
-    kernel, benchmarks/NOTES.md; `_code_bias`, `_plane_factor`).
+    no int→float conversion, which issues at a quarter of the integer rate on sm_90; `_code_bias`,
+    `_plane_factor`; benchmarks/DECISIONS.md D11).
     UNPACK_ASM (bfloat16 dots on the GPU; `packed` uint8): the same bits through inline PTX."""
     if UNPACK_ASM:  # (if/else: Triton compiles the code after a constexpr-guarded return too)
         return _unpack_plane_asm(packed, PLANE)
@@ -636,7 +635,7 @@ def _int2_block_one_group(o0, o1, o2, o3, m, l, k_codes_ptr, k_scale_ptr, k_min_
     Each plane is summed as (o·correction + Σ p·m_v) + dot: Triton folds the last add into the dot's
     accumulator, and the code bias the dot carries cancels within the page (as in the Pallas
     kernel's `_accumulate_output`). TOKENS_ON_M: scores and p as [N, BLOCK_M], the codes the dots'
-    A operand (one-warp decode programs, 8 query rows: benchmarks/NOTES.md v15). The code dots carry
+    A operand (one-warp decode programs, 8 query rows: benchmarks/DECISIONS.md D4). The code dots carry
     q_bias (`_int2_block`); the output planes are in units of their factors (`_plane_factor`)."""
     packed = _load_packed(k_codes_ptr, row, columns, QUARTER, UNPACK_ASM)  # [N, D/4]
     k_scale = tl.where(valid, tl.load(k_scale_ptr + row).to(tl.float32), 0.0)  # masked rows may be NaN
@@ -836,7 +835,7 @@ def _int2_tier_kernel(
     # without masks; the one block that may remain (history_tokens not a multiple of
     # PAGES_PER_BLOCK·L; blocks past the table hold no valid token) runs masked first, under a
     # branch (a second loop would be pipelined too). Rows on M (small grids, 4 warps) masks every
-    # block: its unmasked form spilled 8 B on sm_90 (benchmarks/NOTES.md v19).
+    # block: its unmasked form spilled on sm_90 (benchmarks/DECISIONS.md D15).
     # (Triton calls take no *args: constexpr arguments must be passed by name or position.)
     if TOKENS_ON_M:
         num_full = _full_blocks(n_history, first_slot, last_slot, table_slots, PAGE_SIZE, PAGES_PER_BLOCK)
@@ -966,11 +965,10 @@ def int2_tier_partials(
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, M, D], lse float32[B, K, S, M]).
     `channels_on_m` (with tokens_on_m, D ≥ 128): the values' dot as oᵀ = Vᵀ·p, the channels on M
-    and the rows on N, its codes read as 16-bit pairs (`_int2_page_channels_on_m`; benchmarks/NOTES.md
-    v26: 0.76x the instructions a page on sm_90, 166 registers; not yet timed on a GPU).
-    `tokens_on_m` (G ≥ D: one group per row, the form measured on the H200): scores and probabilities
-    as [N, block_m], the codes the dots' A operand, so block_m may be 8; decode runs it at one warp
-    (benchmarks/NOTES.md v15).
+    and the rows on N, its codes read as 16-bit pairs (`_int2_page_channels_on_m`; the decode default
+    where it applies: benchmarks/DECISIONS.md D5).
+    `tokens_on_m` (G ≥ D: one group per row): scores and probabilities as [N, block_m], the codes the
+    dots' A operand, so block_m may be 8; decode runs it at one warp (benchmarks/DECISIONS.md D4).
     `max_registers`: Triton's maxnreg for the compiled kernel (more programs per SM, at the price of
     spills); None → the compiler's choice, and always under the interpreter.
     `unpack_asm`: the folded kernel unpacks codes by inline PTX (bfloat16 q on the GPU; the G < D/4

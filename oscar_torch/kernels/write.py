@@ -81,8 +81,8 @@ def _rotation_rows(block_rows: int) -> int:
     Interpreted: DEFAULT_BLOCK_ROWS-row slices of the block, one batched product — the interpreter's
     float32 product (numpy's sgemm) rounds with the operand's rows, so a 512-row product moves an fp16
     scale or minimum by an ulp against 16-row blocks (which the tiny-model HF test's 1e-3 logit bound against its
-    float64 emulation does not absorb, benchmarks/NOTES.md v18), while slices of 16 give the 16-row
-    blocks' bytes and leave the encode its big block (NOTES v22)."""
+    float64 emulation does not absorb), while slices of 16 give the 16-row blocks' bytes and leave
+    the encode its big block (benchmarks/DECISIONS.md C2)."""
     return min(block_rows, DEFAULT_BLOCK_ROWS) if interpreting() else block_rows
 
 
@@ -281,7 +281,7 @@ def write_int2_rows(
 ):
     """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G].
     planes: by codec.encode_planes (tiling.resolve_encode_planes: None for unrotated rows where it
-    applies; True also for rotated bf16 rows, NOTES v25)."""
+    applies; True also for rotated bf16 rows, benchmarks/DECISIONS.md W5)."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
     planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate,
@@ -369,7 +369,7 @@ def write_pages_rows(
     """Encode x [T, K, D] (rotated by rotation [K, D, D] unless None) into the INT2 pools at
     (page_ids[t], slots[t]) (int32 [T]), in place. planes: by codec.encode_planes
     (tiling.resolve_encode_planes: None for unrotated rows where it applies; True also for rotated
-    bf16 rows, NOTES v25)."""
+    bf16 rows, benchmarks/DECISIONS.md W5)."""
     num_tokens, num_heads, d = x.shape
     num_pages, _, page_size, _ = codes.shape
     rotate = rotation is not None
