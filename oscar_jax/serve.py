@@ -1,0 +1,251 @@
+"""Serve a model over an OpenAI-compatible HTTP API, with the OSCAR INT2 cache (or a BF16 one).
+
+    python -m oscar_jax.serve --model smollm2-135m --kv-cache-dtype int2 --host 127.0.0.1 --port 8000
+
+Flags follow vLLM's (--max-num-seqs, --max-model-len, --max-num-batched-tokens, --kv-cache-memory,
+--enable-prefix-caching) and the OSCAR articles' (--oscar-rotation-path, --oscar-sink-size,
+--oscar-recent-size, --oscar-group-size). `--kv-cache-dtype bf16` runs the same paged runtime with
+a recent window that covers the whole context, so nothing is ever quantized: the BF16 baseline
+with the same scheduler. Pools: by default room for --max-num-seqs sequences of --max-model-len
+tokens; --kv-cache-memory (bytes; K/M/G/KiB/MiB/GiB suffixes) or --num-bf16-pages /
+--num-int2-pages size them explicitly (then requests wait, or are preempted, when pages run out).
+The server compiles its batch and chunk shapes before it answers /health (--no-warmup skips it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_MODEL = "smollm2-135m"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512M', '1e9'-free integers → bytes (K, M, G, T are powers of 1000; KiB… of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"--kv-cache-memory={text!r} is not a size such as 4GiB or 2000000000")
+    value, unit, binary = match.groups()
+    base = 1024 if binary.lower().startswith("i") else 1000
+    return int(float(value) * base ** " KMGT".index(unit.upper() or " "))
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--decode-buckets={text!r} must be comma-separated integers") from err
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--decode-buckets={text!r} must be positive integers")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m oscar_jax.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a known model name, a .gguf file or a Hugging Face directory (default: %(default)s)")
+    p.add_argument("--served-model-name", help="the name clients send as 'model' (default: --model)")
+    p.add_argument("--kv-cache-dtype", choices=("int2", "bf16"), default="int2")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step, decodes + prefill chunks (default: max(2048, chunk + max-num-seqs))")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prefill chunk length, a multiple of the page size (default: %(default)s)")
+    p.add_argument("--decode-buckets", type=_buckets, default=None,
+                   help="batch sizes decode compiles for, e.g. 1,4,8 (default: powers of two up to max-num-seqs)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="bytes of K/V pages (both tiers)")
+    p.add_argument("--num-bf16-pages", type=int, default=None, help="BF16 pages (sink and recent tiers)")
+    p.add_argument("--num-int2-pages", type=int, default=None, help="INT2 pages (history tier)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached prefix pages within a tenant (cache_salt) (default: on)")
+    p.add_argument("--oscar-rotation-path", type=Path, default=None,
+                   help="our artifact, or a dir with the OSCAR authors' k_rotation*.pt + v_rotation*.pt "
+                        "(default: the artifact shipped for --model)")
+    p.add_argument("--oscar-sink-size", type=int, default=64)
+    p.add_argument("--oscar-recent-size", type=int, default=256)
+    p.add_argument("--oscar-group-size", type=int, default=None, help="default: the artifact's")
+    p.add_argument("--no-warmup", action="store_true", help="compile on first use instead of at startup")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    for name in ("max_num_seqs", "max_model_len", "prefill_chunk", "oscar_sink_size"):
+        if getattr(args, name) < (0 if name == "oscar_sink_size" else 1):
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = max(2048, args.prefill_chunk + args.max_num_seqs)
+    if args.kv_cache_memory is not None and (args.num_bf16_pages or args.num_int2_pages):
+        p.error("give --kv-cache-memory or --num-bf16-pages / --num-int2-pages, not both")
+    if not 0 < args.port < 65536:
+        p.error(f"--port={args.port} must be in [1, 65535]")
+    return args
+
+
+def identity_artifact(cfg):
+    """Rotations that leave K and V as they are (the BF16 cache needs no calibration)."""
+    from oscar_jax.runtime import fingerprint
+    from shared_math.artifact import RotationArtifact
+
+    shape = (cfg.num_layers, cfg.num_kv_heads)
+    eye = np.broadcast_to(np.eye(cfg.head_dim, dtype=np.float32), shape + (cfg.head_dim,) * 2).copy()
+    ones = np.ones(shape + (cfg.head_dim,), np.float32)
+    return RotationArtifact(eye, eye.copy(), ones, ones.copy(), np.ones(cfg.num_layers, np.float32),
+                            np.ones(cfg.num_layers, np.float32), fingerprint(cfg),
+                            {"group_size": min(cfg.head_dim, 128), "levels": "minmax"}, {"command": "identity"})
+
+
+def page_bytes(cfg, config) -> tuple[int, int]:
+    """Bytes of one BF16 page and one INT2 page over all layers, K and V."""
+    from shared_math.spec import BF16_BYTES, CODES_PER_BYTE, METADATA_BYTES
+
+    rows = cfg.num_layers * 2 * cfg.num_kv_heads * config.page_size
+    int2_row = config.head_dim // CODES_PER_BYTE + 2 * METADATA_BYTES * (config.head_dim // config.group_size)
+    return rows * config.head_dim * BF16_BYTES, rows * int2_row
+
+
+def pool_sizes(args, cfg, config) -> tuple[int | None, int | None]:
+    """(BF16, INT2) page counts from --kv-cache-memory or the explicit flags (None: the runtime's
+    default, room for every sequence at full length)."""
+    if args.kv_cache_memory is None:
+        return args.num_bf16_pages, args.num_int2_pages
+    bf16_bytes, int2_bytes = page_bytes(cfg, config)
+    if args.kv_cache_dtype == "bf16":
+        return 1 + args.kv_cache_memory // bf16_bytes, 2
+    # every sequence's BF16 windows, the rest INT2 history
+    windows = 1 + args.max_num_seqs * ((config.sink + config.recent) // config.page_size + 2)
+    left = args.kv_cache_memory - windows * bf16_bytes
+    if left < int2_bytes:
+        raise ValueError(f"--kv-cache-memory={args.kv_cache_memory} bytes does not hold the BF16 windows of "
+                         f"--max-num-seqs={args.max_num_seqs} sequences ({windows} pages of {bf16_bytes} bytes)")
+    return windows, 1 + left // int2_bytes
+
+
+def build_engine(args, *, log=print):
+    """(engine, tokenizer, chat template, model name) from parsed flags. Raises ValueError,
+    FileNotFoundError or ArtifactError naming what is wrong."""
+    from calibration.import_rotations import read_rotation_path
+    from oscar_jax.generate import shipped_artifact
+    from oscar_jax.loaders import load_model, resolve_model_path
+    from oscar_jax.model import describe
+    from oscar_jax.runtime import OscarRuntime, fingerprint
+    from oscar_jax.serving.chat import ChatTemplate, read_chat_template
+    from oscar_jax.serving.engine import Engine, EngineConfig
+    from oscar_jax.tokenizer import load_tokenizer
+    from shared_math.spec import OscarConfig
+
+    cfg, params = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    log(f"[oscar] {args.model}: {describe(cfg)}")
+    rotation_path = args.oscar_rotation_path or shipped_artifact(args.model)
+    if args.kv_cache_dtype == "int2":
+        if rotation_path is None:
+            raise ValueError(f"--oscar-rotation-path is required for {args.model!r} with --kv-cache-dtype int2 "
+                             "(run `python -m calibration`)")
+        artifact = read_rotation_path(rotation_path, fingerprint(cfg))
+        sink, recent = args.oscar_sink_size, args.oscar_recent_size
+    else:
+        artifact = read_rotation_path(rotation_path, fingerprint(cfg)) if rotation_path else identity_artifact(cfg)
+        page = OscarConfig(head_dim=cfg.head_dim).page_size
+        sink, recent = args.oscar_sink_size, -(-args.max_model_len // page) * page  # never demotes
+    group = args.oscar_group_size or artifact.group_size
+    config = OscarConfig(head_dim=cfg.head_dim, group_size=group, sink=sink, recent=recent)
+    num_bf16, num_int2 = pool_sizes(args, cfg, config)
+    runtime = OscarRuntime(params, cfg, artifact, max_batch=args.max_num_seqs, max_seq_len=args.max_model_len,
+                           sink=sink, recent=recent, group_size=group, prefill_chunk=args.prefill_chunk,
+                           num_bf16_pages=num_bf16, num_int2_pages=num_int2)
+    engine = Engine(runtime, tokenizer, EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk=args.prefill_chunk, enable_prefix_caching=args.enable_prefix_caching,
+        decode_buckets=args.decode_buckets))
+    bf16_bytes, int2_bytes = page_bytes(cfg, runtime.config)
+    alloc = runtime.allocator
+    log(f"[oscar] cache {args.kv_cache_dtype}: {alloc.bf16.num_pages - 1} BF16 pages + {alloc.int2.num_pages - 1} "
+        f"INT2 pages of {runtime.config.page_size} tokens "
+        f"({(alloc.bf16.num_pages * bf16_bytes + alloc.int2.num_pages * int2_bytes) / 2**20:.1f} MiB), "
+        f"sink {runtime.config.sink}, recent {runtime.config.recent}")
+    chat = ChatTemplate(read_chat_template(resolve_model_path(args.model)), tokenizer)
+    return engine, tokenizer, chat, args.served_model_name or args.model
+
+
+def warmup(engine, *, log=print) -> None:
+    """Compile every decode bucket and prefill chunk bucket (then free everything)."""
+    from oscar_jax.runtime import MIN_PREFILL_BUCKET
+    from oscar_jax.serving.engine import EngineStats
+    from oscar_jax.serving.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    runtime = engine.runtime
+    chunk_lengths = []
+    length = MIN_PREFILL_BUCKET
+    while length < runtime.prefill_chunk:
+        chunk_lengths.append(length)
+        length *= 2
+    chunk_lengths.append(runtime.prefill_chunk)
+    for i, n in enumerate(chunk_lengths):
+        if n + 2 <= engine.max_model_len:
+            # a tenant of its own each, so no prompt starts at another's prefix hit
+            engine.add_request([1] * n, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), f"warmup-p{i}",
+                               tenant=f"warmup-p{i}")
+            while engine.has_work():
+                engine.step()
+    for b in engine.config.buckets:
+        for temperature in (0.0, 0.5):  # the greedy and the sampling kernels
+            for i in range(b):
+                engine.add_request([1], SamplingParams(max_tokens=3, temperature=temperature, seed=i, ignore_eos=True),
+                                   f"warmup-{b}-{temperature}-{i}", tenant=f"warmup-{b}-{i}")
+            while engine.has_work():
+                engine.step()
+    engine.stats = EngineStats()  # serving statistics start now
+    log(f"[oscar] compiled decode batches {engine.config.buckets} and prefill chunks {chunk_lengths} "
+        f"in {time.perf_counter() - t0:.1f} s")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    from shared_math.artifact import ArtifactError
+
+    try:
+        engine, tokenizer, chat, name = build_engine(args, log=log)
+    except (ValueError, FileNotFoundError, ArtifactError, NotImplementedError) as err:
+        log(f"error: {err}")
+        return 2
+    if not args.no_warmup:
+        warmup(engine, log=log)
+
+    import uvicorn
+
+    from oscar_jax.serving.async_engine import AsyncEngine
+    from oscar_jax.serving.metrics import Metrics
+    from oscar_jax.serving.server import Server, create_app
+
+    metrics = Metrics(name)
+    async_engine = AsyncEngine(engine, metrics)
+    async_engine.start()
+    metrics.update(engine)
+    app = create_app(Server(async_engine, tokenizer, chat, name))
+    log(f"[oscar] serving {name!r} on http://{args.host}:{args.port}/v1")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        async_engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
