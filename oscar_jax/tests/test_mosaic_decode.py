@@ -108,11 +108,47 @@ def test_transposed_output_and_layered_pools(gqa_case):
     np.testing.assert_array_equal(np.asarray(lse_layer), np.asarray(lse))
 
 
-@pytest.mark.parametrize("a_in_registers", [True, False], ids=["a_regs", "a_smem"])
-def test_lowers_for_the_gpu(a_in_registers):
+def test_biased_codes_and_double_buffers_give_the_same_partials(gqa_case):
+    """The codes unpacked as 1 + c/4 by integer ops (`biased_codes`) and the values' operands in two
+    buffers give the default's partials up to float32 rounding (the bias is taken out exactly in
+    real arithmetic; the float32 sums differ in order)."""
+    q, pools, table, history, common = (gqa_case[k] for k in ("q", "pools", "table", "history", "common"))
+    o_want, lse_want = gqa_case["got"]
+    nonempty = np.isfinite(lse_want)
+    for biased_codes, buffers in ((True, 2), (False, 2)):
+        o, lse = map(np.asarray, int2_tier_partials(q, *pools, table, history, interpret=True,
+                                                    biased_codes=biased_codes, buffers=buffers, **common))
+        np.testing.assert_array_equal(np.isfinite(lse), nonempty)
+        np.testing.assert_allclose(lse[nonempty], lse_want[nonempty], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(o, o_want, rtol=1e-4, atol=1e-4)
+
+
+def test_no_race_between_the_copies_and_the_warpgroup():
+    """The interpreter's race detector (copy engine vs the warpgroup's reads and writes) finds none
+    with one stage (every page's slot refilled right after it is read) and with two buffers."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    rng = np.random.default_rng(7)
+    cache = build_cache(rng, (330,), num_kv_heads=1, head_dim=HEAD_DIM, group_size=HEAD_DIM, page_size=PAGE,
+                        recent=64)
+    q = _gqa_query(rng, 1, 1, 4, rows=8)
+    for stages, buffers in ((1, 1), (2, 2)):
+        o, _ = int2_tier_partials(q, *cache.arrays[2:8], *cache.arrays[11:13], group_size=HEAD_DIM,
+                                  softmax_scale=SCALE, pages_per_split=4, stages=stages, buffers=buffers,
+                                  biased_codes=True, interpret=plgpu.InterpretGPUParams(detect_races=True))
+        jax.block_until_ready(o)
+        assert not gpu_callbacks.get_races().races_found, (stages, buffers)
+
+
+@pytest.mark.parametrize("a_in_registers,biased_codes,buffers",
+                         [(True, False, 1), (False, False, 1), (True, True, 2), (False, True, 2)],
+                         ids=["a_regs", "a_smem", "a_regs_biased_2buf", "a_smem_biased_2buf"])
+def test_lowers_for_the_gpu(a_in_registers, biased_codes, buffers):
     """Both forms of the scores' wgmma (A from registers: the compiled default; from shared memory:
-    what the interpreter runs) pass Mosaic GPU's layout inference and lowering, at Qwen3-8B's
-    shapes (8 KV heads, d 128, G 128, pages of 64, 8 rows) with two stages."""
+    what the interpreter runs), with converted or biased codes and one or two buffers, pass Mosaic
+    GPU's layout inference and lowering, at Qwen3-8B's shapes (8 KV heads, d 128, G 128, pages of
+    64, 8 rows) with two stages."""
     q = jax.ShapeDtypeStruct((2, 8, 16, HEAD_DIM), jnp.bfloat16)
     codes = jax.ShapeDtypeStruct((40, 8, PAGE, HEAD_DIM // 4), jnp.uint8)
     meta = jax.ShapeDtypeStruct((40, 8, PAGE, 1), jnp.float16)
@@ -121,7 +157,8 @@ def test_lowers_for_the_gpu(a_in_registers):
 
     def call(*args):
         return int2_tier_partials(*args, group_size=HEAD_DIM, softmax_scale=SCALE, pages_per_split=4, rows=8,
-                                  stages=2, a_in_registers=a_in_registers)
+                                  stages=2, a_in_registers=a_in_registers, biased_codes=biased_codes,
+                                  buffers=buffers)
 
     text = jax.jit(call).trace(q, codes, meta, meta, codes, meta, meta, table, history).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -148,5 +185,7 @@ def test_unsupported_configurations_are_named():
     with pytest.raises(NotImplementedError, match="pages_per_block=2"):
         int2_tier_partials(q, codes, meta, meta, codes, meta, meta, table, history, **dict(common, pages_per_block=2,
                                                                                           pages_per_split=2))
+    with pytest.raises(ValueError, match="buffers=3 must be 1 or 2"):
+        int2_tier_partials(q, codes, meta, meta, codes, meta, meta, table, history, buffers=3, **common)
     with pytest.raises(TypeError, match="bogus"):
         int2_tier_partials(q, codes, meta, meta, codes, meta, meta, table, history, bogus=1, **common)

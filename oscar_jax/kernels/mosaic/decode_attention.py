@@ -33,6 +33,16 @@ barriers and TMA simulated on the CPU). It does not apply Mosaic GPU's lowering 
 for the GPU (`jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`) runs on a CPU-only
 machine too and does (the tests do both).
 
+Measured (benchmarks/results/probe_mosaic_decode_h100.json; an H100 80GB HBM3 came for the H200
+asked for; jax 0.11.2; Qwen3-8B shapes, 128K, the default split): compiled, the partials match the
+Triton-lowered kernel's (o relative error 2.6e-5, lse 2e-6), but at 115–120 µs (b1) and 864–871 µs
+(b8) against its 56.7 / 289.3 µs, flat in the pipeline depth (stages 2 / 4 / 8 within 4 %): the
+warpgroup's serial per-page chain, not the copies, bounds it. Its largest term by count is the
+int → bfloat16 conversion of 128 codes a thread a page (sm_90 issues conversions at 16 a clock
+per SM, a quarter of the integer rate: ~70 µs of b1's time if nothing overlaps), which
+`biased_codes` replaces by integer ops; the second barrier a page is what `buffers=2` removes.
+Both pass the interpreter and the lowering and wait for their first GPU run.
+
 Dimension vocabulary of the shape comments: B batch, K KV heads, M query rows of one KV head,
 D head dim, P pages of a pool, L page size, S splits, NH table slots, R rows attended.
 """
@@ -66,15 +76,39 @@ def _swizzled(dtype, swizzle: int = SWIZZLE_BYTES):
     return (plgpu.TilingTransform((8, elements)), plgpu.SwizzleTransform(swizzle))
 
 
-def _unpack_planes(codes_smem):
-    """Packed codes [L, D/4] u8 in shared memory → the codes as bfloat16 [L, D] in channel order
-    (quartered packing: plane p of byte j is channel p·D/4 + j), each code exact (0 … 3)."""
+# The biased code operand: bfloat16 1.0 is 0x3F80 (exponent 127, mantissa 0); a code c in mantissa
+# bits CODE_PLACE … CODE_PLACE + 1 makes it exactly 1 + c·2^(CODE_PLACE − 7) = 1 + c/4: the bias
+# (1) is only 4× the code term's largest step, where shared_math's convention (128 + c, the
+# Triton kernels') carries a bias 128× it, which the values' float32 accumulation then cancels
+# (interpret mode, this kernel: o 8e-4 from the Triton kernel's with 128 + c, 2e-5 with 1 + c/4).
+BF16_ONE_BITS = 0x3F80
+BF16_MANTISSA_BITS = 7
+CODE_PLACE = BF16_MANTISSA_BITS - CODE_BITS  # the code in the mantissa's top bits
+OPERAND_BIAS = 1.0
+OPERAND_CODE_FACTOR = 2.0 ** (CODE_PLACE - BF16_MANTISSA_BITS)  # 1/4: operand = 1 + c·factor
+
+
+def _unpack_planes(codes_smem, biased: bool):
+    """Packed codes [L, D/4] u8 in shared memory → bfloat16 [L, D] in channel order (quartered
+    packing: plane p of byte j is channel p·D/4 + j), each value exact.
+
+    biased=False: the code c (an int → float conversion per code: sm_90 issues conversions at a
+    quarter of the integer rate). biased=True: OPERAND_BIAS + c·OPERAND_CODE_FACTOR from integer
+    ops only (a shift, a mask and an or, then a truncation to 16 bits and a bitcast); the callers
+    take the bias and factor out again."""
     codes = codes_smem[...].astype(jnp.int32)  # widened before any arithmetic (no 8-bit ops)
-    planes = [
-        (lax.shift_right_logical(codes, plane * CODE_BITS) if plane else codes) & CODE_MASK
-        for plane in range(CODES_PER_BYTE)
-    ]
-    return jnp.concatenate([plane.astype(jnp.bfloat16) for plane in planes], axis=1)
+    planes = []
+    for plane in range(CODES_PER_BYTE):
+        if not biased:
+            shifted = lax.shift_right_logical(codes, plane * CODE_BITS) if plane else codes
+            planes.append((shifted & CODE_MASK).astype(jnp.bfloat16))
+            continue
+        shift = CODE_PLACE - plane * CODE_BITS  # bring the plane's two bits to CODE_PLACE
+        shifted = (lax.shift_left(codes, shift) if shift > 0 else
+                   lax.shift_right_logical(codes, -shift) if shift < 0 else codes)
+        bits = (shifted & (CODE_MASK << CODE_PLACE)) | BF16_ONE_BITS
+        planes.append(lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16))
+    return jnp.concatenate(planes, axis=1)
 
 
 def _int2_tier_kernel(
@@ -92,8 +126,8 @@ def _int2_tier_kernel(
     q_smem,  # [R, D] bfloat16, swizzled
     codes_smem,  # 2 × [STAGES, L, D/4] uint8: K, V codes
     meta_smem,  # 4 × [STAGES, L] float16: k_scale, k_min, v_scale, v_min
-    values_smem,  # [L, D] bfloat16, swizzled: the page's unpacked V codes
-    probs_smem,  # [R, L] bfloat16, swizzled: p·s_v transposed
+    values_smem,  # [BUFFERS, L, D] bfloat16, swizzled: a page's unpacked V codes
+    probs_smem,  # [BUFFERS, R, L] bfloat16, swizzled: p·s_v transposed
     out_smem,  # [D, R] float32: oᵀ (a transposed float32 store does not lower: layout inference fails)
     lse_smem,  # [R] float32
     q_barrier,
@@ -105,8 +139,12 @@ def _int2_tier_kernel(
     STAGES: int,
     LAYER: int | None,
     A_IN_REGISTERS: bool,
+    BIASED_CODES: bool,
+    BUFFERS: int,
 ):
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    # With biased codes the dots run on u = OPERAND_BIAS + c·OPERAND_CODE_FACTOR: c = (u − bias)/factor.
+    inv_factor = 1.0 / OPERAND_CODE_FACTOR if BIASED_CODES else 1.0
     rows, head_dim = q_smem.shape
     n_history = history_tokens_ref[b]
     first_slot = split * PAGES_PER_SPLIT
@@ -128,11 +166,14 @@ def _int2_tier_kernel(
         pl.when(stage < num_pages)(functools.partial(fetch, stage, stage))
     plgpu.barrier_wait(q_barrier)
 
-    values_smem[...] = jnp.ones((PAGE_SIZE, head_dim), jnp.bfloat16)
+    # The ones tile in the last buffer: with two buffers, page 0 writes the other one before any
+    # barrier has shown every warp past this wgmma.
+    ones_smem = values_smem.at[BUFFERS - 1]
+    ones_smem[...] = jnp.ones((PAGE_SIZE, head_dim), jnp.bfloat16)
     plgpu.commit_smem()
 
     def q_sums(acc_ref):  # every row: Σ_c q[r, c], in the score tile's layout
-        plgpu.wgmma(acc_ref, values_smem, q_smem.T)
+        plgpu.wgmma(acc_ref, ones_smem, q_smem.T)
         return acc_ref[...]
 
     q_sum = pl.run_scoped(q_sums, plgpu.ACC((PAGE_SIZE, rows), jnp.float32)) * SCORE_SCALE  # [L, R]
@@ -140,34 +181,44 @@ def _int2_tier_kernel(
     def body(i, carry):
         out_t, m, l = carry  # oᵀ [D, R], running max and sum [R]
         stage = lax.rem(i, STAGES)
+        buffer = lax.rem(i, BUFFERS) if BUFFERS > 1 else 0
+        values, probs = values_smem.at[buffer], probs_smem.at[buffer]
         plgpu.barrier_wait(page_barriers.at[stage])
-        k_hat = _unpack_planes(k_codes_smem.at[stage])  # [L, D]
-        plgpu.commit_smem()  # every warp is past the last wgmma before its operands are overwritten
+        k_hat = _unpack_planes(k_codes_smem.at[stage], BIASED_CODES)  # [L, D]
+        if BUFFERS == 1:  # every warp is past the last page's wgmma before its operands are overwritten
+            plgpu.commit_smem()  # (two buffers: page i − 2's wgmma, which the last barrier was past)
         if not A_IN_REGISTERS:  # the GPU interpreter's wgmma takes A from shared memory only
-            values_smem[...] = k_hat
+            values[...] = k_hat
             plgpu.commit_smem()
 
         def code_dots(acc_ref):  # q·c [L, R]
-            plgpu.wgmma(acc_ref, k_hat if A_IN_REGISTERS else values_smem, q_smem.T)
+            plgpu.wgmma(acc_ref, k_hat if A_IN_REGISTERS else values, q_smem.T)
             return acc_ref[...]
 
         dots = pl.run_scoped(code_dots, plgpu.ACC((PAGE_SIZE, rows), jnp.float32))
         k_scale, k_min, v_scale, v_min = (ref.at[stage][...].astype(jnp.float32) for ref in meta_smem)
         token = lax.broadcasted_iota(jnp.int32, (PAGE_SIZE, rows), 0)
         valid = (first_slot + i) * PAGE_SIZE + token < n_history  # [L, R]
+        # q·x̂ = s·q·c + m·Σq with q·c = (dots − bias·Σq)/factor: s/factor on the dots, the bias
+        # with the minimum (m − bias·s/factor per token).
+        k_scale = k_scale * inv_factor
+        k_min = k_min - OPERAND_BIAS * k_scale if BIASED_CODES else k_min
         scores = (k_scale * SCORE_SCALE)[:, None] * dots + k_min[:, None] * q_sum
         scores = jnp.where(valid, scores, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(scores, axis=0))
         correction = jnp.exp2(m - m_new)
         p = jnp.where(valid, jnp.exp2(scores - m_new[None, :]), 0.0)  # [L, R]
         l = l * correction + jnp.sum(p, axis=0)
-        p_scaled = p * jnp.where(valid, v_scale[:, None], 0.0)  # stale metadata may be NaN
+        p_scaled = p * jnp.where(valid, (v_scale * inv_factor)[:, None], 0.0)  # stale metadata may be NaN
         p_min = jnp.sum(p * jnp.where(valid, v_min[:, None], 0.0), axis=0)  # [R]
-        v_hat = _unpack_planes(v_codes_smem.at[stage])  # [L, D]
+        p_scaled = p_scaled.astype(jnp.bfloat16)  # the values' dot operand
+        if BIASED_CODES:  # its dot carries bias·Σ_t (p·s_v/factor), rounded as used
+            p_min = p_min - OPERAND_BIAS * jnp.sum(p_scaled.astype(jnp.float32), axis=0)
+        v_hat = _unpack_planes(v_codes_smem.at[stage], BIASED_CODES)  # [L, D]
         if not A_IN_REGISTERS:
             plgpu.commit_smem()  # every warp is past the scores' wgmma before V̂ overwrites K̂
-        values_smem[...] = v_hat
-        probs_smem.T[...] = p_scaled.astype(jnp.bfloat16)
+        values[...] = v_hat
+        probs.T[...] = p_scaled
         plgpu.commit_smem()  # the stores visible to wgmma; every warp has read this stage's slot
 
         @pl.when(i + STAGES < num_pages)
@@ -175,7 +226,7 @@ def _int2_tier_kernel(
             fetch(i + STAGES, stage)
 
         def values_dot(acc_ref):  # V̂ᵀ·(p·s_v) [D, R]
-            plgpu.wgmma(acc_ref, values_smem.T, probs_smem.T)
+            plgpu.wgmma(acc_ref, values.T, probs.T)
             return acc_ref[...]
 
         # A fresh accumulator added to oᵀ (not an accumulator initialised with oᵀ: `pl.run_state`
@@ -236,6 +287,8 @@ def int2_tier_partials(
     stages: int = DEFAULT_STAGES,
     transposed: bool = False,
     a_in_registers: bool | None = None,
+    biased_codes: bool = False,
+    buffers: int = 1,
     **triton_launch,
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, R, D], lse float32[B, K, S, R]), S =
@@ -249,7 +302,12 @@ def int2_tier_partials(
     writes it, oᵀ float32[B, K, S, D, R] (no XLA transpose after the kernel). `a_in_registers`: the
     scores' wgmma takes the unpacked K codes from registers (None → compiled only: the GPU
     interpreter's wgmma reads A from shared memory, so interpret mode stores them there first).
-    `interpret`: True runs the Mosaic GPU
+    `biased_codes`: unpack the codes to OPERAND_BIAS + c·OPERAND_CODE_FACTOR with integer ops (True)
+    or convert them (False; `_unpack_planes`). `buffers`: shared-memory buffers of the values' wgmma
+    operands (2: a page's stores need no barrier before them, only the one after). The defaults
+    (False, 1) are the form compiled and checked on the GPU (benchmarks/results/
+    probe_mosaic_decode_h100.json); (True, 2) pass the interpreter and the lowering, not yet run on
+    a GPU. `interpret`: True runs the Mosaic GPU
     interpreter on the CPU (`plgpu.InterpretGPUParams()`; an InterpretGPUParams is passed through).
     """
     unknown = set(triton_launch) - {"num_warps", "num_stages", "unpack_asm", "fma_asm", "tokens_on_m",
@@ -267,6 +325,8 @@ def int2_tier_partials(
         raise NotImplementedError(f"pages_per_block={pages_per_block}: the Mosaic GPU kernel reads one page a step")
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages={stages!r} must be a positive int")
+    if buffers not in (1, 2):
+        raise ValueError(f"buffers={buffers!r} must be 1 or 2")
     assert packed * CODES_PER_BYTE == head_dim and k_scale.shape[-1] == 1
     splits = num_splits(page_table.shape[1], pages_per_split)
     table_len = splits * pages_per_split
@@ -277,7 +337,8 @@ def int2_tier_partials(
     kernel = functools.partial(
         _int2_tier_kernel, PAGE_SIZE=page_size, PAGES_PER_SPLIT=pages_per_split,
         SCORE_SCALE=base2_score_scale(softmax_scale), STAGES=stages, LAYER=layer,
-        A_IN_REGISTERS=(not interpret) if a_in_registers is None else bool(a_in_registers))
+        A_IN_REGISTERS=(not interpret) if a_in_registers is None else bool(a_in_registers),
+        BIASED_CODES=bool(biased_codes), BUFFERS=buffers)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     elif interpret is False:
@@ -286,8 +347,8 @@ def int2_tier_partials(
         plgpu.SMEM((rows, head_dim), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),  # q
         [plgpu.SMEM((stages, page_size, packed), jnp.uint8) for _ in range(2)],  # K, V codes
         [plgpu.SMEM((stages, page_size), jnp.float16) for _ in range(METADATA_COPIES)],
-        plgpu.SMEM((page_size, head_dim), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),  # V̂
-        plgpu.SMEM((rows, page_size), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),  # (p·s_v)ᵀ
+        plgpu.SMEM((buffers, page_size, head_dim), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),  # V̂
+        plgpu.SMEM((buffers, rows, page_size), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16)),  # (p·s_v)ᵀ
         plgpu.SMEM((head_dim, rows), jnp.float32),  # oᵀ
         plgpu.SMEM((rows,), jnp.float32),  # lse
         plgpu.Barrier(num_arrivals=1),
@@ -305,6 +366,7 @@ def int2_tier_partials(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
         kernel_name=(f"oscar_int2_tier_mosaic_L{page_size}_R{rows}_split{pages_per_split}_stages{stages}"
-                     + ("_a_regs" if kernel.keywords["A_IN_REGISTERS"] else "_a_smem")),
+                     + ("_a_regs" if kernel.keywords["A_IN_REGISTERS"] else "_a_smem")
+                     + ("_biased" if biased_codes else "_converted") + f"_buffers{buffers}"),
     )(page_table, history_tokens, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
     return (out_t if transposed else jnp.swapaxes(out_t, -1, -2)), lse
