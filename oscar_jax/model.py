@@ -21,8 +21,8 @@ Params layout (weights stored [in, out] so a projection is `x @ w`):
                 "wo": [Hq·D, H], "q_norm": [D], "k_norm": [D] (qk_norm only),
                 "mlp_norm": [H], "w_gate": [H, I], "w_up": [H, I], "w_down": [I, H]}, ... ]}
 `fuse_qkv` replaces a layer's wq, wk, wv by one "wqkv": [H, (Hq + 2K)·D] (the runtime does):
-at batch 1 XLA runs the fused projection as one GEMM at ~74 % of copy bandwidth where the K and V
-projections alone ran at ~10 % (H200, benchmarks/results/probe_gemv_h200.json).
+at batch 1 XLA runs the fused projection as one bandwidth-bound GEMM, where the narrow K and V
+projections alone ran far below copy bandwidth.
 Layers are a Python list (unrolled under jit, gpt-fast style): every layer may then own a
 differently-shaped cache entry, and the calibration hook sees one layer at a time.
 """
@@ -191,7 +191,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 def _dot(x, w):
     # float32 models: exact float32 products (the transformers comparisons need them). bfloat16
     # models: bf16 operands with float32 accumulation; HIGHEST would make XLA run an fp32 GEMM
-    # on upcast weights (benchmarks/NOTES.md, end-to-end decode).
+    # on upcast weights.
     f32 = jnp.dtype(jnp.float32)
     precision = _HIGHEST if f32 in (jnp.dtype(x.dtype), jnp.dtype(w.dtype)) else None
     return jnp.matmul(x, w, precision=precision)

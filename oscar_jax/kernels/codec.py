@@ -66,11 +66,8 @@ DEFAULT_NUM_WARPS = 4
 # Interpreted (CPU), an attention call left to the default tiling runs one split of blocks of up to
 # this many tokens (shared_math.tiling.interpreted_tiling). JAX's interpreter pays per inner-loop
 # iteration and compiles each block's body unrolled, so a longer block trades step time for compile
-# time. SmolLM2-135M through OscarRuntime, 640-slot tables of 16-token pages, this 2-core CPU
-# (`python -m benchmarks.probe_interpret_decode --block-tokens N`, NOTES v22) — admit + first step
-# (compiles) / then a decode step: 1 page a block, 4 splits (the GPU's tiling) 124 s / 0.90 s; one
-# split of 16 / 64 / 128 / 256 / 512 tokens 129 / 160 / 239 / 296 / 406 s and 0.84 / 0.35 / 0.26 /
-# 0.23 / 0.17 s. 64 is the least for a 640-step test and for short ones.
+# time; 64 tokens cost the least over a long decode test and over short ones (benchmarks/DECISIONS.md
+# C1).
 INTERPRET_BLOCK_TOKENS = 64
 
 
@@ -307,7 +304,7 @@ def encode_block(x, *, group_size: int, clip_index: int, levels: str, order_stat
 #
 # encode_block makes every rare input exact for every element (sanitize, the clamp, keys for signed
 # zeros) and packs codes that sit in four threads: ~50 ALU-pipe instructions an element in sm_90
-# SASS, the pipe that bounds the encode (benchmarks/NOTES.md v9–v10, v23). `encode_planes` takes
+# SASS, the pipe that bounds the encode (benchmarks/DECISIONS.md W3). `encode_planes` takes
 # the common case — rows of one group (G = D), levels="minmax" — read as their four quarter planes
 # (plane p: elements p·Q … p·Q + Q − 1, so the elements a byte packs are in one thread) and says
 # which rows it cannot take exactly; a block holding one is encoded again by encode_block. The
@@ -335,7 +332,7 @@ def _largest_below_rounds(keys, top, rounds: int):
         return jnp.min(lax.bitcast_convert_type(top - 1 - k, jnp.uint32), axis=1, keepdims=True)
 
     k0, k1, k2, k3 = keys
-    for _ in range(rounds):  # unrolled, as Triton's static_range: a loop costs ~1.5x (NOTES v23)
+    for _ in range(rounds):  # unrolled, as Triton's static_range: a loop costs more instructions
         gap = jnp.minimum(jnp.minimum(gap_below(k0, top), gap_below(k1, top)),
                           jnp.minimum(gap_below(k2, top), gap_below(k3, top)))  # unsigned, as the gaps
         top = top - 1 - lax.bitcast_convert_type(gap, jnp.int32)

@@ -28,7 +28,7 @@ lowering's rules even though interpret mode would not enforce them: power-of-two
 dots with M, N, K ≥ 16, uint8 widened to int32 before shifts, static shapes with dynamic loop
 trip counts, scalar reads of lengths from refs, page gathers as integer-array indexing of refs.
 (The decode INT2 tier's scores with tokens on M have N = 8: XLA's Triton pads it to mma's n8 —
-compiled and checked on the H200, benchmarks/NOTES.md v15.)
+compiled and checked on the H200.)
 
 Robustness: a page-table entry that does not hold a valid token is never dereferenced (its page
 id is replaced by 0 before the gather), V rows and INT2 metadata of masked tokens are zeroed
@@ -98,9 +98,9 @@ def dot_tn(a, b):
 
 
 # XLA compiles a Pallas kernel's Triton IR without contracting a·b + c into one FFMA (Triton's
-# own compile does: H200, the INT2 decode loop's SASS under ncu, benchmarks/NOTES.md v20 — FMUL 158
-# + FADD 200 and no FFMA a page against Triton's FFMA 120 + FMUL 52 + FADD 64), so the kernels
-# spell the hot multiply-adds as one fma by inline PTX when they run compiled.
+# own compile does: the INT2 decode loop's SASS under ncu held separate FMULs and FADDs where
+# Triton's held FFMAs), so the kernels spell the hot multiply-adds as one fma by inline PTX when
+# they run compiled (benchmarks/DECISIONS.md D14).
 FMA_PTX = "fma.rn.f32 $0, $1, $2, $3;"
 FMA_CONSTRAINTS = "=f,f,f,f"
 
@@ -337,14 +337,13 @@ def _code_planes(load_chunk, pieces, compute_dtype, unpack_asm=False):
     calls it right before that piece's dot. `load_chunk(byte_start, width)` gives the uint8 bytes
     [N, W] (loaded once per chunk, here; widened to int32 before the shift: the Triton lowering's
     rule). Unpacking a plane next to its dot, instead of all four planes before the first dot, keeps
-    one plane live at a time: sm_90, the 2-warp INT2 kernel 168 → 152 registers, 4 warps 113 → 96
-    (benchmarks/NOTES.md v11).
+    one plane live at a time, so the kernel holds fewer registers (sm_90).
 
     bfloat16: the operand is built as bits `0x4300 | c << place`, i.e. the exact value
     128 + c·factor (shared_math.ptx: the codes masked where the byte holds them, plane 3 shifted by
     one), with one integer op per code instead of an int→bf16 conversion: conversions issue at
     16/clk/SM on sm_90 (a quarter of integer ops), and at 128 per thread per page they bounded the
-    kernel (benchmarks/NOTES.md). The 128 is folded back into the minimum terms (`code_offset`),
+    kernel (benchmarks/DECISIONS.md D11). The 128 is folded back into the minimum terms (`code_offset`),
     the factor into the query pieces and the output planes (`operand_factors`).
     float32: the exact codes. `unpack_asm` (bfloat16, GPU only): the same bits through
     `_unpack_plane_asm`."""
@@ -378,8 +377,8 @@ def _code_pairs(pairs_ref, page, page_size):
     """Page `page` of a pool of 16-bit code pairs [P, L, D/8] (bytes 2j, 2j + 1 of each row), read
     transposed: uint16 [D/8, L]. Read in this shape by its addresses (not transposed after the
     load), the tile can be staged in shared memory and read by ldmatrix.trans as the A operand of
-    the channels-on-M values' dot (NOTES v26: a transpose after the load round-trips the unpacked
-    operand through shared memory)."""
+    the channels-on-M values' dot (a transpose after the load round-trips the unpacked operand
+    through shared memory)."""
     half = pairs_ref.shape[-1]
     token = lax.broadcasted_iota(jnp.int32, (half, page_size), 1)
     column = lax.broadcasted_iota(jnp.int32, (half, page_size), 0)
@@ -402,7 +401,8 @@ def _int2_output_pairs(o_halves, p, pairs, v_scale, v_min, correction, compute_d
     (plane p's channels p·D/4 + 2j + h at o_halves[2p + h], in units of the plane's operand factor)
     rescaled by `correction` (None: not rescaled), plus its minimum term, plus Σ_n c·(p·s_v) — the
     codes [D/8, L] the dot's A operand, p·s_v [L, BLOCK_M] its B (the rows on N instead of padded to
-    M = 16: half the MMAs and output registers, NOTES v26). p [L, BLOCK_M] unnormalised."""
+    M = 16: half the MMAs and output registers; benchmarks/DECISIONS.md D5). p [L, BLOCK_M]
+    unnormalised."""
     code_bias = code_offset(compute_dtype)
     (scale,), (minimum,) = v_scale, v_min
     p_scaled = (p * scale[:, None]).astype(compute_dtype)
@@ -471,8 +471,8 @@ def _accumulate_output(o_pieces, dots, p_min, correction, fused):
     sum one multiply-add (`multiply_add`; correction None: o + Σ p·m_v), the last add folded by
     Triton into the dot's accumulator (no separate add per element). The bias the dot carries
     (code_bias·Σ p·s_v, ~100× the output when values centre on 0) cancels inside this page's sum.
-    Adding Σ p·m_v once at the end instead let the bias grow over a split's pages: 3 % relative
-    error at 128K on the H200 (benchmarks/NOTES.md v11)."""
+    Adding Σ p·m_v once at the end instead let the bias grow over a split's pages, and float32
+    rounding of the biased sum showed (benchmarks/DECISIONS.md D13)."""
     if correction is None:
         return [(o_piece + piece_min[:, None]) + d for o_piece, d, piece_min in zip(o_pieces, dots, p_min)]
     return [multiply_add(o_piece, correction[:, None], piece_min[:, None], fused) + d
@@ -676,12 +676,13 @@ def int2_tier_partials(
     `ttg.maxnreg`, `kernels.register_cap`); 0 → the compiler's choice; no effect when interpreted.
     `channels_on_m` (with tokens_on_m, one group per row, D ≥ 128): the values' dot as oᵀ = Vᵀ·p, the
     channels on M and the rows on N, over the V codes read as 16-bit pairs (`_int2_output_pairs`;
-    NOTES v26–v27).
+    benchmarks/DECISIONS.md D5).
     `rows` (default M, a multiple of block_m): the tier attends q's first `rows` rows, read in place
-    by the q block (no slice of q: at batch 1 a slice was a ~1 us kernel of its own, NOTES v22).
+    by the q block (no slice of q: a slice is a kernel of its own; benchmarks/DECISIONS.md D16).
     With `layer`, the pools are stacked [Y, P, K, L, ·] and layer `layer` is read.
     `tokens_on_m` (pages of ≥ 16 tokens): each page's scores as [L, block_m], the codes the dot's A
-    operand, so block_m may be 8 (mma's N) instead of 16; decode runs it at one warp (NOTES v15).
+    operand, so block_m may be 8 (mma's N) instead of 16; decode runs it at one warp
+    (benchmarks/DECISIONS.md D4).
     `unpack_asm`: codes unpacked by inline PTX (bfloat16 q, GPU only; `_unpack_plane_asm`).
     `fma_asm`: the loop's multiply-adds as one fma each by inline PTX (GPU only; `multiply_add`)."""
     batch, num_kv_heads, q_rows, head_dim = q.shape

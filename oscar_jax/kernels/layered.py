@@ -3,7 +3,7 @@
 `OscarKVCache` stacks every layer's pools ([Y, P, K, L, ·]). A kernel handed one layer as a slice
 (`pool[layer]`) makes XLA materialise that slice, and writing it back with `.at[layer].set` made
 XLA copy whole stacked pools around the Pallas calls (216 copies per decode step at Qwen3-8B shapes,
-12× the bandwidth floor on the H200: benchmarks/NOTES.md). Instead the kernels take the stacked
+many times the step's bandwidth floor). Instead the kernels take the stacked
 pool and a static layer index: the layer axis is squeezed out of the block (so the kernel bodies
 see [P, K, L, ·] refs), read-only pools are never copied, and written pools are aliased in place.
 """

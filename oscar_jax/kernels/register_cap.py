@@ -3,7 +3,7 @@
 XLA compiles a Pallas kernel's Triton module with its own pipeline and ptxas, and may hold more
 registers than the triton package would for the same module: the decode INT2 tier at 128K batch 8
 held 217 registers a thread as XLA compiled it against 168 in the triton package's sm_90 compile of
-the same Triton IR (so 8 one-warp programs an SM instead of 12; benchmarks/NOTES.md v28). Triton's
+the same Triton IR (so 8 one-warp programs an SM instead of 12; benchmarks/DECISIONS.md D6). Triton's
 `maxnreg` option is a module attribute, `ttg.maxnreg`, read where Triton GPU IR is lowered to LLVM
 (it becomes the kernel's PTX `.maxnreg`); Pallas builds the module but has no parameter for it.
 

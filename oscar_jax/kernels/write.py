@@ -14,8 +14,8 @@ Encoding is `encode_block` from codec.py, so every written row has exactly the b
 shared_math.encode of the same float32 row. Keys are rotated in the kernel, k' = k·R_K with
 R_K [K, D, D] per kv head: float32 rows as a float32 `jnp.dot` at Precision.HIGHEST (IEEE
 float32 on the GPU, never TF32); bfloat16 rows as three bfloat16 tensor-core products with R_K
-split into bfloat16 parts (shared_math.rotation.split_bf16: float32-accurate, 2.8× faster on
-the H200, benchmarks/NOTES.md v9). Values arrive already rotated (R_V folded into W_v) and take
+split into bfloat16 parts (shared_math.rotation.split_bf16: float32-accurate and faster than the
+float32 product; benchmarks/DECISIONS.md W1). Values arrive already rotated (R_V folded into W_v) and take
 no rotation.
 """
 
@@ -199,7 +199,7 @@ def write_int2_rows(
 ):
     """x [T, K, D], rotation [K, D, D] f32 or None → packed [T, K, D/4], scale, minimum [T, K, D/G].
     planes: by codec.encode_planes (tiling.resolve_encode_planes: None for unrotated rows where it
-    applies; True also for rotated bf16 rows, NOTES v25)."""
+    applies; True also for rotated bf16 rows, benchmarks/DECISIONS.md W5)."""
     num_tokens, num_heads, d = x.shape
     quarter, num_groups = d // CODES_PER_BYTE, d // group_size
     rotate = rotation is not None
@@ -318,7 +318,7 @@ def write_pages_rows(
     (page_ids[t], slots[t]); returns the updated (codes, scale, minimum). With `layer`, the
     pools are stacked [Y, P, K, L, ·] and only layer `layer` is written (in place). planes:
     by codec.encode_planes (tiling.resolve_encode_planes: None for unrotated rows where it applies;
-    True also for rotated bf16 rows, NOTES v25)."""
+    True also for rotated bf16 rows, benchmarks/DECISIONS.md W5)."""
     num_tokens, num_heads, d = x.shape
     rotate = rotation is not None
     planes = resolve_encode_planes(planes, d, group_size, levels, rotated=rotate, rows_bf16=x.dtype == jnp.bfloat16)
