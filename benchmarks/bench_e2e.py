@@ -459,7 +459,7 @@ def capacity(measure, model, oscar, weight_bytes, context, memory_bytes, reserve
     out |= {"context": context, "memory_bytes": memory_bytes, "memory_source": source,
            "workspace_reserve_bytes": reserve_bytes, "weight_bytes": weight_bytes,
            # A growing allocator (preallocate false) fragments its regions: the run at git 51405f0
-           # failed to allocate a 47 GiB pool with 55 GB free (probe_capacity_int2_b55_h200.json).
+           # failed to allocate a 47 GiB pool with 55 GB free (probe_capacity_int2_b55_h200.json at caf5132).
            "allocator": {n: os.environ.get(n) for n in ("XLA_PYTHON_CLIENT_PREALLOCATE",
                                                          "XLA_PYTHON_CLIENT_MEM_FRACTION",
                                                          "XLA_PYTHON_CLIENT_ALLOCATOR")}}
