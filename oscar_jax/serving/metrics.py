@@ -52,6 +52,8 @@ class Metrics:
         self.e2e = Histogram("oscar:e2e_request_latency_seconds", "Arrival to the last token.", labels,
                              buckets=_E2E, registry=r)
         self.model_name = model_name
+        for histogram in (self.ttft, self.itl, self.e2e):
+            histogram.labels(model_name)  # a series from the first scrape on, not from the first request
         self._last_token: dict[str, float] = {}
         self._seen = {"preemptions": 0, "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "prompt_tokens": 0,
                       "generation_tokens": 0}
