@@ -11,7 +11,8 @@ tokens; relative error ‖Δ‖/‖ref‖); then each timed alone (harness.time_
 in one jitted program, `copies` pool sets rotated so L2 holds none), and the whole default decode
 call (both tiers + merge) for scale with PROBE_WHOLE_DECODE=1. Mosaic variants: VARIANTS (unpacking,
 buffers, pipeline stages, and the output as written, oᵀ [B, K, S, D, R] with `transposed=True`, or
-swapped to the Triton kernel's [B, K, S, R, D] by XLA). Writes argv[1] (default
+swapped to the Triton kernel's [B, K, S, R, D] by XLA); then the BF16 tier (sink + recent pages) of
+both backends, compared and timed. Writes argv[1] (default
 $OUT/probe_mosaic_decode.json; the environment block names the card); prints a table last.
 
     OSCAR_GIT_SHA=$(git rev-parse HEAD) PYTHONPATH=. python benchmarks/probe_mosaic_decode.py out.json
@@ -51,6 +52,22 @@ VARIANTS = (
     ("mosaic[biased,buffers=2,stages=4][transposed]", dict(biased_codes=True, buffers=2, stages=4, transposed=True)),
 )
 TIME_WHOLE_DECODE = os.environ.get("PROBE_WHOLE_DECODE", "0") == "1"  # ops.decode_attention, both tiers
+# PROBE_SMOKE=1: the script's own check on a CPU, before a GPU call spends device time on it: a small
+# context, every kernel interpreted, each variant run once instead of timed.
+SMOKE = os.environ.get("PROBE_SMOKE", "0") == "1"
+if SMOKE:
+    CONFIGS = ((SINK + RECENT + 2 * PAGE + 17, 1),)
+
+
+def _time(step, carry, reps, operands):
+    """harness.time_jax_loop, or (PROBE_SMOKE) one call's wall time."""
+    if not SMOKE:
+        return harness.time_jax_loop(step, carry, reps=reps, operands=operands)
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(0, carry, *operands))
+    return {"median_s": time.perf_counter() - t0, "smoke": True}
 
 
 def main(out_path: str) -> dict:
@@ -99,19 +116,19 @@ def main(out_path: str) -> dict:
         tokens_on_m = tiling.int2_decode_tokens_on_m(batch, kv, history_slots, pages_per_split, PAGE)
         channels_on_m = tiling.int2_decode_channels_on_m(tokens_on_m, group_size, d)
         triton_launch = dict(
-            tokens_on_m=tokens_on_m, channels_on_m=channels_on_m, unpack_asm=True, fma_asm=True,
+            tokens_on_m=tokens_on_m, channels_on_m=channels_on_m, unpack_asm=not SMOKE, fma_asm=not SMOKE,
             num_warps=tiling.INT2_DECODE_NUM_WARPS if tokens_on_m else 2, num_stages=tiling.DECODE_NUM_STAGES,
             max_registers=tiling.int2_decode_max_registers(tokens_on_m, channels_on_m, rows_on_m=0))
         cfg["triton_launch"] = triton_launch
 
         def triton_tier(q_, c, operands):
             pools_, table, hist = operands
-            return triton_kernels.int2_tier_partials(q_, *pools_, table[c], hist, interpret=False,
+            return triton_kernels.int2_tier_partials(q_, *pools_, table[c], hist, interpret=SMOKE,
                                                      **split_common, **triton_launch)
 
         def mosaic_tier(q_, c, operands, **kw):
             pools_, table, hist = operands
-            return mosaic_kernels.int2_tier_partials(q_, *pools_, table[c], hist, interpret=False,
+            return mosaic_kernels.int2_tier_partials(q_, *pools_, table[c], hist, interpret=SMOKE,
                                                      **split_common, **kw)
 
         operands = (int2_pools, history_t, history_tokens)
@@ -128,7 +145,7 @@ def main(out_path: str) -> dict:
                     "finite": bool(np.isfinite(o).all()),
                     "passed": bool(same_empty and o_err < 1e-2 and lse_err < 1e-2 and np.isfinite(o).all())}
 
-        def timed(name, fn, check=None):
+        def timed(name, fn, check=None, bytes_read=int2_history_bytes):
             entry = {}
             try:
                 if check is not None:
@@ -138,8 +155,8 @@ def main(out_path: str) -> dict:
                     o, lse = fn(q_, i % copies, ops_)
                     return (q_.astype(jnp.float32) + 0.0 * jnp.sum(o) + 0.0 * jnp.sum(lse)).astype(q_.dtype)
 
-                t = harness.time_jax_loop(step, q_rows, reps=max(32, 2 * copies), operands=(operands,))
-                entry.update(t, gb_per_s=int2_history_bytes / t["median_s"] / 1e9)
+                t = _time(step, q_rows, max(32, 2 * copies), (operands,))
+                entry.update(t, gb_per_s=bytes_read / t["median_s"] / 1e9, bytes_read=bytes_read)
             except Exception as e:  # noqa: BLE001 - a failing variant is recorded, not fatal
                 entry["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
                 traceback.print_exc()
@@ -162,6 +179,46 @@ def main(out_path: str) -> dict:
                     continue
             timed(name, functools.partial(mosaic_tier, **kw), check)
 
+        # The BF16 tier (sink + recent pages, 5 a sequence at the defaults), both kernels, its own split.
+        _, bf16_pps, _ = tiling.resolve_splits(None, 1, bf16_slots, history_slots, PAGE, sequence_heads=batch * kv)
+        bf16_warps, bf16_stages = tiling.default_decode_launch(batch, kv, bf16_slots, history_slots, bf16_pps,
+                                                               pages_per_split, int2_tokens_on_m=tokens_on_m)[0]
+        bf16_ops = ((pools["k_bf16"], pools["v_bf16"]), jnp.asarray(bf16_tables),
+                    jnp.asarray(lengths["sink_tokens"]), jnp.asarray(lengths["recent_tokens"]))
+        bf16_common = dict(sink_slots=SINK // PAGE, softmax_scale=scale, pages_per_split=bf16_pps, pages_per_block=1)
+
+        def triton_bf16(q_, c, ops_):
+            (k_, v_), t_, s_, r_ = ops_
+            return triton_kernels.bf16_tier_partials(q_, k_, v_, t_[c], s_, r_, block_m=16, interpret=SMOKE,
+                                                     num_warps=bf16_warps, num_stages=bf16_stages, **bf16_common)
+
+        def mosaic_bf16(q_, c, ops_, **kw):
+            (k_, v_), t_, s_, r_ = ops_
+            return mosaic_kernels.bf16_tier_partials(q_, k_, v_, t_[c], s_, r_, block_m=rows, interpret=SMOKE,
+                                                     **bf16_common, **kw)
+
+        try:
+            bw_o, bw_lse = map(np.asarray, jax.jit(lambda q_, o_: triton_bf16(q_, 0, o_))(q_rows, bf16_ops))
+            bg_o, bg_lse = map(np.asarray, jax.jit(lambda q_, o_: mosaic_bf16(q_, 0, o_, stages=2))(q_rows, bf16_ops))
+            g = hq // kv  # the real rows
+            bf16_check = {"o_rel_error": float(np.linalg.norm(bg_o[..., :g, :] - bw_o[..., :g, :])
+                                               / np.linalg.norm(bw_o[..., :g, :])),
+                          "lse_max_abs_error": float(np.abs(bg_lse[..., :g] - bw_lse[..., :g]).max())}
+            bf16_check["passed"] = bool(bf16_check["o_rel_error"] < 1e-2 and bf16_check["lse_max_abs_error"] < 1e-2)
+        except Exception as e:  # noqa: BLE001
+            bf16_check = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+            traceback.print_exc()
+        saved_operands = operands
+        operands = bf16_ops  # `timed` reads the operands of the tier it times
+        bf16_tier_bytes = batch * kv * bf16_slots * PAGE * d * 2 * 2  # K and V, bfloat16
+        timed("triton_bf16_tier_default", triton_bf16, bytes_read=bf16_tier_bytes)
+        if "error" not in bf16_check:
+            timed("mosaic_bf16_tier[stages=2,buffers=2]", functools.partial(mosaic_bf16, stages=2, buffers=2),
+                  bf16_check, bytes_read=bf16_tier_bytes)
+        else:
+            cfg["variants"]["mosaic_bf16_tier[stages=2,buffers=2]"] = bf16_check
+        operands = saved_operands
+
         # The whole default decode call (both tiers + merge), for scale against the cuDNN figures.
         all_pools = tuple(pools[n] for n in ("k_bf16", "v_bf16", *names))
         bf16_t = jnp.asarray(bf16_tables)
@@ -177,7 +234,7 @@ def main(out_path: str) -> dict:
         try:
             if not TIME_WHOLE_DECODE:
                 raise RuntimeError("not timed (PROBE_WHOLE_DECODE=1 times it)")
-            t = harness.time_jax_loop(full_step, q, reps=max(32, 2 * copies), operands=(full_ops,))
+            t = _time(full_step, q, max(32, 2 * copies), (full_ops,))
             cfg["variants"]["ops_decode_attention_default_all_tiers"] = dict(t)
             print(f"  {'ops.decode_attention default':34s} {context // 1024}K b{batch}: {t['median_s'] * 1e6:8.1f} us",
                   flush=True)

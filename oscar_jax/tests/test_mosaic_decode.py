@@ -1,5 +1,5 @@
-"""The Mosaic GPU INT2 tier (oscar_jax.kernels.mosaic.decode_attention, issue 41) against the
-Triton-lowered INT2 tier (oscar_jax.kernels.decode_attention) and the float64 reference.
+"""The Mosaic GPU decode tiers (oscar_jax.kernels.mosaic.decode_attention, issue 41) against the
+Triton-lowered tiers (oscar_jax.kernels.decode_attention) and the float64 reference.
 
 On the CPU the Mosaic kernel runs in the Mosaic GPU interpreter (plgpu.InterpretGPUParams), the
 Triton-lowered one in Pallas interpret mode. The caches are test_decode_attention's: poisoned
@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from oscar_jax.kernels.decode_attention import bf16_tier_partials as triton_bf16_tier_partials
 from oscar_jax.kernels.decode_attention import int2_tier_partials as triton_int2_tier_partials
-from oscar_jax.kernels.mosaic.decode_attention import int2_tier_partials
+from oscar_jax.kernels.mosaic.decode_attention import bf16_tier_partials, int2_tier_partials
 from oscar_jax.tests.test_decode_attention import TOLERANCES, build_cache, merge_partials, reference_decode
 
 PAGE = 64  # wgmma's M: the Mosaic kernel's page size
@@ -189,3 +190,53 @@ def test_unsupported_configurations_are_named():
         int2_tier_partials(q, codes, meta, meta, codes, meta, meta, table, history, buffers=3, **common)
     with pytest.raises(TypeError, match="bogus"):
         int2_tier_partials(q, codes, meta, meta, codes, meta, meta, table, history, bogus=1, **common)
+
+
+def test_bf16_tier_partials_match_the_triton_lowered_bf16_tier():
+    """The BF16 tier (sink + recent pages) on a poisoned cache: a sequence with sink and three
+    recent pages (the last partly filled, its stale rows NaN), one whose recent window is empty and
+    one shorter than the sink; GQA 4:1 rows; one or two probability buffers. Same empty splits, lse
+    and o within the bfloat16 tolerance of the Triton-lowered kernel's, every output finite."""
+    rng = np.random.default_rng(36)
+    cache = build_cache(rng, (395, 203, 40), num_kv_heads=2, head_dim=HEAD_DIM, group_size=HEAD_DIM,
+                        page_size=PAGE, recent=128)
+    k, v, table, sink, recent = cache.arrays[:2] + cache.arrays[8:11]
+    assert int(np.asarray(recent).min()) == 0 and int(np.asarray(sink).min()) < PAGE  # the edges above
+    q = _gqa_query(rng, 3, 2, 4, rows=8)
+    common = dict(sink_slots=1, softmax_scale=SCALE, pages_per_split=2, pages_per_block=1, block_m=8)
+    o_want, lse_want = map(np.asarray, triton_bf16_tier_partials(q, k, v, table, sink, recent, interpret=True,
+                                                                 **common))
+    nonempty = np.isfinite(lse_want)
+    assert nonempty.sum() > 8 and (~nonempty).sum() > 0
+    for buffers in (1, 2):
+        o, lse = map(np.asarray, bf16_tier_partials(q, k, v, table, sink, recent, interpret=True, buffers=buffers,
+                                                    **common))
+        np.testing.assert_array_equal(np.isfinite(lse), nonempty)
+        assert np.all(np.isfinite(o)), "non-finite output: a stale (NaN) row reached the values' wgmma"
+        np.testing.assert_allclose(lse[nonempty], lse_want[nonempty], atol=1e-3, rtol=1e-4)
+        np.testing.assert_allclose(o, o_want, **TOLERANCES[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_bf16_tier_lowers_for_the_gpu(buffers):
+    """The BF16 tier passes layout inference and lowering at Qwen3-8B's shapes."""
+    q = jax.ShapeDtypeStruct((2, 8, 16, HEAD_DIM), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((40, 8, PAGE, HEAD_DIM), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, 5), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+    def call(*args):
+        return bf16_tier_partials(*args, sink_slots=1, softmax_scale=SCALE, pages_per_split=1, rows=8, stages=2,
+                                  buffers=buffers)
+
+    text = jax.jit(call).trace(q, pool, pool, table, lengths, lengths).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_bf16_tier_refuses_one_stage():
+    q = jnp.zeros((1, 1, 8, HEAD_DIM), jnp.bfloat16)
+    pool = jnp.zeros((2, 1, PAGE, HEAD_DIM), jnp.bfloat16)
+    table, lengths = jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="stages=1 must be an int >= 2"):
+        bf16_tier_partials(q, pool, pool, table, lengths, lengths, sink_slots=1, softmax_scale=SCALE,
+                           pages_per_split=1, stages=1)

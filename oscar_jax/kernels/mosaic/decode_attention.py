@@ -1,6 +1,9 @@
-"""INT2 tier of decode attention on Pallas Mosaic GPU (issue 41): the history pages of OSCAR's
-paged cache (format v1), split-K partials with the same arguments and outputs as
-`oscar_jax.kernels.decode_attention.int2_tier_partials` (the Triton-lowered kernel).
+"""Decode attention's tiers on Pallas Mosaic GPU (issue 41): split-K partials over the history
+pages of OSCAR's paged cache (INT2, format v1; `int2_tier_partials`) and over its sink and recent
+pages (BF16; `bf16_tier_partials`), with the same arguments and outputs as the Triton-lowered
+kernels of `oscar_jax.kernels.decode_attention`. The merge stays the Triton-lowered one for now.
+The INT2 tier is described below; the BF16 tier (`_bf16_tier_kernel`) is the same program with the
+pages fed from the copies straight into wgmma.
 
 One program per (sequence b, KV head h, split s), one warpgroup (128 threads). Per page of L
 tokens (L a multiple of 64, wgmma's M):
@@ -241,15 +244,128 @@ def _int2_tier_kernel(
         jnp.zeros((rows,), jnp.float32),
     )
     out_t, m, l = lax.fori_loop(0, num_pages, body, carry)
+    _write_partial(out_t, m, l, out_smem, lse_smem, o_ref.at[b, h, split], lse_ref.at[b, h, split])
+
+
+def _write_partial(out_t, m, l, out_smem, lse_smem, o_ref, lse_ref):
+    """Normalise oᵀ [D, R] by the running sum, the natural log-sum-exp of the running max (base-2
+    units) and sum (rows with no token: o = 0, lse = −inf), and copy both to global memory."""
     nonempty = l > 0.0
     inv_l = 1.0 / jnp.where(nonempty, l, 1.0)
     lse = jnp.where(nonempty, (m + jnp.log2(jnp.where(nonempty, l, 1.0))) * LN2, -jnp.inf)
     out_smem[...] = out_t * inv_l[None, :]
     lse_smem[...] = lse
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, o_ref.at[b, h, split])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, split])
+    plgpu.copy_smem_to_gmem(out_smem, o_ref)
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref)
     plgpu.wait_smem_to_gmem(0)
+
+
+def _bf16_tier_kernel(
+    page_table_ref,  # [B, NB] int32 (GMEM): sink slots, then recent slots
+    sink_tokens_ref,  # [B] int32 (GMEM)
+    recent_tokens_ref,  # [B] int32 (GMEM)
+    q_ref,  # [B, K, M, D] bfloat16 (GMEM)
+    k_ref,  # [(Y,) P, K, L, D] bfloat16 (GMEM)
+    v_ref,  # [(Y,) P, K, L, D] bfloat16 (GMEM)
+    o_ref,  # [B, K, S, D, R] float32 (GMEM): normalised partial outputs, transposed
+    lse_ref,  # [B, K, S, R] float32 (GMEM)
+    q_smem,  # [R, D] bfloat16, swizzled
+    kv_smem,  # 2 × [STAGES, L, D] bfloat16, swizzled: K, V pages
+    probs_smem,  # [BUFFERS, R, L] bfloat16, swizzled: pᵀ
+    out_smem,  # [D, R] float32
+    lse_smem,  # [R] float32
+    q_barrier,
+    page_barriers,  # STAGES barriers of 2 arrivals
+    *,
+    SINK_SLOTS: int,
+    PAGE_SIZE: int,
+    PAGES_PER_SPLIT: int,
+    SCORE_SCALE: float,
+    STAGES: int,
+    LAYER: int | None,
+    BUFFERS: int,
+):
+    """The BF16 tier (sink + recent pages) as the INT2 tier's kernel, the pages straight from the
+    copies into wgmma: scores [L, R] = K [L, D] (A, shared memory) · qᵀ; oᵀ [D, R] += Vᵀ (the page
+    read transposed as A) · p (pᵀ stored [R, L], K-major B). A page's slot is refilled one page
+    later (the values' wgmma reads it), so STAGES − 1 pages are in flight during a page's work.
+    Rows of a partly filled page may hold NaN (stale pool memory): they are zeroed in shared memory
+    before the values' wgmma (0·NaN is NaN inside the MMA)."""
+    b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    rows, head_dim = q_smem.shape
+    n_sink, n_recent = sink_tokens_ref[b], recent_tokens_ref[b]
+    recent_pages = (n_recent + PAGE_SIZE - 1) // PAGE_SIZE
+    slot_end = jnp.where(recent_pages > 0, SINK_SLOTS + recent_pages, (n_sink + PAGE_SIZE - 1) // PAGE_SIZE)
+    first_slot = split * PAGES_PER_SPLIT
+    num_pages = jnp.maximum(jnp.minimum(first_slot + PAGES_PER_SPLIT, slot_end) - first_slot, 0)
+    layer = () if LAYER is None else (LAYER,)
+    k_smem, v_smem = kv_smem
+
+    def tokens_in(slot):  # valid tokens of a table slot (0 … L)
+        is_sink = slot < SINK_SLOTS
+        start = jnp.where(is_sink, slot, slot - SINK_SLOTS) * PAGE_SIZE
+        return jnp.clip(jnp.where(is_sink, n_sink, n_recent) - start, 0, PAGE_SIZE)
+
+    def fetch(page_index, stage):
+        slot = first_slot + page_index
+        page = jnp.where(tokens_in(slot) > 0, page_table_ref[b, slot], 0)  # never an unused slot's id
+        for src, dst in ((k_ref, k_smem), (v_ref, v_smem)):
+            plgpu.copy_gmem_to_smem(src.at[(*layer, page, h)], dst.at[stage], page_barriers.at[stage])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(0, rows)], q_smem, q_barrier)
+    for stage in range(STAGES):
+        pl.when(stage < num_pages)(functools.partial(fetch, stage, stage))
+    plgpu.barrier_wait(q_barrier)
+
+    def body(i, carry):
+        out_t, m, l = carry
+        stage = lax.rem(i, STAGES)
+        probs = probs_smem.at[lax.rem(i, BUFFERS) if BUFFERS > 1 else 0]
+        plgpu.barrier_wait(page_barriers.at[stage])
+
+        def key_dots(acc_ref):  # q·k [L, R]
+            plgpu.wgmma(acc_ref, k_smem.at[stage], q_smem.T)
+            return acc_ref[...]
+
+        scores = pl.run_scoped(key_dots, plgpu.ACC((PAGE_SIZE, rows), jnp.float32)) * SCORE_SCALE
+        count = tokens_in(first_slot + i)
+        valid = lax.broadcasted_iota(jnp.int32, (PAGE_SIZE, rows), 0) < count
+        scores = jnp.where(valid, scores, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=0))
+        correction = jnp.exp2(m - m_new)
+        p = jnp.where(valid, jnp.exp2(scores - m_new[None, :]), 0.0)
+        l = l * correction + jnp.sum(p, axis=0)
+        if BUFFERS == 1:
+            plgpu.commit_smem()  # every warp is past the last page's values wgmma
+
+        @pl.when(count < PAGE_SIZE)
+        def _zero_stale_rows():
+            v = v_smem.at[stage][...]
+            row = lax.broadcasted_iota(jnp.int32, (PAGE_SIZE, head_dim), 0)
+            v_smem.at[stage][...] = jnp.where(row < count, v, jnp.zeros_like(v))
+
+        probs.T[...] = p.astype(jnp.bfloat16)
+        plgpu.commit_smem()  # the stores visible to wgmma; every warp past page i − 1's values wgmma
+
+        @pl.when(jnp.logical_and(i >= 1, i - 1 + STAGES < num_pages))
+        def _refill():  # page i − 1's slot, free now
+            fetch(i - 1 + STAGES, lax.rem(i - 1 + STAGES, STAGES))
+
+        def values_dot(acc_ref):  # Vᵀ·p [D, R]
+            plgpu.wgmma(acc_ref, v_smem.at[stage].T, probs.T)
+            return acc_ref[...]
+
+        values = pl.run_scoped(values_dot, plgpu.ACC((head_dim, rows), jnp.float32))
+        return out_t * correction[None, :] + values, m_new, l
+
+    carry = (
+        jnp.zeros((head_dim, rows), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    out_t, m, l = lax.fori_loop(0, num_pages, body, carry)
+    _write_partial(out_t, m, l, out_smem, lse_smem, o_ref.at[b, h, split], lse_ref.at[b, h, split])
 
 
 def check_supported(q_dtype, head_dim: int, group_size: int, page_size: int, rows: int) -> None:
@@ -369,4 +485,86 @@ def int2_tier_partials(
                      + ("_a_regs" if kernel.keywords["A_IN_REGISTERS"] else "_a_smem")
                      + ("_biased" if biased_codes else "_converted") + f"_buffers{buffers}"),
     )(page_table, history_tokens, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
+    return (out_t if transposed else jnp.swapaxes(out_t, -1, -2)), lse
+
+
+def bf16_tier_partials(
+    q,  # [B, K, M, D] bfloat16
+    k_bf16,  # [(Y,) P, K, L, D] bfloat16
+    v_bf16,  # [(Y,) P, K, L, D] bfloat16
+    page_table,  # [B, NB] int32
+    sink_tokens,  # [B] int32
+    recent_tokens,  # [B] int32
+    *,
+    sink_slots: int,
+    softmax_scale: float,
+    pages_per_split: int,
+    pages_per_block: int = 1,
+    block_m: int = WGMMA_MIN_N,
+    interpret: bool = False,
+    layer: int | None = None,
+    rows: int | None = None,
+    stages: int = DEFAULT_STAGES,
+    transposed: bool = False,
+    buffers: int = 1,
+    **triton_launch,
+):
+    """Partials over the BF16 tier (sink + recent pages): (o float32[B, K, S, R, D], lse
+    float32[B, K, S, R]), S = num_splits(NB, pages_per_split), R = `rows` (default block_m).
+
+    Same arguments as `oscar_jax.kernels.decode_attention.bf16_tier_partials` (its Triton launch
+    knobs num_warps, num_stages accepted and ignored), plus `rows`, `stages` (≥ 2: a slot is
+    refilled one page after it was read), `transposed` and `buffers` as the INT2 tier's. Not yet
+    run on a GPU (interpreter and lowering only)."""
+    unknown = set(triton_launch) - {"num_warps", "num_stages"}
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+    batch, num_kv_heads, q_rows, head_dim = q.shape
+    rows = block_m if rows is None else rows
+    if not 0 < rows <= q_rows:
+        raise ValueError(f"rows={rows} must lie in (0, {q_rows}] (q's rows)")
+    pool_shape = tuple(k_bf16.shape) if layer is None else tuple(k_bf16.shape[1:])
+    _, _, page_size, _ = pool_shape
+    check_supported(q.dtype, head_dim, head_dim, page_size, rows)
+    if pages_per_block != 1:
+        raise NotImplementedError(f"pages_per_block={pages_per_block}: the Mosaic GPU kernel reads one page a step")
+    if not isinstance(stages, int) or stages < 2:
+        raise ValueError(f"stages={stages!r} must be an int >= 2 (a slot is refilled one page after its read)")
+    if buffers not in (1, 2):
+        raise ValueError(f"buffers={buffers!r} must be 1 or 2")
+    splits = num_splits(page_table.shape[1], pages_per_split)
+    table_len = splits * pages_per_split
+    page_table = jnp.pad(page_table, ((0, 0), (0, table_len - page_table.shape[1])))
+    stages = max(2, min(stages, pages_per_split + 1))
+    kernel = functools.partial(
+        _bf16_tier_kernel, SINK_SLOTS=sink_slots, PAGE_SIZE=page_size, PAGES_PER_SPLIT=pages_per_split,
+        SCORE_SCALE=base2_score_scale(softmax_scale), STAGES=stages, LAYER=layer, BUFFERS=buffers)
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    elif interpret is False:
+        interpret = None
+    swizzled = _swizzled(jnp.bfloat16)
+    scratch = (
+        plgpu.SMEM((rows, head_dim), jnp.bfloat16, transforms=swizzled),  # q
+        [plgpu.SMEM((stages, page_size, head_dim), jnp.bfloat16, transforms=swizzled) for _ in range(2)],  # K, V
+        plgpu.SMEM((buffers, rows, page_size), jnp.bfloat16, transforms=swizzled),  # pᵀ
+        plgpu.SMEM((head_dim, rows), jnp.float32),  # oᵀ
+        plgpu.SMEM((rows,), jnp.float32),  # lse
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    )
+    out_t, lse = plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, head_dim, rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows), jnp.float32),
+        ),
+        scratch_types=scratch,
+        grid=(batch, num_kv_heads, splits),
+        grid_names=("b", "h", "s"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+        kernel_name=(f"oscar_bf16_tier_mosaic_L{page_size}_R{rows}_split{pages_per_split}_stages{stages}"
+                     f"_buffers{buffers}"),
+    )(page_table, sink_tokens, recent_tokens, q, k_bf16, v_bf16)
     return (out_t if transposed else jnp.swapaxes(out_t, -1, -2)), lse
