@@ -17,8 +17,8 @@ What it measures, on whatever CPU runs it (the result records the CPU, core coun
   * the ratio to the Pallas kernels in interpret mode (what every op ran on CPU before the XLA
     path): decode at batch 1 on the same cache — the XLA runtime's cache switched to interpret=True
     after its prefill (the pages are the same bytes) — over `--interpret-steps` steps after one
-    compiling step; prefill of a `--interpret-prompt-tokens` prompt on both paths, each timed on a
-    second admit after a compiling one.
+    compiling step; prefill of a `--interpret-prompt-tokens` prompt (one chunk) on both paths, each
+    timed on a second admit after a compiling one.
 The targets of issue 38 are checked and written beside the figures (`targets`).
 """
 
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--interpret-steps", type=int, default=3)
-    p.add_argument("--interpret-prompt-tokens", type=int, default=128)
+    p.add_argument("--interpret-prompt-tokens", type=int, default=512)
     args = p.parse_args(argv)
     if jax.default_backend() != "cpu":
         print(f"error: this is the CPU benchmark; JAX runs on {jax.default_backend()} (set JAX_PLATFORMS=cpu)",
@@ -243,7 +243,9 @@ def main(argv=None) -> int:
     model = (cfg, params, read_artifact(shipped_artifact(MODEL)))
     tokenizer = load_tokenizer(MODEL)
     all_prompts = real_prompts(tokenizer, args.prompt_tokens, max(args.batches))
-    results = dict(environment=environment(), model=MODEL, int2={}, bf16={})
+    # The CPU may be shared: the load averages before and after say how busy it was.
+    results = dict(environment=environment(), args={k: str(v) for k, v in vars(args).items()}, model=MODEL,
+                   load_average_before=os.getloadavg(), int2={}, bf16={})
     start = time.perf_counter()
     for batch in args.batches:
         prompts = all_prompts[:batch]
@@ -258,6 +260,7 @@ def main(argv=None) -> int:
     print(f"prefill interpret: {json.dumps(results['prefill_interpret'])}", flush=True)
     results["targets"] = check_targets(results) if {"b1"} <= set(results["int2"]) else {}
     results["seconds"] = time.perf_counter() - start
+    results["load_average_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     for name, ok in results["targets"].items():

@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     from calibration.import_rotations import read_rotation_path
     from oscar_jax.runtime import OscarRuntime, fingerprint
     from oscar_jax.tokenizer import load_tokenizer
+    from oscar_jax.xla import kernels
     from shared_math.artifact import ArtifactError
 
     model = args.model_path or args.model
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
           f"({bf16_kv_bytes_per_layer(LONG_CONTEXT, cfg.head_dim, cfg.num_kv_heads) / long.stored_bytes:.2f}x smaller)")
     print(f"[oscar] cache {args.kv_cache_dtype}: prefill {len(prompt) / prefill_s:.1f} tok/s "
           f"(includes compilation), decode {timed / decode_s if timed else float('nan'):.2f} tok/s "
-          f"on {jax.default_backend()}")
+          f"on {jax.default_backend()}" + (f" ({kernels()} path)" if args.kv_cache_dtype == "int2" else ""))
     return 0
 
 

@@ -1,7 +1,8 @@
 """SmolLM2 decoding real text through OscarRuntime against the decode-faithful tier emulation.
 
-NUM_TOKENS of Wikipedia text (evaluation split) enter OscarRuntime (Pallas kernels, interpret mode
-on CPU) as a one-token prompt and then one decode step per token; calibration.emulation computes
+NUM_TOKENS of Wikipedia text (evaluation split) enter OscarRuntime (on CPU the ops' native XLA
+path, oscar_jax/xla; the figures below were measured with the Pallas kernels in interpret mode, whose
+bytes are the same) as a one-token prompt and then one decode step per token; calibration.emulation computes
 the logits every step should produce in one teacher-forced pass (calibration.passkey.ServingTiers:
 the same one-token prompt, then decode). Twenty pages are demoted to INT2 on the way.
 
