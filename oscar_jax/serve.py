@@ -122,15 +122,21 @@ def pool_sizes(args, cfg, config) -> tuple[int | None, int | None]:
     default, room for every sequence at full length)."""
     if args.kv_cache_memory is None:
         return args.num_bf16_pages, args.num_int2_pages
+    return pages_for_memory(args.kv_cache_dtype, args.kv_cache_memory, cfg, config, args.max_num_seqs)
+
+
+def pages_for_memory(kind: str, memory_bytes: int, cfg, config, max_num_seqs: int) -> tuple[int, int]:
+    """(BF16, INT2) pages (scratch pages included) of `memory_bytes` of cache. bf16: all BF16
+    pages. int2: the BF16 windows (sink + recent + 2 pages) of max_num_seqs sequences, the rest
+    INT2 history pages."""
     bf16_bytes, int2_bytes = page_bytes(cfg, config)
-    if args.kv_cache_dtype == "bf16":
-        return 1 + args.kv_cache_memory // bf16_bytes, 2
-    # every sequence's BF16 windows, the rest INT2 history
-    windows = 1 + args.max_num_seqs * ((config.sink + config.recent) // config.page_size + 2)
-    left = args.kv_cache_memory - windows * bf16_bytes
+    if kind == "bf16":
+        return 1 + memory_bytes // bf16_bytes, 2
+    windows = 1 + max_num_seqs * ((config.sink + config.recent) // config.page_size + 2)
+    left = memory_bytes - windows * bf16_bytes
     if left < int2_bytes:
-        raise ValueError(f"--kv-cache-memory={args.kv_cache_memory} bytes does not hold the BF16 windows of "
-                         f"--max-num-seqs={args.max_num_seqs} sequences ({windows} pages of {bf16_bytes} bytes)")
+        raise ValueError(f"{memory_bytes} bytes of cache do not hold the BF16 windows of {max_num_seqs} sequences "
+                         f"({windows} pages of {bf16_bytes} bytes)")
     return windows, 1 + left // int2_bytes
 
 

@@ -122,6 +122,18 @@ class RequestOutput:
     first_token_time: float | None
 
 
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """One step's wall time and the part of it spent blocked on the device's model launches; the
+    rest is host work (scheduling, page tables, sampling launch, detokenization) during which the
+    device waits."""
+
+    decode_rows: int
+    prefill_tokens: int
+    total_s: float
+    device_wait_s: float
+
+
 @dataclasses.dataclass
 class EngineStats:
     """Counters for the metrics endpoint (monotonic, except the gauges at the top)."""
@@ -153,6 +165,7 @@ class Engine:
         self.stats = EngineStats()
         self._order = itertools.count()
         self._aborted: list[RequestOutput] = []
+        self.last_step: StepTiming | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -258,6 +271,15 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling round and its device work; the outputs of every request that advanced."""
+        started, waited = time.perf_counter(), 0.0
+
+        def wait(array):
+            nonlocal waited
+            t = time.perf_counter()
+            array.block_until_ready()
+            waited += time.perf_counter() - t
+            return array
+
         outputs, self._aborted = self._aborted, []
         decodes = [r for r in self.running if r.state is State.DECODE]
         while decodes:
@@ -296,15 +318,15 @@ class Engine:
             ids = [r.seq_id for r in decodes]
             # the first output token not yet in the cache: the newest one, or one being replayed
             fed = [self.runtime.length(r.seq_id) - len(r.prompt_ids) for r in decodes]
-            logits = self.runtime.step(ids, [r.output_ids[n] for r, n in zip(decodes, fed)],
-                                       batch_size=self._bucket(len(ids)))
+            logits = wait(self.runtime.step(ids, [r.output_ids[n] for r, n in zip(decodes, fed)],
+                                            batch_size=self._bucket(len(ids))))
             tokens = sample_batch(logits, [r.params for r in decodes], [r.seed for r in decodes],
                                   [len(r.output_ids) for r in decodes])
             for request, n, token in zip(decodes, fed, tokens):
                 if n + 1 == len(request.output_ids):  # caught up: these logits are new
                     outputs.append(self._append(request, int(token)))
         for request, start, stop in chunks:
-            logits = self.runtime.prefill(request.seq_id, start, stop)
+            logits = wait(self.runtime.prefill(request.seq_id, start, stop))
             if stop == len(request.prompt_ids):
                 request.state = State.DECODE
                 if not request.output_ids:  # else a recomputation: the first token is known
@@ -312,6 +334,8 @@ class Engine:
                     outputs.append(self._append(request, int(token)))
         self.stats.steps += 1
         self.stats.running, self.stats.waiting = len(self.running), len(self.waiting)
+        self.last_step = StepTiming(len(decodes), sum(stop - start for _, start, stop in chunks),
+                                    time.perf_counter() - started, waited)
         return outputs
 
     # ------------------------------------------------------------------ outputs

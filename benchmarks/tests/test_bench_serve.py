@@ -1,0 +1,56 @@
+"""bench_serve on CPU: its plumbing at toy sizes (2 layers; both caches, both arrival patterns,
+once through HTTP) and its summary arithmetic. The GPU figures themselves are not tested."""
+
+import json
+import math
+
+import pytest
+
+from benchmarks import bench_serve
+from oscar_jax.serving.engine import StepTiming
+
+pytestmark = pytest.mark.kernels("xla")
+
+
+def test_summary_of_a_hand_made_run():
+    run = {"t0": 0.0, "arrivals": [0.0, 1.0],
+           "token_times": [[0.5, 0.7, 1.0], [1.5, 1.6, 2.0]],
+           "steps": [StepTiming(2, 0, 0.2, 0.15), StepTiming(40, 0, 0.1, 0.095), StepTiming(1, 16, 0.3, 0.2)]}
+    s = bench_serve.summarize_run(run, 3)
+    assert s["output_tokens"] == 6 and s["output_tokens_per_s"] == pytest.approx(3.0)
+    assert s["ttft_s"]["p50"] == pytest.approx(0.5)
+    assert s["itl_s"]["p50"] == pytest.approx(0.25)  # gaps 0.2, 0.3, 0.1, 0.4
+    assert s["decode_step_s"]["p50"] == pytest.approx(0.15)  # the prefill step is left out
+    assert s["host_share_at_batch_32"]["p50"] == pytest.approx(0.05)  # only the batch-40 step
+    with pytest.raises(AssertionError, match="every output token"):
+        bench_serve.summarize_run(run, 4)
+
+
+def test_targets_compare_int2_with_bf16_at_the_longest_prompt():
+    row = dict(host_share_at_batch_32=None, itl_s={"p99": 0.03}, decode_step_s={"p50": 0.02})
+    results = [dict(row, kind="int2", prompt_len=100, rate=math.inf, output_tokens_per_s=40.0),
+               dict(row, kind="bf16", prompt_len=100, rate=math.inf, output_tokens_per_s=10.0),
+               dict(row, kind="bf16", prompt_len=10, rate=math.inf, output_tokens_per_s=1.0)]
+    t = bench_serve.targets(results, None)
+    assert t["int2_over_bf16_output_tokens_per_s"] == {"prompt_len": 100, "value": 4.0, "target": 3.5, "met": True}
+    assert t["itl_p99_over_median_step"]["value"] == pytest.approx(1.5) and t["itl_p99_over_median_step"]["met"]
+
+
+def test_tiny_run_end_to_end(tmp_path, monkeypatch):
+    import benchmarks.harness
+
+    monkeypatch.setattr(benchmarks.harness, "environment", lambda: {"gpu": "none"})
+    out = tmp_path / "serve.json"
+    assert bench_serve.main(["--tiny", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    setup = bench_serve.tiny_setup()
+    rows = {(r["kind"], r["prompt_len"], r["rate"]) for r in result["results"]}
+    assert rows == {(k, n, r) for k in ("int2", "bf16") for n in setup.prompt_lens for r in (math.inf, 50.0)}
+    for r in result["results"]:
+        assert r["requests"] == setup.num_requests and r["output_tokens"] == setup.num_requests * setup.output_len
+        assert r["output_tokens_per_s"] > 0 and r["ttft_s"]["p50"] > 0 and r["itl_s"]["p50"] > 0
+    # the same memory holds more INT2 sequences than BF16 ones
+    assert result["capacity"]["int2"] > result["capacity"]["bf16"] >= 1
+    http = result["http"]
+    assert http["http"]["output_tokens"] == http["engine"]["output_tokens"] == setup.num_requests * setup.output_len
+    assert "int2_over_bf16_output_tokens_per_s" in result["targets"]
