@@ -9,7 +9,7 @@
 The first two run with JAX's allocator growing on demand (torch shares the GPU); the capacity
 search at 100K needs its own process with the memory preallocated, as a server runs: a growing
 allocator fragments its regions and fails to allocate a 47 GiB pool with 55 GB free
-(benchmarks/NOTES.md v5), so without preallocation the e2e section skips the capacity search and
+so without preallocation the e2e section skips the capacity search and
 says so. JAX preallocates 75 % of the device unless told otherwise: 0.92 leaves the rest to the
 CUDA context and the compiler (at 0.75 the same search fits 43 INT2 and 6 BF16 sequences of 100K
 instead of 55 and 7). The three processes take about 8 minutes on an H200.
@@ -29,7 +29,7 @@ measured in the same run): copy (device copy bandwidth), decode (bench_decode), 
 summary_h200.json, the plots and BENCHMARKS.md.
 
 `--splits 4,8,16,32,64` adds both INT2 kernels at each of those splits to every decode config: the
-check of the default split (`shared_math.tiling.decode_pages_per_split`, benchmarks/NOTES.md v21).
+check of the default split (`shared_math.tiling.decode_pages_per_split`; benchmarks/DECISIONS.md D2).
 """
 
 from __future__ import annotations
@@ -43,22 +43,20 @@ from pathlib import Path
 from benchmarks.harness import JAX_TIMING_MODES
 
 SECTIONS = ("copy", "decode", "write", "e2e")
-# Tilings timed as extra variants at 128K, batch 1 and 8 (or everywhere with --sweep-all; NOTES.md:
-# why these). Each launch is spelled out in full, so that a variant's name means the same launch
-# whatever the defaults (`shared_math.tiling`: since v15 the INT2 tier's scores run with tokens on M
-# in one-warp programs, 3 stages; explicit warps and stages apply to both tiers).
-# `unpack_asm=False` keeps the compiler's unpacking in the sweep as the reference the inline-PTX
-# default replaced (v3 → v4); `fma_asm=False` the separate multiplies and adds (v19 → v20).
+# Tilings timed as extra variants at 128K, batch 1 and 8 (or everywhere with --sweep-all): the
+# launches around each default of benchmarks/DECISIONS.md, spelled out in full so that a variant's
+# name means the same launch whatever the defaults. `unpack_asm=False` is the compiler's unpacking
+# (D10), `fma_asm=False` separate multiplies and adds (D14).
 TUNING_128K = [
     dict(pages_per_split=ps, pages_per_block=pb, num_warps=nw, num_stages=ns, unpack_asm=asm)
     for ps, pb, nw, ns, asm in [(16, 1, 1, 3, False), (16, 1, 1, 2, True), (16, 1, 1, 4, True), (8, 1, 1, 3, True),
                                 (32, 1, 1, 3, True), (16, 2, 1, 3, True), (16, 1, 2, 3, True)]
-] + [  # the default launch with separate multiplies and adds, the form the inline-PTX fmas replaced (v20)
+] + [  # the default launch with separate multiplies and adds (D14)
     dict(pages_per_split=16, pages_per_block=1, num_warps=1, num_stages=3, unpack_asm=True, fma_asm=False)
-] + [  # the values' dot with the rows on M and its V codes read a byte a load: the default until v27
-    # (the variants above run it with the channels on M where that applies, as the default does)
+] + [  # the values' dot with the rows on M, its V codes read a byte a load (D5's alternative;
+    # the variants above run with the channels on M where that applies, as the default does)
     dict(channels_on_m=False),
-    # XLA's own register count (217 at 128K b8), the default until v28 capped it at 160
+    # XLA's own register count, uncapped (D6)
     dict(max_registers=0)]
 TRITON_TUNING_128K = (
     # the compiler's unpacking and other splits, at the default launch
@@ -66,12 +64,11 @@ TRITON_TUNING_128K = (
     + [dict(pages_per_split=ps) for ps in (8, 32)]
     # the launches around the default (1 warp, 3 stages, no register cap): shallower or deeper
     # pipelining, register caps (occupancy: 241 registers hold 8 one-warp programs per SM, 168 hold
-    # 12, 128 hold 16), 2 warps (the rows-on-M kernel's launch until v14)
+    # 12, 128 hold 16), 2 warps (the rows-on-M launch, D7)
     + [dict(num_warps=nw, num_stages=ns, max_registers=mr)
        for nw, ns, mr in [(1, 2, 0), (1, 4, 0), (1, 3, 192), (1, 3, 168), (1, 3, 128), (2, 3, 0)]]
-    # two pages a block (with the channels on M: 0.68x the shipped rows-on-M instructions a page at 222
-    # registers, NOTES v26), the values' dot with the rows on M, the default until v27, and the
-    # compiler's register count, the default until v28 capped it at 160
+    # two pages a block, the values' dot with the rows on M (D5's alternative), and the compiler's
+    # register count (D6's alternative)
     + [dict(pages_per_block=2), dict(channels_on_m=False), dict(max_registers=0)]
 )
 

@@ -12,8 +12,8 @@ Compared, where both runs have them:
   - end to end: each step's median, and the capacity (sequences built, step at capacity).
 
 A row is `outside` when |new / base − 1| exceeds the tolerance. The tolerance is the caller's
-statement of run-to-run noise (benchmarks/NOTES.md records what was seen: most figures within a
-few percent, the batch-1 Pallas call ±15 %); this tool only counts, it does not decide.
+statement of run-to-run noise (re-runs on the H200 have put most figures within a few percent and
+the batch-1 Pallas call within ±15 %); this tool only counts, it does not decide.
 """
 
 from __future__ import annotations
