@@ -18,11 +18,10 @@ def _patch_triton_language_once_per_launch() -> bool:
     """The Triton interpreter (3.6) patches triton.language — inspect.getmembers over its modules,
     ~2 ms — at the launch of a kernel and again at every call of a nested @triton.jit function,
     whose patches are the launch's over again (the same modules, the same interpreter builder) and
-    are never restored by themselves. A decode step of the HF SmolLM2 test made 50,796 such calls
-    (95 s of a 546 s profile; `python -m benchmarks.probe_interpret_hf`, NOTES v23). Here a nested
-    call whose language modules the running launch has patched skips it; anything else (a launch, a
-    function that sees other modules) patches as before. The CPU suite's torch decode tests: 112 →
-    74 s. Returns whether the interpreter had the functions this relies on (else nothing changes)."""
+    are never restored by themselves: a decode step of the HF SmolLM2 test makes tens of thousands
+    of such calls, a sixth of its time. Here a nested call whose language modules the running launch
+    has patched skips it; anything else (a launch, a function that sees other modules) patches as
+    before. Returns whether the interpreter had the functions this relies on (else nothing changes)."""
     import inspect
 
     from triton import language as tl

@@ -302,8 +302,8 @@ def _decode_attention(
         channels_on_m=channels_on_m, int2_max_registers=int2_max_registers,
     )
     # One merge program per kept row reads both tiers in place (the padding rows are never read):
-    # [B, Hkv, S_t, rows, D] per tier → o [B, Hkv, Gq, D]. It replaced a concatenation and ~8 XLA
-    # fusions (benchmarks/NOTES.md v7).
+    # [B, Hkv, S_t, rows, D] per tier → o [B, Hkv, Gq, D], no concatenation or XLA fusions between
+    # the tiers and the output (benchmarks/DECISIONS.md D17).
     o = merge_tier_partials(tiers, heads_per_kv, interpret=interpret)
     return o.reshape(batch, q_heads, head_dim)
 
@@ -359,14 +359,14 @@ def decode_attention(
       num_warps, num_stages: Triton launch parameters of both tier kernels (GPU only); None → each
         tier's own, `shared_math.tiling.default_decode_launch`: the INT2 tier 1 warp and 3 stages
         with its scores as [page tokens, 8 query rows] (pages of ≥ 16 tokens and ≥ 512 programs:
-        `shared_math.tiling.int2_decode_tokens_on_m`, benchmarks/NOTES.md v15–v16), else rows on M
+        `shared_math.tiling.int2_decode_tokens_on_m`, benchmarks/DECISIONS.md D4), else rows on M
         and warps as the BF16 tier's; the BF16 tier 2 warps once it has ≥ 512 programs, else 4,
-        and 2 stages (NOTES v12–v13).
+        and 2 stages (D7, D9).
       unpack_asm: unpack the INT2 codes with inline PTX (bfloat16 q, GPU only): the same operand
-        bits in fewer instructions (H200, 128K: 161 → 133 µs, benchmarks/NOTES.md v4); None → on
+        bits in fewer instructions (benchmarks/DECISIONS.md D10); None → on
         where it can run (compiled, bfloat16 q), False → the compiler's unpacking.
       fma_asm: the INT2 tier's multiply-adds as one fma each by inline PTX (GPU only): XLA's
-        compile of the kernel does not contract them (benchmarks/NOTES.md v20); None → on where it
+        compile of the kernel does not contract them (benchmarks/DECISIONS.md D14); None → on where it
         can run (compiled), False → separate multiplies and adds.
       layer: None, or a static layer index when the eight pools are stacked [Y, P, …] (all
         layers): that layer is read in place, without slicing it out (`kernels.layered`).
@@ -375,13 +375,13 @@ def decode_attention(
       channels_on_m: the INT2 tier's values dot as oᵀ = Vᵀ·p (channels on the dot's M, the rows on N;
         `kernels.decode_attention.int2_tier_partials`), which needs its scores with tokens on M, one
         group per row and D ≥ 128 (`shared_math.tiling.int2_decode_channels_on_m`); None → on where
-        it applies (H200, 128K b8: 0.73–0.85× the time, benchmarks/NOTES.md v27), True → on or
+        it applies (benchmarks/DECISIONS.md D5), True → on or
         ValueError, False → the values' dot with the rows on M.
       max_registers: registers per thread the compiled INT2 tier kernel may use (as the Triton
         backend's; `kernels.register_cap`: XLA's compile may hold more than the kernel needs, and
         fewer registers fit more programs per SM); None → `shared_math.tiling.int2_decode_max_registers`:
-        160 with the tokens and channels on M (H200: XLA held 217; capped, 128K b8 0.82–0.86× the
-        time, benchmarks/NOTES.md v28), else 0 → the compiler's choice. No effect in interpret mode.
+        160 with the tokens and channels on M (benchmarks/DECISIONS.md D6), else 0 → the compiler's
+        choice. No effect in interpret mode.
     Returns:
       float32 [B, Hq, D].
     """

@@ -533,8 +533,8 @@ def cut_history(cache: PagedCache, tokens: int, page_size: int) -> PagedCache:
 
 # bf16 queries build the INT2 code operand as 128 + c·factor (shared_math.ptx) and cancel the 128 in Σ p·m_v. Over
 # zero-mean values the output is ~10⁻² while a page's biased dot is ~10 × Σ p, so the kernels must
-# cancel page by page: a version that added Σ p·m_v once per split measured 3 % relative error at
-# 128K on the H200 (benchmarks/NOTES.md v11). This case is exact but for that float32 rounding:
+# cancel page by page: adding Σ p·m_v once per split loses ~3 % relative error at 128K (DECISIONS.md
+# D13). This case is exact but for that float32 rounding:
 # q = 0 (every p = 1) and one bf16 V scale, so p·s_v is exact in bf16 and a page's sums of
 # s·integers fit float32's 24 bits, while a split's biased sum over 128 pages does not.
 BIAS_CANCELLATION_CASE = AttentionCase(

@@ -54,7 +54,7 @@ def test_decode_attention_within_tolerance_of_reference(case):
 def test_decode_attention_masks_a_partly_valid_last_history_page(case, int2_layout):
     """With history_tokens 5 short of whole pages (and those 5 rows holding real codes), both
     backends match the reference over the shorter history. The Triton INT2 tier with tokens on M
-    runs whole pages unmasked and only the block holding the partial page masked (NOTES v19). Cases:
+    runs whole pages unmasked and only the block holding the partial page masked (DECISIONS.md D15). Cases:
     one page a block (both score layouts), two pages a block (a full page and the partial one in
     the masked block), G < D."""
     result = checks.decode_attention(case, cut_history_tokens=5)
