@@ -109,16 +109,17 @@ def test_transposed_output_and_layered_pools(gqa_case):
     np.testing.assert_array_equal(np.asarray(lse_layer), np.asarray(lse))
 
 
-def test_biased_codes_and_double_buffers_give_the_same_partials(gqa_case):
-    """The codes unpacked as 1 + c/4 by integer ops (`biased_codes`) and the values' operands in two
-    buffers give the default's partials up to float32 rounding (the bias is taken out exactly in
-    real arithmetic; the float32 sums differ in order)."""
+def test_biased_codes_double_buffers_and_lazy_sums_give_the_same_partials(gqa_case):
+    """The codes unpacked as 1 + c/4 by integer ops (`biased_codes`), the values' operands in two
+    buffers and the sums kept as tiles (`lazy_sums`) give the default's partials up to float32
+    rounding (the bias is taken out exactly in real arithmetic; the float32 sums differ in order)."""
     q, pools, table, history, common = (gqa_case[k] for k in ("q", "pools", "table", "history", "common"))
     o_want, lse_want = gqa_case["got"]
     nonempty = np.isfinite(lse_want)
-    for biased_codes, buffers in ((True, 2), (False, 2)):
+    for biased_codes, buffers, lazy_sums in ((True, 2, True), (False, 2, False), (False, 1, True)):
         o, lse = map(np.asarray, int2_tier_partials(q, *pools, table, history, interpret=True,
-                                                    biased_codes=biased_codes, buffers=buffers, **common))
+                                                    biased_codes=biased_codes, buffers=buffers, lazy_sums=lazy_sums,
+                                                    **common))
         np.testing.assert_array_equal(np.isfinite(lse), nonempty)
         np.testing.assert_allclose(lse[nonempty], lse_want[nonempty], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(o, o_want, rtol=1e-4, atol=1e-4)
@@ -142,10 +143,11 @@ def test_no_race_between_the_copies_and_the_warpgroup():
         assert not gpu_callbacks.get_races().races_found, (stages, buffers)
 
 
-@pytest.mark.parametrize("a_in_registers,biased_codes,buffers",
-                         [(True, False, 1), (False, False, 1), (True, True, 2), (False, True, 2)],
-                         ids=["a_regs", "a_smem", "a_regs_biased_2buf", "a_smem_biased_2buf"])
-def test_lowers_for_the_gpu(a_in_registers, biased_codes, buffers):
+@pytest.mark.parametrize("a_in_registers,biased_codes,buffers,lazy_sums,auto_barriers",
+                         [(True, False, 1, False, True), (False, False, 1, False, True),
+                          (True, True, 2, True, False), (True, True, 1, True, False)],
+                         ids=["a_regs", "a_smem", "a_regs_biased_2buf_lazy_own", "a_regs_biased_1buf_lazy_own"])
+def test_lowers_for_the_gpu(a_in_registers, biased_codes, buffers, lazy_sums, auto_barriers):
     """Both forms of the scores' wgmma (A from registers: the compiled default; from shared memory:
     what the interpreter runs), with converted or biased codes and one or two buffers, pass Mosaic
     GPU's layout inference and lowering, at Qwen3-8B's shapes (8 KV heads, d 128, G 128, pages of
@@ -159,7 +161,7 @@ def test_lowers_for_the_gpu(a_in_registers, biased_codes, buffers):
     def call(*args):
         return int2_tier_partials(*args, group_size=HEAD_DIM, softmax_scale=SCALE, pages_per_split=4, rows=8,
                                   stages=2, a_in_registers=a_in_registers, biased_codes=biased_codes,
-                                  buffers=buffers)
+                                  buffers=buffers, lazy_sums=lazy_sums, auto_barriers=auto_barriers)
 
     text = jax.jit(call).trace(q, codes, meta, meta, codes, meta, meta, table, history).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -217,8 +219,8 @@ def test_bf16_tier_partials_match_the_triton_lowered_bf16_tier():
         np.testing.assert_allclose(o, o_want, **TOLERANCES[jnp.bfloat16])
 
 
-@pytest.mark.parametrize("buffers", [1, 2])
-def test_bf16_tier_lowers_for_the_gpu(buffers):
+@pytest.mark.parametrize("buffers,auto_barriers", [(1, True), (2, False)])
+def test_bf16_tier_lowers_for_the_gpu(buffers, auto_barriers):
     """The BF16 tier passes layout inference and lowering at Qwen3-8B's shapes."""
     q = jax.ShapeDtypeStruct((2, 8, 16, HEAD_DIM), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((40, 8, PAGE, HEAD_DIM), jnp.bfloat16)
@@ -227,7 +229,7 @@ def test_bf16_tier_lowers_for_the_gpu(buffers):
 
     def call(*args):
         return bf16_tier_partials(*args, sink_slots=1, softmax_scale=SCALE, pages_per_split=1, rows=8, stages=2,
-                                  buffers=buffers)
+                                  buffers=buffers, auto_barriers=auto_barriers)
 
     text = jax.jit(call).trace(q, pool, pool, table, lengths, lengths).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -40,11 +40,15 @@ Measured (benchmarks/results/probe_mosaic_decode_h100.json; an H100 80GB HBM3 ca
 asked for; jax 0.11.2; Qwen3-8B shapes, 128K, the default split): compiled, the partials match the
 Triton-lowered kernel's (o relative error 2.6e-5, lse 2e-6), but at 115–120 µs (b1) and 864–871 µs
 (b8) against its 56.7 / 289.3 µs, flat in the pipeline depth (stages 2 / 4 / 8 within 4 %): the
-warpgroup's serial per-page chain, not the copies, bounds it. Its largest term by count is the
-int → bfloat16 conversion of 128 codes a thread a page (sm_90 issues conversions at 16 a clock
-per SM, a quarter of the integer rate: ~70 µs of b1's time if nothing overlaps), which
-`biased_codes` replaces by integer ops; the second barrier a page is what `buffers=2` removes.
-Both pass the interpreter and the lowering and wait for their first GPU run.
+warpgroup's serial per-page chain, not the copies, bounds it. Two suspects, read off the lowered
+loop (CPU-side lowering) and by count: (1) the int → bfloat16 conversion of 128 codes a thread a
+page (sm_90 issues conversions at 16 a clock per SM, a quarter of the integer rate: ~70 µs of
+b1's time if nothing overlaps), which `biased_codes` replaces by integer ops; (2) 18 warpgroup
+barriers a page (Mosaic's automatic ones around every shared-memory store and before each of a
+refill's six copy issues, two per cross-warp reduction, the kernel's own), which
+`auto_barriers=False`, `lazy_sums` and `buffers=2` bring to 3. Those options pass the
+interpreter (race detector included) and the lowering, and wait for their first GPU run
+(benchmarks/probe_mosaic_decode.py times each against the Triton kernel in one call).
 
 Dimension vocabulary of the shape comments: B batch, K KV heads, M query rows of one KV head,
 D head dim, P pages of a pool, L page size, S splits, NH table slots, R rows attended.
@@ -144,6 +148,7 @@ def _int2_tier_kernel(
     A_IN_REGISTERS: bool,
     BIASED_CODES: bool,
     BUFFERS: int,
+    LAZY_SUMS: bool,
 ):
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     # With biased codes the dots run on u = OPERAND_BIAS + c·OPERAND_CODE_FACTOR: c = (u − bias)/factor.
@@ -182,7 +187,9 @@ def _int2_tier_kernel(
     q_sum = pl.run_scoped(q_sums, plgpu.ACC((PAGE_SIZE, rows), jnp.float32)) * SCORE_SCALE  # [L, R]
 
     def body(i, carry):
-        out_t, m, l = carry  # oᵀ [D, R], running max and sum [R]
+        # oᵀ [D, R], running max [R], running sum [R] and the minimum term (LAZY_SUMS: both as
+        # [L, R] tiles, summed over the tokens once after the loop; else the sum [R], no tile).
+        out_t, m, l, minimum = carry
         stage = lax.rem(i, STAGES)
         buffer = lax.rem(i, BUFFERS) if BUFFERS > 1 else 0
         values, probs = values_smem.at[buffer], probs_smem.at[buffer]
@@ -211,12 +218,17 @@ def _int2_tier_kernel(
         m_new = jnp.maximum(m, jnp.max(scores, axis=0))
         correction = jnp.exp2(m - m_new)
         p = jnp.where(valid, jnp.exp2(scores - m_new[None, :]), 0.0)  # [L, R]
-        l = l * correction + jnp.sum(p, axis=0)
         p_scaled = p * jnp.where(valid, (v_scale * inv_factor)[:, None], 0.0)  # stale metadata may be NaN
-        p_min = jnp.sum(p * jnp.where(valid, v_min[:, None], 0.0), axis=0)  # [R]
+        min_terms = p * jnp.where(valid, v_min[:, None], 0.0)  # [L, R]
         p_scaled = p_scaled.astype(jnp.bfloat16)  # the values' dot operand
         if BIASED_CODES:  # its dot carries bias·Σ_t (p·s_v/factor), rounded as used
-            p_min = p_min - OPERAND_BIAS * jnp.sum(p_scaled.astype(jnp.float32), axis=0)
+            min_terms = min_terms - OPERAND_BIAS * p_scaled.astype(jnp.float32)
+        if LAZY_SUMS:  # no reduction over the tokens (across the warps) but the max, each page
+            l = l * correction[None, :] + p
+            minimum = minimum * correction[None, :] + min_terms
+        else:
+            l = l * correction + jnp.sum(p, axis=0)
+            p_min = jnp.sum(min_terms, axis=0)  # [R]
         v_hat = _unpack_planes(v_codes_smem.at[stage], BIASED_CODES)  # [L, D]
         if not A_IN_REGISTERS:
             plgpu.commit_smem()  # every warp is past the scores' wgmma before V̂ overwrites K̂
@@ -235,15 +247,21 @@ def _int2_tier_kernel(
         # A fresh accumulator added to oᵀ (not an accumulator initialised with oᵀ: `pl.run_state`
         # discharges to a primitive the GPU interpreter does not run).
         values = pl.run_scoped(values_dot, plgpu.ACC((head_dim, rows), jnp.float32))
-        out_t = out_t * correction[None, :] + p_min[None, :] + values
-        return out_t, m_new, l
+        if LAZY_SUMS:
+            return out_t * correction[None, :] + values, m_new, l, minimum
+        return out_t * correction[None, :] + p_min[None, :] + values, m_new, l, minimum
 
+    tile = jnp.zeros((PAGE_SIZE, rows), jnp.float32)
     carry = (
         jnp.zeros((head_dim, rows), jnp.float32),
         jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
+        tile if LAZY_SUMS else jnp.zeros((rows,), jnp.float32),
+        tile if LAZY_SUMS else jnp.zeros((rows,), jnp.float32),
     )
-    out_t, m, l = lax.fori_loop(0, num_pages, body, carry)
+    out_t, m, l, minimum = lax.fori_loop(0, num_pages, body, carry)
+    if LAZY_SUMS:  # one group per row: the minimum term is the same for every channel of a row
+        l = jnp.sum(l, axis=0)
+        out_t = out_t + jnp.sum(minimum, axis=0)[None, :]
     _write_partial(out_t, m, l, out_smem, lse_smem, o_ref.at[b, h, split], lse_ref.at[b, h, split])
 
 
@@ -368,6 +386,17 @@ def _bf16_tier_kernel(
     _write_partial(out_t, m, l, out_smem, lse_smem, o_ref.at[b, h, split], lse_ref.at[b, h, split])
 
 
+def _compiler_params(auto_barriers: bool):
+    """Mosaic GPU's compiler parameters. auto_barriers=False: no warpgroup barrier before and after
+    every shared-memory store and before every copy issue (Mosaic's conservative default: 13 of
+    the INT2 loop's 18 barriers a page in its lowered form at 65b5ddd — 2 per store of V̂ and pᵀ, 1 per
+    each of the six copies of a refill). The kernels order their shared memory themselves:
+    `plgpu.commit_smem` (a fence and a warpgroup barrier) after the reads of a slot and before its
+    refill, after the stores of wgmma operands and before the wgmma, and before operands are
+    overwritten (one buffer) — the cross-warp reductions keep their own barriers."""
+    return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not auto_barriers)
+
+
 def check_supported(q_dtype, head_dim: int, group_size: int, page_size: int, rows: int) -> None:
     """NotImplementedError naming what this kernel does not cover (yet)."""
     if jnp.dtype(q_dtype) != jnp.dtype(jnp.bfloat16):
@@ -405,6 +434,8 @@ def int2_tier_partials(
     a_in_registers: bool | None = None,
     biased_codes: bool = False,
     buffers: int = 1,
+    lazy_sums: bool = False,
+    auto_barriers: bool = True,
     **triton_launch,
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, R, D], lse float32[B, K, S, R]), S =
@@ -420,9 +451,13 @@ def int2_tier_partials(
     interpreter's wgmma reads A from shared memory, so interpret mode stores them there first).
     `biased_codes`: unpack the codes to OPERAND_BIAS + c·OPERAND_CODE_FACTOR with integer ops (True)
     or convert them (False; `_unpack_planes`). `buffers`: shared-memory buffers of the values' wgmma
-    operands (2: a page's stores need no barrier before them, only the one after). The defaults
-    (False, 1) are the form compiled and checked on the GPU (benchmarks/results/
-    probe_mosaic_decode_h100.json); (True, 2) pass the interpreter and the lowering, not yet run on
+    operands (2: a page's stores need no barrier before them, only the one after). `lazy_sums`: the
+    running sum and the values' minimum term kept as [L, R] tiles and summed over the tokens once
+    after the loop, so that a page reduces across the warps for its max only (each reduction
+    over the tokens, axis 0 of the tile, goes through shared memory and two barriers).
+    `auto_barriers`: False passes Mosaic GPU's `unsafe_no_auto_barriers` (`_compiler_params`). The
+    defaults (False, 1, False, True) are the form compiled and checked on the GPU (benchmarks/results/
+    probe_mosaic_decode_h100.json); the others pass the interpreter and the lowering, not yet run on
     a GPU. `interpret`: True runs the Mosaic GPU
     interpreter on the CPU (`plgpu.InterpretGPUParams()`; an InterpretGPUParams is passed through).
     """
@@ -454,7 +489,7 @@ def int2_tier_partials(
         _int2_tier_kernel, PAGE_SIZE=page_size, PAGES_PER_SPLIT=pages_per_split,
         SCORE_SCALE=base2_score_scale(softmax_scale), STAGES=stages, LAYER=layer,
         A_IN_REGISTERS=(not interpret) if a_in_registers is None else bool(a_in_registers),
-        BIASED_CODES=bool(biased_codes), BUFFERS=buffers)
+        BIASED_CODES=bool(biased_codes), BUFFERS=buffers, LAZY_SUMS=bool(lazy_sums))
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     elif interpret is False:
@@ -479,11 +514,12 @@ def int2_tier_partials(
         scratch_types=scratch,
         grid=(batch, num_kv_heads, splits),
         grid_names=("b", "h", "s"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=_compiler_params(auto_barriers),
         interpret=interpret,
         kernel_name=(f"oscar_int2_tier_mosaic_L{page_size}_R{rows}_split{pages_per_split}_stages{stages}"
                      + ("_a_regs" if kernel.keywords["A_IN_REGISTERS"] else "_a_smem")
-                     + ("_biased" if biased_codes else "_converted") + f"_buffers{buffers}"),
+                     + ("_biased" if biased_codes else "_converted") + f"_buffers{buffers}"
+                     + ("_lazy" if lazy_sums else "") + ("" if auto_barriers else "_own_barriers")),
     )(page_table, history_tokens, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
     return (out_t if transposed else jnp.swapaxes(out_t, -1, -2)), lse
 
@@ -507,6 +543,7 @@ def bf16_tier_partials(
     stages: int = DEFAULT_STAGES,
     transposed: bool = False,
     buffers: int = 1,
+    auto_barriers: bool = True,
     **triton_launch,
 ):
     """Partials over the BF16 tier (sink + recent pages): (o float32[B, K, S, R, D], lse
@@ -514,7 +551,8 @@ def bf16_tier_partials(
 
     Same arguments as `oscar_jax.kernels.decode_attention.bf16_tier_partials` (its Triton launch
     knobs num_warps, num_stages accepted and ignored), plus `rows`, `stages` (≥ 2: a slot is
-    refilled one page after it was read), `transposed` and `buffers` as the INT2 tier's. Not yet
+    refilled one page after it was read), `transposed`, `buffers` and `auto_barriers` as the INT2
+    tier's. Not yet
     run on a GPU (interpreter and lowering only)."""
     unknown = set(triton_launch) - {"num_warps", "num_stages"}
     if unknown:
@@ -562,9 +600,9 @@ def bf16_tier_partials(
         scratch_types=scratch,
         grid=(batch, num_kv_heads, splits),
         grid_names=("b", "h", "s"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=_compiler_params(auto_barriers),
         interpret=interpret,
         kernel_name=(f"oscar_bf16_tier_mosaic_L{page_size}_R{rows}_split{pages_per_split}_stages{stages}"
-                     f"_buffers{buffers}"),
+                     f"_buffers{buffers}" + ("" if auto_barriers else "_own_barriers")),
     )(page_table, sink_tokens, recent_tokens, q, k_bf16, v_bf16)
     return (out_t if transposed else jnp.swapaxes(out_t, -1, -2)), lse
