@@ -238,15 +238,27 @@ def main(out_path: str) -> dict:
                                      group_size=group_size, softmax_scale=scale)
             return (q_.astype(jnp.float32) + 0.0 * jnp.sum(o)).astype(q_.dtype)
 
-        try:
-            if not TIME_WHOLE_DECODE:
-                raise RuntimeError("not timed (PROBE_WHOLE_DECODE=1 times it)")
-            t = _time(full_step, q, max(32, 2 * copies), (full_ops,))
-            cfg["variants"]["ops_decode_attention_default_all_tiers"] = dict(t)
-            print(f"  {'ops.decode_attention default':34s} {context // 1024}K b{batch}: {t['median_s'] * 1e6:8.1f} us",
-                  flush=True)
-        except Exception as e:  # noqa: BLE001
-            cfg["variants"]["ops_decode_attention_default_all_tiers"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        mosaic_options = dict(int2_options=(("biased_codes", True), ("buffers", 2), ("lazy_sums", True),
+                                            ("auto_barriers", False), ("stages", 2)),
+                              bf16_options=(("buffers", 2), ("auto_barriers", False), ("stages", 2)))
+
+        def mosaic_step(i, q_, ops_):
+            p_, bt, ht, s_, r_, h_ = ops_
+            o = mosaic_kernels.decode_attention(q_, *p_, bt[i % copies], s_, r_, ht[i % copies], h_,
+                                                sink_slots=SINK // PAGE, group_size=group_size, softmax_scale=scale,
+                                                interpret=SMOKE, **mosaic_options)
+            return (q_.astype(jnp.float32) + 0.0 * jnp.sum(o)).astype(q_.dtype)
+
+        for name, step in (("ops_decode_attention_default_all_tiers", full_step),
+                           ("mosaic_decode_attention_all_tiers[biased,buf2,lazy,own]", mosaic_step)):
+            try:
+                if not TIME_WHOLE_DECODE:
+                    raise RuntimeError("not timed (PROBE_WHOLE_DECODE=1 times it)")
+                t = _time(step, q, max(32, 2 * copies), (full_ops,))
+                cfg["variants"][name] = dict(t)
+                print(f"  {name:34s} {context // 1024}K b{batch}: {t['median_s'] * 1e6:8.1f} us", flush=True)
+            except Exception as e:  # noqa: BLE001
+                cfg["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         save()
         del pools, int2_pools, operands, full_ops
 

@@ -242,3 +242,22 @@ def test_bf16_tier_refuses_one_stage():
     with pytest.raises(ValueError, match="stages=1 must be an int >= 2"):
         bf16_tier_partials(q, pool, pool, table, lengths, lengths, sink_slots=1, softmax_scale=SCALE,
                            pages_per_split=1, stages=1)
+
+
+@pytest.mark.parametrize("options", [(), (("biased_codes", True), ("buffers", 2), ("lazy_sums", True))],
+                         ids=["default", "biased_2buf_lazy"])
+def test_decode_attention_with_both_mosaic_tiers_matches_the_float64_reference(options):
+    """Both Mosaic tiers and the merge, as one decode call, against attention over the dequantized
+    cache in float64 (GQA 4:1, odd lengths, a sequence shorter than the sink, poisoned pools)."""
+    from oscar_jax.kernels.mosaic.decode_attention import decode_attention
+
+    rng = np.random.default_rng(1)
+    cache = build_cache(rng, (395, 203, 40), num_kv_heads=2, head_dim=HEAD_DIM, group_size=HEAD_DIM,
+                        page_size=PAGE, recent=128)
+    q = jnp.asarray(rng.standard_normal((3, 8, HEAD_DIM)), jnp.bfloat16)
+    got = decode_attention(q, *cache.arrays, sink_slots=1, group_size=HEAD_DIM, softmax_scale=SCALE,
+                           pages_per_split=2, interpret=True, int2_options=options,
+                           bf16_options=tuple((k, v) for k, v in options if k == "buffers"))
+    assert got.shape == (3, 8, HEAD_DIM) and np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_allclose(np.asarray(got, np.float64), reference_decode(q, cache, SCALE),
+                               **TOLERANCES[jnp.bfloat16])

@@ -606,3 +606,56 @@ def bf16_tier_partials(
                      f"_buffers{buffers}" + ("" if auto_barriers else "_own_barriers")),
     )(page_table, sink_tokens, recent_tokens, q, k_bf16, v_bf16)
     return (out_t if transposed else jnp.swapaxes(out_t, -1, -2)), lse
+
+
+def decode_attention(
+    q,  # [B, Hq, D] bfloat16, rotated
+    k_bf16, v_bf16,  # [(Y,) P, K, L, D] bfloat16
+    k_codes, k_scale, k_min, v_codes, v_scale, v_min,  # [(Y,) P, K, L, ·] the INT2 pools
+    bf16_page_table,  # [B, NB] int32
+    sink_tokens, recent_tokens,  # [B] int32
+    history_page_table,  # [B, NH] int32
+    history_tokens,  # [B] int32
+    *,
+    sink_slots: int,
+    group_size: int,
+    softmax_scale: float,
+    pages_per_split: int | None = None,
+    interpret: bool = False,
+    layer: int | None = None,
+    int2_options: tuple = (),
+    bf16_options: tuple = (),
+):
+    """Decode attention over the mixed-tier cache with both tiers on Mosaic GPU: float32 [B, Hq, D].
+
+    The arguments of `oscar_jax.attention_ops.decode_attention` (the cache of one layer, or a
+    static `layer` of stacked pools; the Triton launch knobs left out). The splits are the default
+    decode splits (`shared_math.tiling.resolve_splits`); each tier attends the GQA group's rows
+    padded to `shared_math.tiling.int2_decode_rows`; the merge is the Triton-lowered
+    `merge_tier_partials` (interpreted with `interpret`). `int2_options` / `bf16_options`: extra
+    keyword arguments of the tiers (pairs, e.g. (("biased_codes", True),)). Not the default path:
+    validation is the caller's (the public op validates).
+    """
+    from oscar_jax.kernels.decode_attention import merge_tier_partials
+    from shared_math.tiling import int2_decode_rows, resolve_splits
+
+    batch, q_heads, head_dim = q.shape
+    pool_shape = tuple(k_bf16.shape) if layer is None else tuple(k_bf16.shape[1:])
+    _, num_kv_heads, page_size, _ = pool_shape
+    heads_per_kv = q_heads // num_kv_heads
+    history_slots, bf16_slots = history_page_table.shape[1], bf16_page_table.shape[1]
+    pages_per_split, bf16_pages_per_split, _ = resolve_splits(
+        pages_per_split, 1, bf16_slots, history_slots, page_size, sequence_heads=batch * num_kv_heads)
+    rows = int2_decode_rows(heads_per_kv)
+    q_rows = q.reshape(batch, num_kv_heads, heads_per_kv, head_dim)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - heads_per_kv), (0, 0)))
+    common = dict(softmax_scale=softmax_scale, block_m=rows, rows=rows, interpret=interpret, layer=layer)
+    tiers = [bf16_tier_partials(q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens,
+                                sink_slots=sink_slots, pages_per_split=bf16_pages_per_split, **common,
+                                **dict(bf16_options))]
+    if history_slots > 0:
+        tiers.append(int2_tier_partials(q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table,
+                                        history_tokens, group_size=group_size, pages_per_split=pages_per_split,
+                                        **common, **dict(int2_options)))
+    o = merge_tier_partials(tiers, heads_per_kv, interpret=bool(interpret))
+    return o.reshape(batch, q_heads, head_dim)
