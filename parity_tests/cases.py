@@ -291,8 +291,8 @@ def reference_bf16_scatter(pool, rows, page_ids, slots):
 ATTENTION_TOLERANCES = {
     # THE tolerance table of attention outputs, |out − ref| ≤ atol + rtol·|ref|, ref = float64
     # attention over the *dequantized* cache (shared_math.attention.mixed_tier_decode_attention),
-    # keyed by the dtype of q (= the dots' compute dtype). The same table as
-    # oscar_jax/tests/test_decode_attention.py, with its derivation: K/V entries N(0, 1),
+    # keyed by the dtype of q (= the dots' compute dtype); every implementation's attention tests read
+    # it. Its derivation: K/V entries N(0, 1),
     # scores with std ~3 (query spread 3).
     #   float32: IEEE float32 dots over ≤ D products and online softmax over a few hundred tokens:
     #     score error ≈ 2⁻²⁴·Σ|q_i k_i|·scale ≈ 1e-6 → atol = rtol = 2e-5 (≥ 5× the measured max

@@ -34,24 +34,9 @@ from shared_math.tiers import tier_split
 
 pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
 
-# THE tolerance table of the attention tests (test_prefill_attention uses it too), keyed by the
-# dtype of the dots (= q's dtype): |out − ref| ≤ atol + rtol·|ref|, ref in float64 over the
-# dequantized cache. Scale of the data: K/V entries N(0, 1) (|v| ≤ ~4.5), scores with std ~3.
-#   float32: float32 dots (IEEE, not TF32) accumulate ≤ D products, the online softmax rescales
-#     over a few hundred tokens, and the INT2 path folds scale and min into the scores
-#     (s·(q·c) + m·Σq instead of q·(m + c·s)), reordering the roundings. Score error ≈
-#     2⁻²⁴·Σ|q_i k_i|·scale ≈ 1e-6, carried into o by |v| = O(1). Measured max: decode 1.8e-6,
-#     prefill 3.5e-6 → 2e-5 leaves ≥ 5× headroom while a wiring bug (wrong page, group or
-#     scale) shows up as O(0.1–1).
-#   bfloat16: the reference sees the same bf16 q, so only the dot operands built in the kernel
-#     round: the probabilities p (BF16 tier, chunk) and p·scale_v (INT2 tier) are rounded to bf16
-#     before P·V, relative error ≤ 2⁻⁸ each, so |Δo| ≲ 2⁻⁸·Σp|v| ≤ 2⁻⁸·max|v| ≈ 1.8e-2 here
-#     (max|v| ≈ 4.5; an INT2 code·scale is below that too, the clip bounds it).
-#     Measured max: decode 3.5e-3, prefill 1.1e-2 → atol 2e-2 (the bound), no relative part.
-TOLERANCES = {
-    jnp.float32: dict(atol=2e-5, rtol=2e-5),
-    jnp.bfloat16: dict(atol=2e-2, rtol=0.0),
-}
+# The attention tolerance table (its derivation beside it: parity_tests.cases.ATTENTION_TOLERANCES),
+# keyed here by the jnp dtype of q.
+TOLERANCES = {jnp.float32: cases.ATTENTION_TOLERANCES["float32"], jnp.bfloat16: cases.ATTENTION_TOLERANCES["bfloat16"]}
 
 PAGE_SIZE = 16
 SINK = 64

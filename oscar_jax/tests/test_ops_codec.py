@@ -17,27 +17,14 @@ from jax.experimental import pallas as pl
 
 from oscar_jax import ops
 from oscar_jax.kernels import codec as kcodec
-from parity_tests.cases import checked_max_rows, encode_planes_rows, order_statistic_rows
+from parity_tests.cases import (DATA, assert_same_bits, checked_max_rows, encode_planes_rows, heavy_tailed_rows,
+                                normal_rows, order_statistic_rows)
 from shared_math import codec as ref
 from shared_math.spec import FP16_MAX, clip_index
 
 pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
 
 F32 = np.float32
-
-
-def assert_same_bits(actual, expected, what=""):
-    """Bitwise equality (NaN-safe, sign-of-zero-sensitive) of arrays of the same dtype."""
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
-    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
-    a, e = actual.view(np.uint8), expected.view(np.uint8)
-    if not np.array_equal(a, e):
-        bad = np.argwhere(actual.view(f"u{actual.itemsize}") != expected.view(f"u{expected.itemsize}"))
-        idx = tuple(bad[0])
-        raise AssertionError(
-            f"{what}: {len(bad)} of {actual.size} differ; first at {idx}: {actual[idx]!r} vs {expected[idx]!r}"
-        )
 
 
 def assert_encode_matches(x, *, group_size, clip_ratio, levels, expected_input=None):
@@ -51,65 +38,8 @@ def assert_encode_matches(x, *, group_size, clip_ratio, levels, expected_input=N
     return got
 
 
-# ------------------------------------------------------------------------------------- data
-
-
-def normal_rows(rng, shape):
-    return rng.standard_normal(shape).astype(F32)
-
-
-def heavy_tailed_rows(rng, shape):
-    """Student-t(2) with per-row scales over 6 decades: outliers and clipping at work."""
-    scale = 10.0 ** rng.uniform(-3, 3, size=shape[:-1] + (1,))
-    return (rng.standard_t(2, size=shape) * scale).astype(F32)
-
-
-def tied_rows(rng, shape):
-    """Few distinct values: ties at the clip threshold, at group min/max and at thresholds."""
-    x = rng.integers(-3, 4, size=shape).astype(F32) * F32(0.5)
-    flat = x.reshape(-1, shape[-1])
-    flat[0] = F32(0.25)  # constant row
-    if len(flat) > 1:
-        flat[1] = F32(0)  # all +0
-    if len(flat) > 2:
-        flat[2] = F32(-0.0)  # all −0 (one sign per group: unambiguous)
-    if len(flat) > 3:
-        flat[3] = np.repeat(rng.standard_normal(2).astype(F32), shape[-1] // 2)  # two plateaus
-    return x
-
-
-def special_rows(rng, shape):
-    """NaN, ±Inf, huge, ±FP16_MAX and the f16 rounding edge, subnormals, tiny and zero."""
-    specials = np.array(
-        [np.nan, np.inf, -np.inf, 1e38, -1e38, FP16_MAX, -FP16_MAX, 65519.0, 65520.0, -65536.0,
-         1e-40, -1e-40, 1e-45, -1e-45, 1.17e-38, 6e-8, -6e-8, 3e-5, 0.0, 1.0, -1.0],
-        F32,
-    )
-    x = normal_rows(rng, shape)
-    mask = rng.random(shape) < 0.3
-    x[mask] = rng.choice(specials, size=int(mask.sum()))
-    flat = x.reshape(-1, shape[-1])
-    flat[0] = F32(1e-40)  # an all-subnormal row
-    if len(flat) > 1:
-        flat[1] = np.where(np.arange(shape[-1]) % 2, F32(np.inf), F32(np.nan))
-    return x
-
-
-def tiny_rows(rng, shape):
-    """Subnormals and the smallest normals, both signs: where flush-to-zero machines (XLA:CPU in
-    interpret mode) would change sums and compares if the kernel did float math on them."""
-    x = normal_rows(rng, shape) * F32(2.0**-126)  # about half of them subnormal
-    flat = x.reshape(-1, shape[-1])
-    flat[0, ::2] = -flat[0, ::2] * F32(1e-3)  # mixed signs, deep subnormals
-    if len(flat) > 1:
-        flat[1] = F32(1e-40) * rng.choice([-1, 1], shape[-1]).astype(F32)  # sign decided by the count
-    return x
-
-
-DATA = {
-    "normal": normal_rows, "heavy": heavy_tailed_rows, "ties": tied_rows, "special": special_rows,
-    "tiny": tiny_rows,
-}
+# Data kinds (normal, heavy-tailed, ties, special values incl. both zeros in a group, subnormals):
+# parity_tests.cases.DATA, the generators every implementation's codec tests share.
 
 
 def _cases():
