@@ -32,6 +32,8 @@ def parse_args(argv=None) -> CalibrationOptions:
     p.add_argument("--per-layer", action="store_true", help="one rotation per layer instead of per (layer, KV head)")
     p.add_argument("--seed", type=int, default=0, help="0 = documents in title order; else a seeded shuffle")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices the forward pass is split over, by heads (same artifact as one device)")
     a = p.parse_args(argv)
     try:
         return CalibrationOptions(
@@ -40,7 +42,7 @@ def parse_args(argv=None) -> CalibrationOptions:
             group_size=a.group_size, levels=a.levels, k_clip_ratio=a.k_clip_ratio,
             v_clip_ratio=a.v_clip_ratio, fit_clip=a.fit_clip, rotation_kind=a.rotation_kind,
             key_target=a.key_target, value_target=a.value_target, per_layer=a.per_layer,
-            seed=a.seed, progress=not a.no_progress,
+            seed=a.seed, progress=not a.no_progress, tensor_parallel_size=a.tensor_parallel_size,
         )
     except ValueError as e:
         p.error(str(e))

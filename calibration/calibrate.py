@@ -58,6 +58,7 @@ class CalibrationOptions:
     per_layer: bool = False
     seed: int = 0
     progress: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         for name, value, choices in (
@@ -68,7 +69,7 @@ class CalibrationOptions:
         ):
             if value not in choices:
                 raise ValueError(f"{name}={value!r} must be one of {choices}")
-        for name in ("calib_tokens", "seq_len", "heldout_tokens"):
+        for name in ("calib_tokens", "seq_len", "heldout_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         clip_index(self.k_clip_ratio, 16)
@@ -84,11 +85,19 @@ def _git_sha() -> str:
         return "unknown"
 
 
-def _layer_activations(params, cfg, tokens):
-    """(layer, q [T, Hq, D], k [T, Hkv, D], v, attention output [T, Hq, D]) as float64 numpy."""
-    from oscar_jax.model import iter_layer_activations
+def _layer_activations(params, cfg, tokens, tp=None):
+    """(layer, q [T, Hq, D], k [T, Hkv, D], v, attention output [T, Hq, D]) as float64 numpy.
 
-    for layer, acts in iter_layer_activations(params, cfg, np.asarray(tokens, np.int32)[None]):
+    tp (oscar_jax.parallel.TensorParallel, params sharded by it): the forward pass runs split by
+    heads; each head's activations come from its shard, and the float64 sums below are the same
+    code as on one device, so the artifact is the one-device artifact up to the forward pass's
+    float32 rounding (the shards sum W_o and W_down in another order)."""
+    from oscar_jax.model import iter_layer_activations
+    from oscar_jax.parallel import iter_layer_activations as iter_sharded
+
+    tokens = np.asarray(tokens, np.int32)[None]
+    layers = iter_layer_activations(params, cfg, tokens) if tp is None else iter_sharded(params, tp, tokens)
+    for layer, acts in layers:
         yield layer, *(np.asarray(a[0], np.float64) for a in (acts.q, acts.k, acts.v, acts.attn_out))
 
 
@@ -102,6 +111,12 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
     if not is_power_of_two(cfg.head_dim):
         raise ValueError(f"head_dim={cfg.head_dim} of {opts.model_path!r} is not a power of two: "
                          "OSCAR's Hadamard rotation and format v1 need one")
+    tp = None
+    if opts.tensor_parallel_size > 1:
+        from oscar_jax.parallel import TensorParallel, make_mesh
+
+        tp = TensorParallel.plan(cfg, make_mesh(opts.tensor_parallel_size))
+        params = tp.shard_params(params, fuse=False)
     group_size = opts.group_size or default_group_size(cfg.head_dim)
     validate_codec_shape(cfg.head_dim, group_size)
     tokenizer = load_tokenizer(opts.model_path)
@@ -116,7 +131,7 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
     seqs = list(sequences(calib, opts.seq_len))
     bar = tqdm(total=len(seqs) * cfg.num_layers, desc="calibration statistics", unit="layer", disable=not opts.progress)
     for seq in seqs:
-        for layer, q, k, v, o in _layer_activations(params, cfg, seq):
+        for layer, q, k, v, o in _layer_activations(params, cfg, seq, tp):
             moments["query"].add(layer, group_queries(q, cfg.num_kv_heads))
             moments["attention_output"].add(layer, group_queries(o, cfg.num_kv_heads))
             moments["key"].add(layer, k)
@@ -127,7 +142,7 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
     if opts.value_target == "surrogate":  # its weights need the finished C_Q: a second pass
         surrogate = SecondMoments(*shape)
         for seq in tqdm(seqs, desc="surrogate C_S (second pass)", disable=not opts.progress):
-            for layer, _, k, v, _ in _layer_activations(params, cfg, seq):
+            for layer, _, k, v, _ in _layer_activations(params, cfg, seq, tp):
                 surrogate.add(layer, v, weights=surrogate_weights(k, cov["query"][layer]))
         cov["surrogate"] = surrogate.covariance()
 
@@ -143,7 +158,7 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
     codec = dict(group_size=group_size, levels=opts.levels)
     errors = {kind: {"key_logit": [], "value_output": []} for kind in report_rot}
     clip_search = {"key_logit": [], "value_output": []}
-    heldout_layers = list(_layer_activations(params, cfg, heldout))
+    heldout_layers = list(_layer_activations(params, cfg, heldout, tp))
     for layer, q, k, v, _ in tqdm(heldout_layers, desc="held-out errors", disable=not opts.progress):
         probs = causal_probabilities(q, k)
         if opts.fit_clip:

@@ -3,13 +3,15 @@
     python -m oscar_jax.generate --prompt-file doc.txt --kv-cache-dtype int2 --max-new-tokens 64
 
 Flags follow the OSCAR articles' serving flags (--kv-cache-dtype, --oscar-rotation-path,
---oscar-sink-size, --oscar-recent-size, --oscar-group-size). The output streams as it is
-decoded; the run ends with the KV bytes of both caches, bits per element and tokens/s.
+--oscar-sink-size, --oscar-recent-size, --oscar-group-size) and vLLM's --tensor-parallel-size.
+The output streams as it is decoded; the run ends with the KV bytes of both caches, bits per
+element and tokens/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
 from pathlib import Path
@@ -79,7 +81,18 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seq-len", type=int, default=None, help="cache capacity (default: prompt + new tokens)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices the model and the INT2 cache are split over, by heads (default: 1)")
+    multi = p.add_argument_group("multi-host (one process per host; default: JAX_COORDINATOR_ADDRESS, "
+                                 "JAX_NUM_PROCESSES, JAX_PROCESS_ID when set)")
+    multi.add_argument("--coordinator-address", help="host:port of process 0")
+    multi.add_argument("--num-processes", type=int)
+    multi.add_argument("--process-id", type=int)
     args = p.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        p.error(f"--tensor-parallel-size={args.tensor_parallel_size} must be at least 1")
+    if args.tensor_parallel_size > 1 and args.kv_cache_dtype != "int2":
+        p.error(f"--tensor-parallel-size={args.tensor_parallel_size} runs the OSCAR cache: use --kv-cache-dtype int2")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
     if not 0 < args.top_p <= 1:
@@ -91,6 +104,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from oscar_jax.parallel import initialize_distributed, make_mesh
+
+    try:  # before anything else touches JAX's backends
+        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+        mesh = make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from oscar_jax.cache_api import DenseKVCache
     from oscar_jax.loaders import load_model
     from oscar_jax.model import _decode_step_jit, _prefill_jit, cast_params, describe
@@ -124,7 +145,7 @@ def main(argv=None) -> int:
             artifact = read_rotation_path(rotation_path, fingerprint(cfg))  # ours, or the authors' .pt pair
             runtime = OscarRuntime(params, cfg, artifact, max_batch=1, max_seq_len=max_seq_len,
                                    sink=args.oscar_sink_size, recent=args.oscar_recent_size,
-                                   group_size=args.oscar_group_size)
+                                   group_size=args.oscar_group_size, mesh=mesh)
         except (ArtifactError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -151,7 +172,8 @@ def main(argv=None) -> int:
     jax.block_until_ready(logits)
     prefill_s = time.perf_counter() - t0
     key = jax.random.PRNGKey(args.seed)
-    stream = TextStream(tokenizer)
+    # Every process of a multi-host run decodes the same tokens; the first one prints them.
+    stream = TextStream(tokenizer, out=sys.stdout if jax.process_index() == 0 else io.StringIO())
     stop = {t for t in (tokenizer.eos_id,) if t is not None}
     generated, timed, t1 = 0, 0, None
     for i in range(args.max_new_tokens):

@@ -25,6 +25,13 @@ at batch 1 XLA runs the fused projection as one bandwidth-bound GEMM, where the 
 projections alone ran far below copy bandwidth.
 Layers are a Python list (unrolled under jit, gpt-fast style): every layer may then own a
 differently-shaped cache entry, and the calibration hook sees one layer at a time.
+
+Tensor parallelism (oscar_jax.parallel runs these functions under `jax.shard_map`): with
+`tp_axis` set, the params are one shard's (a shard's query heads with their KV heads, a slice of
+the MLP's intermediate width, a slice of the vocabulary) and `cfg` is that shard's config. W_o
+and W_down are then row-parallel: their partial products are summed across `tp_axis` (one psum
+after attention, one after the MLP); the embedding is summed once from its vocabulary slices and
+the logits are gathered once.
 """
 
 from __future__ import annotations
@@ -228,36 +235,63 @@ def qkv_projections(layer: Params, cfg: ModelConfig, x: jax.Array, positions: ja
 
 
 def decoder_layer(
-    layer: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array, attend: AttendFn
+    layer: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array, attend: AttendFn,
+    tp_axis: str | None = None,
 ) -> tuple[jax.Array, LayerActivations]:
     """One pre-norm block. `attend(q, k, v) -> o` is the attention backend (here: causal)."""
     q, k, v = qkv_projections(layer, cfg, x, positions)
     o = attend(q, k, v)
-    return layer_output(layer, cfg, x, o), LayerActivations(q, k, v, o)
+    return layer_output(layer, cfg, x, o, tp_axis), LayerActivations(q, k, v, o)
 
 
-def layer_output(layer: Params, cfg: ModelConfig, x: jax.Array, o: jax.Array) -> jax.Array:
+def _row_parallel(x: jax.Array, w: jax.Array, tp_axis: str | None) -> jax.Array:
+    """x·w, where under tensor parallelism x and w hold one shard's slice of the contraction."""
+    if tp_axis is None:
+        return _dot(x, w)
+    # Partial products summed in float32, so a bf16 model rounds once, after the sum, as it
+    # does on one device (the all-reduce of a decode step is a few KiB: the width is free).
+    f32 = jnp.dtype(jnp.float32)
+    precision = _HIGHEST if f32 in (jnp.dtype(x.dtype), jnp.dtype(w.dtype)) else None
+    partial = jnp.matmul(x, w, precision=precision, preferred_element_type=jnp.float32)
+    return jax.lax.psum(partial, tp_axis).astype(jnp.result_type(x, w))
+
+
+def layer_output(layer: Params, cfg: ModelConfig, x: jax.Array, o: jax.Array,
+                 tp_axis: str | None = None) -> jax.Array:
     """The rest of the block after attention: residual + W_o, then the SwiGLU MLP."""
     b, t, _ = x.shape
-    x = x + _dot(o.reshape(b, t, cfg.num_q_heads * cfg.head_dim), layer["wo"])
+    x = x + _row_parallel(o.reshape(b, t, cfg.num_q_heads * cfg.head_dim), layer["wo"], tp_axis)
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     mlp = jax.nn.silu(_dot(h, layer["w_gate"])) * _dot(h, layer["w_up"])
-    return x + _dot(mlp, layer["w_down"])
+    return x + _row_parallel(mlp, layer["w_down"], tp_axis)
 
 
-def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return jnp.take(params["embed"], tokens, axis=0)
+def embed(params: Params, tokens: jax.Array, tp_axis: str | None = None) -> jax.Array:
+    table = params["embed"]
+    if tp_axis is None:
+        return jnp.take(table, tokens, axis=0)
+    # This shard holds rows [first, first + V/tp) of the table: rows it does not hold read as
+    # zero, and the psum adds exactly one nonzero row per token (so the sum is exact).
+    rows = table.shape[0]
+    local = tokens - jax.lax.axis_index(tp_axis) * rows
+    held = (local >= 0) & (local < rows)
+    x = jnp.where(held[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
+    return jax.lax.psum(x, tp_axis)
 
 
-def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Final norm + output projection; float32 logits."""
+def lm_head(params: Params, cfg: ModelConfig, x: jax.Array, tp_axis: str | None = None) -> jax.Array:
+    """Final norm + output projection; float32 logits (under tp_axis: gathered from the
+    shards' vocabulary slices, so every shard returns all of them)."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if cfg.tie_embeddings:
         logits = jnp.einsum("...h,vh->...v", x, params["embed"],
                             precision=_HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None)
     else:
         logits = _dot(x, params["lm_head"])
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    if tp_axis is not None:
+        logits = jax.lax.all_gather(logits, tp_axis, axis=logits.ndim - 1, tiled=True)
+    return logits
 
 
 def _default_positions(tokens: jax.Array) -> jax.Array:
@@ -325,12 +359,12 @@ def _causal_layer_jit(layer, cfg, x, positions):
     )
 
 
-def _run_with_cache(params, cfg, tokens, cache, positions):
-    x = embed(params, tokens)
+def _run_with_cache(params, cfg, tokens, cache, positions, tp_axis=None):
+    x = embed(params, tokens, tp_axis)
     for index, layer in enumerate(params["layers"]):
         q, k, v = qkv_projections(layer, cfg, x, positions)
         o, cache = cache.attend(index, q, k, v, positions)
-        x = layer_output(layer, cfg, x, o)
+        x = layer_output(layer, cfg, x, o, tp_axis)
     return x, cache
 
 
@@ -343,29 +377,31 @@ def prefill(
     positions: jax.Array | None = None,
     lengths: jax.Array | None = None,
     all_logits: bool = False,
+    tp_axis: str | None = None,
 ):
     """Run a prompt through the model, filling `cache`.
 
     tokens int [B, T]; positions int [B, T] (default 0..T-1). Returns (logits, cache): logits
     f32 [B, T, V] when `all_logits`, else [B, V] at index `lengths - 1` per row (default T - 1;
     pass lengths for a right-padded batch). Jit with `static_argnames=("cfg", "all_logits")`,
-    `donate_argnames="cache"`.
+    `donate_argnames="cache"`. tp_axis: see the module docstring.
     """
     positions = _default_positions(tokens) if positions is None else positions
-    x, cache = _run_with_cache(params, cfg, tokens, cache, positions)
+    x, cache = _run_with_cache(params, cfg, tokens, cache, positions, tp_axis)
     if not all_logits:
         b, t, _ = x.shape
         last = jnp.full((b,), t - 1, jnp.int32) if lengths is None else lengths - 1
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    return lm_head(params, cfg, x), cache
+    return lm_head(params, cfg, x, tp_axis), cache
 
 
 def decode_step(
-    params: Params, cfg: ModelConfig, token: jax.Array, cache: KVCache, position: jax.Array
+    params: Params, cfg: ModelConfig, token: jax.Array, cache: KVCache, position: jax.Array,
+    tp_axis: str | None = None,
 ):
     """One token per row: token int [B], position int [B] -> (logits f32 [B, V], cache)."""
-    x, cache = _run_with_cache(params, cfg, token[:, None], cache, position[:, None])
-    return lm_head(params, cfg, x[:, 0]), cache
+    x, cache = _run_with_cache(params, cfg, token[:, None], cache, position[:, None], tp_axis)
+    return lm_head(params, cfg, x[:, 0], tp_axis), cache
 
 
 _prefill_jit = jax.jit(prefill, static_argnames=("cfg", "all_logits"), donate_argnames="cache")
@@ -395,10 +431,14 @@ def generate_greedy(
 # Weight surgery
 
 
-def fuse_qkv(params: Params) -> Params:
+def fuse_qkv(params: Params, shards: int = 1) -> Params:
     """Each layer's wq, wk, wv concatenated into one wqkv [H, (Hq + 2K)·D] (module docstring: why).
     The projections compute the same dot products; already fused layers are kept. Returns new
-    params (the old weights are not referenced by them)."""
+    params (the old weights are not referenced by them).
+
+    shards > 1 (tensor parallelism): the columns are ordered shard by shard, [q | k | v] of the
+    first 1/shards of the heads, then of the next, so that a contiguous column slice is one
+    shard's fused weight."""
     layers = []
     for index, layer in enumerate(params["layers"]):
         if "wqkv" in layer:
@@ -407,7 +447,8 @@ def fuse_qkv(params: Params) -> Params:
         missing = [n for n in ("wq", "wk", "wv") if n not in layer]
         if missing:
             raise ValueError(f"layer {index} has no {missing} to fuse")
-        fused = jnp.concatenate([layer["wq"], layer["wk"], layer["wv"]], axis=1)
+        parts = [jnp.split(layer[n], shards, axis=1) for n in ("wq", "wk", "wv")]
+        fused = jnp.concatenate([w for shard in zip(*parts) for w in shard], axis=1)
         layers.append({**{n: w for n, w in layer.items() if n not in ("wq", "wk", "wv")}, "wqkv": fused})
     return dict(params, layers=layers)
 

@@ -20,6 +20,7 @@ import numpy as np
 from shared_math.allocator import AdmitPlan, PageAllocator, PoolExhausted
 from oscar_jax.cache import OscarKVCache, StepPlan
 from oscar_jax.model import ModelConfig, Params, decode_step, fold_value_rotation, fuse_qkv, prefill
+from oscar_jax.parallel import TensorParallel
 from shared_math.artifact import ModelFingerprint, RotationArtifact
 from shared_math.spec import OscarConfig
 from shared_math.tiers import demotes_on_append, tier_split
@@ -67,9 +68,12 @@ class OscarRuntime:
         num_bf16_pages: int | None = None,
         num_int2_pages: int | None = None,
         interpret: bool | None = None,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         """Pools default to room for `max_batch` sequences of `max_seq_len` tokens (+ extra_pages
-        each); num_bf16_pages / num_int2_pages size them explicitly (page 0 of each is scratch)."""
+        each); num_bf16_pages / num_int2_pages size them explicitly (page 0 of each is scratch).
+        mesh: a mesh with axis "tp" (oscar_jax.parallel.make_mesh) runs the model and the cache
+        tensor-parallel over its devices; the page counts are per KV head, as on one device."""
         if artifact.model != fingerprint(cfg):
             raise ValueError(f"the rotation artifact was calibrated for {artifact.model}, not {fingerprint(cfg)}")
         defaults = OscarConfig(head_dim=cfg.head_dim)
@@ -84,7 +88,11 @@ class OscarRuntime:
             page_size=page_size or defaults.page_size,
         )
         self.cfg = cfg
-        self.params = fuse_qkv(fold_value_rotation(params, cfg, artifact.v_rotation))
+        self.tp = None if mesh is None else TensorParallel.plan(cfg, mesh)
+        folded = fold_value_rotation(params, cfg, artifact.v_rotation)
+        self.params = fuse_qkv(folded) if self.tp is None else self.tp.shard_params(folded)
+        self._steps = (_prefill, _decode, _demote) if self.tp is None else (
+            self.tp.prefill, self.tp.decode, self.tp.demote)
         self.max_seq_len = max_seq_len
         page = self.config.page_size
         if prefill_chunk < page or prefill_chunk % page:
@@ -97,11 +105,10 @@ class OscarRuntime:
         self.max_batch = max_batch
         self._written: dict[int, int] = {}  # seq_id → prompt tokens prefilled so far
         self.allocator = PageAllocator(self.config, num_bf16_pages=num_bf16, num_int2_pages=num_int2)
-        self.cache = OscarKVCache.create(
-            self.config, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-            num_bf16_pages=num_bf16, num_int2_pages=num_int2, k_rotation=artifact.k_rotation,
-            k_clip_ratio=artifact.k_clip_ratio, v_clip_ratio=artifact.v_clip_ratio, interpret=interpret,
-        )
+        pools = dict(num_bf16_pages=num_bf16, num_int2_pages=num_int2, k_rotation=artifact.k_rotation,
+                     k_clip_ratio=artifact.k_clip_ratio, v_clip_ratio=artifact.v_clip_ratio, interpret=interpret)
+        self.cache = (OscarKVCache.create(self.config, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, **pools)
+                      if self.tp is None else self.tp.create_cache(self.config, **pools))
 
     # ------------------------------------------------------------------ planning
 
@@ -196,8 +203,8 @@ class OscarRuntime:
         padded = np.zeros((1, bucket), np.int32)
         padded[0, :chunk] = seq.tokens[start:stop]
         positions = (start + np.arange(bucket, dtype=np.int32))[None]
-        logits, cache = _prefill(self.params, self.cfg, jnp.asarray(padded), cache, jnp.asarray(positions),
-                                 jnp.asarray([chunk], jnp.int32))
+        logits, cache = self._steps[0](self.params, self.cfg, jnp.asarray(padded), cache,
+                                       jnp.asarray(positions), jnp.asarray([chunk], jnp.int32))
         self.cache = dataclasses.replace(cache, plan=None)
         if stop == length:
             del self._written[seq_id]
@@ -304,13 +311,14 @@ class OscarRuntime:
         new_tokens = np.zeros(rows, np.int32)
         new_tokens[: len(seq_ids)] = 1
         cache = self.cache.with_plan(self._plan(tables, writes, new_tokens), "decode")
-        logits, cache = _decode(self.params, self.cfg, jnp.asarray(padded_tokens), cache, jnp.asarray(positions))
+        logits, cache = self._steps[1](self.params, self.cfg, jnp.asarray(padded_tokens), cache,
+                                       jnp.asarray(positions))
         cache = dataclasses.replace(cache, plan=None)
         due = [d for d in demotions if d is not None]
         if due:
             src = jnp.asarray([d.src_bf16_page for d in due], jnp.int32)
             dst = jnp.asarray([d.dst_int2_page for d in due], jnp.int32)
-            cache = _demote(cache, src, dst)
+            cache = self._steps[2](cache, src, dst)
             for d in due:
                 self.allocator.demoted(d)
         self.cache = cache

@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oscar-sink-size", type=int, default=64)
     p.add_argument("--oscar-recent-size", type=int, default=256)
     p.add_argument("--oscar-group-size", type=int, default=None, help="default: the artifact's")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices the model and the cache are split over, by heads (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="compile on first use instead of at startup")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
@@ -83,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("max_num_seqs", "max_model_len", "prefill_chunk", "oscar_sink_size"):
+    for name in ("max_num_seqs", "max_model_len", "prefill_chunk", "oscar_sink_size", "tensor_parallel_size"):
         if getattr(args, name) < (0 if name == "oscar_sink_size" else 1):
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
     if args.max_num_batched_tokens is None:
@@ -147,6 +149,7 @@ def build_engine(args, *, log=print):
     from oscar_jax.generate import shipped_artifact
     from oscar_jax.loaders import load_model, resolve_model_path
     from oscar_jax.model import describe
+    from oscar_jax.parallel import make_mesh
     from oscar_jax.runtime import OscarRuntime, fingerprint
     from oscar_jax.serving.chat import ChatTemplate, read_chat_template
     from oscar_jax.serving.engine import Engine, EngineConfig
@@ -172,7 +175,8 @@ def build_engine(args, *, log=print):
     num_bf16, num_int2 = pool_sizes(args, cfg, config)
     runtime = OscarRuntime(params, cfg, artifact, max_batch=args.max_num_seqs, max_seq_len=args.max_model_len,
                            sink=sink, recent=recent, group_size=group, prefill_chunk=args.prefill_chunk,
-                           num_bf16_pages=num_bf16, num_int2_pages=num_int2)
+                           num_bf16_pages=num_bf16, num_int2_pages=num_int2,
+                           mesh=make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None)
     engine = Engine(runtime, tokenizer, EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk=args.prefill_chunk, enable_prefix_caching=args.enable_prefix_caching,

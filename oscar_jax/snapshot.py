@@ -1,7 +1,10 @@
 """Save and restore an OscarRuntime's cache: pools with orbax, the allocator's state as JSON.
 
 A snapshot taken after a long prefill can be restored into a runtime built from the same model
-and artifact; decoding then resumes bit-identically. Restoring checks the cache configuration,
+and artifact; decoding then resumes bit-identically. The pools are saved as global arrays, so a
+tensor-parallel cache restores onto any mesh whose pools have the same global shape (any tp size
+that divides the KV heads, or one device); a cache with replicated KV heads (fewer KV heads than
+shards) has more heads and restores only onto the same replication. Restoring checks the cache configuration,
 the model fingerprint and every array's shape and dtype before touching the runtime.
 """
 
@@ -90,7 +93,10 @@ def restore_snapshot(runtime, directory: str | Path) -> None:
     for key, value in expected.items():
         if state.get(key) != value:
             raise ValueError(f"snapshot {key} {state.get(key)!r} does not match this runtime's {value!r}")
-    target = {name: jax.ShapeDtypeStruct(getattr(runtime.cache, name).shape, getattr(runtime.cache, name).dtype)
+    # Each pool restores with the runtime's own sharding, so a snapshot taken on one mesh loads
+    # onto another (a different tensor-parallel size, or one device) with its pages resharded.
+    target = {name: jax.ShapeDtypeStruct(getattr(runtime.cache, name).shape, getattr(runtime.cache, name).dtype,
+                                         sharding=getattr(runtime.cache, name).sharding)
               for name in POOL_NAMES}
     arrays = ocp.StandardCheckpointer().restore(directory / "cache", target)
     alloc = runtime.allocator

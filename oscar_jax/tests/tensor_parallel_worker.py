@@ -1,0 +1,305 @@
+"""The tensor-parallel checks, run in a fresh process with 8 fake CPU devices (test_tensor_parallel.py).
+
+XLA_FLAGS=--xla_force_host_platform_device_count must be set before JAX initialises its backend,
+and a pytest process has already initialised JAX with one device: so the tests run this file as a
+subprocess, `python oscar_jax/tests/tensor_parallel_worker.py CHECK OUT.json`, and assert on the
+facts it writes (tokens, logit differences, page mismatches, collective counts, error messages).
+`multihost` is one of two processes that jax.distributed joins over 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={os.environ.get('TP_DEVICES', '8')}")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from oscar_jax.cache import POOL_NAMES  # noqa: E402
+from oscar_jax.model import ModelConfig, init_params  # noqa: E402
+from oscar_jax.parallel import TensorParallel, initialize_distributed, make_mesh, shard_pages  # noqa: E402
+from oscar_jax.runtime import OscarRuntime  # noqa: E402
+from shared_math.artifact import ModelFingerprint  # noqa: E402
+from shared_math.tests.test_artifact import make_artifact  # noqa: E402
+
+# Head counts of the real models at test widths (head_dim 64: the INT2 kernel's minimum).
+MODELS = {
+    # Qwen3-8B's heads (32 q / 8 KV, qk_norm, untied): tp 1, 2, 4, 8
+    "qwen3": ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_q_heads=32,
+                         num_kv_heads=8, head_dim=64, rope_theta=1e6, rms_norm_eps=1e-6, tie_embeddings=False,
+                         qk_norm=True),
+    # SmolLM2-135M's heads (9 q / 3 KV, tied): tp 1, 3
+    "smollm2": ModelConfig(vocab_size=96, hidden_size=96, intermediate_size=96, num_layers=2, num_q_heads=9,
+                           num_kv_heads=3, head_dim=64, rope_theta=1e5, rms_norm_eps=1e-5, tie_embeddings=True),
+    # 2 KV heads on 4 shards: each KV head replicated twice
+    "replicated": ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_q_heads=8,
+                              num_kv_heads=2, head_dim=64, rope_theta=1e4, rms_norm_eps=1e-6, tie_embeddings=True),
+}
+TP_SIZES = {"qwen3": (2, 4, 8), "smollm2": (3,), "replicated": (4,)}
+WINDOWS = dict(sink=16, recent=16, max_seq_len=128)  # small windows: the decode steps demote pages
+# 57 and 50 tokens (one prefill bucket): history pages from the prefill, more from demotions
+PROMPTS = [np.arange(3, 60) * 7 % 90 + 1, np.arange(5, 55) * 11 % 90 + 2]
+STEPS = 8
+
+
+def model(name: str, *, silent_outputs: bool = False):
+    """Random weights (std 0.1: decisive logits); silent_outputs zeroes W_o and W_down, so every
+    layer's input is the embedding, exactly, on any number of shards."""
+    cfg = MODELS[name]
+    params = init_params(cfg, jax.random.PRNGKey(7), std=0.1)
+    if silent_outputs:
+        params = dict(params, layers=[dict(layer, wo=layer["wo"] * 0, w_down=layer["w_down"] * 0)
+                                      for layer in params["layers"]])
+    return cfg, params, make_artifact(ModelFingerprint(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads,
+                                                       cfg.head_dim), seed=3)
+
+
+def decode(runtime, steps=STEPS):
+    """Greedy tokens and logits of the two PROMPTS decoded together."""
+    ids, tokens, logits = [], [], []
+    for prompt in PROMPTS:
+        sid, first, _ = runtime.admit(prompt)
+        ids.append(sid)
+        tokens.append([int(np.argmax(first))])
+    for _ in range(steps):
+        out = np.asarray(runtime.step(ids, [t[-1] for t in tokens]))
+        logits.append(out)
+        for row, t in zip(out, tokens):
+            t.append(int(np.argmax(row)))
+    return tokens, np.stack(logits)
+
+
+def pool_mismatches(reference, runtime) -> dict:
+    """Per pool and layer: elements of the sharded cache (shards concatenated in mesh order, with
+    replicated KV heads mapped back to their source head) that differ from the tp-1 cache."""
+    tp = runtime.tp
+    out = {}
+    for name in POOL_NAMES:
+        want = np.asarray(getattr(reference.cache, name))
+        shards = shard_pages(runtime.cache, name)
+        got = np.concatenate(shards, axis=2)[:, :, :: tp.kv_replicas]
+        # Every replica of a KV head holds the same bytes.
+        copies = np.concatenate(shards, axis=2).reshape(got.shape[:2] + (-1, tp.kv_replicas) + got.shape[3:])
+        replicas_equal = bool(np.all(copies == copies[:, :, :, :1]))
+        out[name] = {"per_layer": [int(np.sum(want[y] != got[y])) for y in range(want.shape[0])],
+                     "elements": int(want[0].size), "shards": len(shards), "replicas_equal": replicas_equal}
+    return out
+
+
+def check_decode(name: str) -> dict:
+    cfg, params, art = model(name)
+    reference = OscarRuntime(params, cfg, art, max_batch=2, **WINDOWS)
+    ref_tokens, ref_logits = decode(reference)
+    result = {"reference_tokens": ref_tokens, "tp": {}}
+    for tp in (1,) + TP_SIZES[name]:
+        runtime = OscarRuntime(params, cfg, art, max_batch=2, mesh=make_mesh(tp), **WINDOWS)
+        tokens, logits = decode(runtime)
+        result["tp"][tp] = {"tokens": tokens, "max_logit_diff": float(np.abs(logits - ref_logits).max()),
+                            "logit_scale": float(np.abs(ref_logits).max()),
+                            "pools": pool_mismatches(reference, runtime),
+                            "int2_pages_used": int(runtime.allocator.int2.num_pages - 1 - runtime.allocator.int2.num_free)}
+    return result
+
+
+def _exact_qkv(global_cfg: ModelConfig):
+    """A stand-in for model.qkv_projections whose q, k, v are gathers of the layer input's
+    channels (a fixed pattern per global head): the same bits whatever the mesh, unlike a GEMM
+    whose accumulation order depends on its width."""
+    import jax.numpy as jnp
+
+    def qkv(layer, cfg, x, positions):
+        h, d = x.shape[-1], cfg.head_dim
+        tp = global_cfg.num_q_heads // cfg.num_q_heads
+        shard = jax.lax.axis_index("tp") if tp > 1 else 0
+        replicas = cfg.num_kv_heads * tp // global_cfg.num_kv_heads
+        q_heads = shard * cfg.num_q_heads + jnp.arange(cfg.num_q_heads)
+        kv_heads = (shard * cfg.num_kv_heads + jnp.arange(cfg.num_kv_heads)) // replicas
+
+        def gather(heads, offset):
+            channels = (jnp.arange(d)[None] * 3 + heads[:, None] * 5 + offset) % h  # [heads, D]
+            return jnp.take(x, channels, axis=-1)  # [B, T, heads, D]
+
+        return gather(q_heads, 0), gather(kv_heads, 1), gather(kv_heads, 2)
+
+    return qkv
+
+
+def check_exact_pages(name: str) -> dict:
+    """Every layer's q, k, v the same bits on any mesh (W_o = W_down = 0 keep each layer's input
+    the embedding, and the projections are exact gathers): then every page of every layer and
+    pool must equal the tp-1 cache's pages of the same heads."""
+    import oscar_jax.model
+
+    cfg, params, art = model(name, silent_outputs=True)
+    oscar_jax.model.qkv_projections = _exact_qkv(cfg)
+    reference = OscarRuntime(params, cfg, art, max_batch=2, **WINDOWS)
+    ref_tokens, _ = decode(reference, steps=STEPS)
+    result = {"tp": {}}
+    for tp in TP_SIZES[name]:
+        runtime = OscarRuntime(params, cfg, art, max_batch=2, mesh=make_mesh(tp), **WINDOWS)
+        tokens, _ = decode(runtime, steps=STEPS)
+        result["tp"][tp] = {"tokens_equal": tokens == ref_tokens, "pools": pool_mismatches(reference, runtime),
+                            "int2_pages_used": int(runtime.allocator.int2.num_pages - 1 - runtime.allocator.int2.num_free)}
+    return result
+
+
+def check_hlo() -> dict:
+    """Collectives in the lowered (StableHLO) and compiled (HLO) decode step of Qwen3-shaped tp 2."""
+    cfg, params, art = model("qwen3")
+    runtime = OscarRuntime(params, cfg, art, max_batch=2, mesh=make_mesh(2), **WINDOWS)
+    sid, _, _ = runtime.admit(PROMPTS[0])
+    captured = {}
+    step = runtime._steps[1]
+
+    def spy(*args):
+        from oscar_jax.parallel import _decode_step
+
+        lowered = _decode_step.lower(*args[:1], *args[2:], tp=runtime.tp)
+        captured["lowered"] = lowered.as_text()
+        captured["compiled"] = lowered.compile().as_text()
+        return step(*args)
+
+    runtime._steps = (runtime._steps[0], spy, runtime._steps[2])
+    runtime.step([sid], [1])
+    names = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
+    lowered = {n: len(re.findall(rf"stablehlo\.{n}\b", captured["lowered"])) for n in names}
+    compiled = {n: len(re.findall(rf"= \S+ {n.replace('_', '-')}(-start)?\(", captured["compiled"])) for n in names}
+    return {"num_layers": cfg.num_layers, "lowered": lowered, "compiled": compiled}
+
+
+def check_errors() -> dict:
+    """The messages of bad configurations."""
+    out = {}
+    cases = {
+        "more_devices_than_present": lambda: make_mesh(9),
+        "zero_tp": lambda: make_mesh(0),
+        "q_heads_not_divisible": lambda: TensorParallel.plan(MODELS["qwen3"], make_mesh(3)),
+        "kv_heads_neither_divides": lambda: TensorParallel.plan(
+            ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=1, num_q_heads=12,
+                        num_kv_heads=4, head_dim=64, rope_theta=1e4, rms_norm_eps=1e-6, tie_embeddings=True),
+            make_mesh(6)),
+        "vocab_not_divisible": lambda: TensorParallel.plan(
+            ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=1, num_q_heads=6,
+                        num_kv_heads=3, head_dim=64, rope_theta=1e4, rms_norm_eps=1e-6, tie_embeddings=True),
+            make_mesh(3)),
+        "wrong_axis": lambda: TensorParallel.plan(
+            MODELS["qwen3"], jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))),
+        "partial_distributed_flags": lambda: initialize_distributed("127.0.0.1:1", None, 0),
+    }
+    for name, make in cases.items():
+        try:
+            make()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def check_snapshot() -> dict:
+    """Save at tp 2 after decoding; restore at tp 2, tp 4 and on one device; decode on."""
+    from oscar_jax.snapshot import restore_snapshot, save_snapshot
+
+    cfg, params, art = model("qwen3")
+    ids = []
+    source = OscarRuntime(params, cfg, art, max_batch=2, mesh=make_mesh(2), **WINDOWS)
+    tokens, _ = decode(source, steps=8)
+    ids = sorted(source.allocator.sequences)
+    saved = {n: np.concatenate(shard_pages(source.cache, n), axis=2) for n in POOL_NAMES}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        save_snapshot(source, Path(tmp) / "snap")
+        continued = [np.asarray(source.step(ids, [t[-1] for t in tokens])).argmax(-1).tolist() for _ in range(1)]
+        for label, mesh in (("tp2", make_mesh(2)), ("tp4", make_mesh(4)), ("one_device", None)):
+            target = OscarRuntime(params, cfg, art, max_batch=2, mesh=mesh, **WINDOWS)
+            restore_snapshot(target, Path(tmp) / "snap")
+            got = {n: (np.concatenate(shard_pages(target.cache, n), axis=2) if mesh is not None
+                       else np.asarray(getattr(target.cache, n))) for n in POOL_NAMES}
+            shards = len(getattr(target.cache, "k_codes").sharding.device_set)
+            after = [np.asarray(target.step(ids, [t[-1] for t in tokens])).argmax(-1).tolist()]
+            out[label] = {"pages_equal": {n: bool(np.array_equal(saved[n], got[n])) for n in POOL_NAMES},
+                          "shards": shards, "next_tokens": after, "source_next_tokens": continued}
+    return out
+
+
+def check_multihost(process_id: int, port: int) -> dict:
+    """One of two processes (one CPU device each) decoding Qwen3-shaped tp 2 across them."""
+    initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
+    cfg, params, art = model("qwen3")
+    runtime = OscarRuntime(params, cfg, art, max_batch=2, mesh=make_mesh(2), **WINDOWS)
+    tokens, logits = decode(runtime, steps=8)
+    return {"process_count": jax.process_count(), "devices": jax.device_count(),
+            "local_devices": jax.local_device_count(), "tokens": tokens}
+
+
+def check_calibration(name: str) -> dict:
+    """calibration's statistics and rotations from the forward pass on tp N vs one device."""
+    from calibration.calibrate import _layer_activations
+    from calibration.fit import rotations
+    from calibration.statistics import SecondMoments, group_queries
+
+    cfg, params, _ = model(name)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 96)
+
+    def statistics(params, tp):
+        moments = {n: SecondMoments(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) for n in ("query", "output")}
+        for layer, q, k, v, o in _layer_activations(params, cfg, tokens, tp):
+            moments["query"].add(layer, group_queries(q, cfg.num_kv_heads))
+            moments["output"].add(layer, group_queries(o, cfg.num_kv_heads))
+        return {n: m.covariance() for n, m in moments.items()}
+
+    reference = statistics(params, None)
+    out = {}
+    for size in TP_SIZES[name]:
+        tp = TensorParallel.plan(cfg, make_mesh(size))
+        cov = statistics(tp.shard_params(params, fuse=False), tp)
+        out[size] = {
+            "cov_rel_diff": {n: float(np.abs(cov[n] - reference[n]).max() / np.abs(reference[n]).max()) for n in cov},
+            "rotation_max_diff": float(np.abs(rotations(cov["query"], "oscar")[0]
+                                              - rotations(reference["query"], "oscar")[0]).max()),
+        }
+    return out
+
+
+def check_single(name: str) -> dict:
+    """The tokens of one process on one device (the multi-host comparison)."""
+    cfg, params, art = model(name)
+    tokens, _ = decode(OscarRuntime(params, cfg, art, max_batch=2, **WINDOWS), steps=8)
+    return {"tokens": tokens}
+
+
+def main(argv) -> int:
+    check, out = argv[0], Path(argv[-1])
+    if check == "decode":
+        result = check_decode(argv[1])
+    elif check == "exact_pages":
+        result = check_exact_pages(argv[1])
+    elif check == "hlo":
+        result = check_hlo()
+    elif check == "errors":
+        result = check_errors()
+    elif check == "snapshot":
+        result = check_snapshot()
+    elif check == "multihost":
+        result = check_multihost(int(argv[1]), int(argv[2]))
+    elif check == "calibration":
+        result = check_calibration(argv[1])
+    elif check == "single":
+        result = check_single(argv[1])
+    else:
+        raise SystemExit(f"unknown check {check!r}")
+    out.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
