@@ -7,6 +7,8 @@ context C and batch B, as bench_e2e builds it (random pools filled on the device
 `bench_e2e.plan_tables`: INT2 = sink 64 + INT2 history + BF16 recent; BF16 = everything in the
 BF16 tier), timed by `bench_e2e.time_steps` (a Python loop of donated steps, median of trials).
   tp 1  today's single-device step (`bench_e2e.compile_step`), on the first device
+  tp 1, mesh  (--mesh-of-one) the sharded step on a mesh of one device: its time against tp 1's
+        is what the shard_map wrapping costs (nothing, if XLA sees through it)
   tp N  the same step under `jax.shard_map` on a mesh of N devices (oscar_jax.parallel): weights
         by heads / MLP columns / vocabulary, pools by KV head, 2 all-reduces per layer + 1 for the
         embedding and 1 all-gather of the logits
@@ -127,7 +129,8 @@ def collective_seconds(run, steps: int) -> dict:
 
 
 def run_row(tp_size: int, kind: str, context: int, batch: int, *, model, oscar, params_unsharded, steps: int,
-            trials: int, profile_steps: int, memory_bytes: int | None, reserve_bytes: int) -> dict:
+            trials: int, profile_steps: int, memory_bytes: int | None, reserve_bytes: int,
+            mesh: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -136,8 +139,8 @@ def run_row(tp_size: int, kind: str, context: int, batch: int, *, model, oscar, 
     tables = bench_e2e.plan_tables(kind, context, batch, oscar)
     tokens = jnp.zeros((batch,), jnp.int32)
     positions = jnp.full((batch,), context - 1, jnp.int32)
-    row = {"tp": tp_size, "kind": kind, "context": context, "batch": batch}
-    if tp_size == 1:
+    row = {"tp": tp_size, "mesh": mesh or tp_size > 1, "kind": kind, "context": context, "batch": batch}
+    if not row["mesh"]:
         from oscar_jax.model import fuse_qkv
 
         params = fuse_qkv(params_unsharded)
@@ -175,7 +178,7 @@ def run_row(tp_size: int, kind: str, context: int, batch: int, *, model, oscar, 
 
 
 def run(tp_sizes, kinds, contexts, batches, *, tiny: bool = False, steps: int = bench_e2e.STEPS, trials: int = 5,
-        profile_steps: int = 5, log=print) -> dict:
+        profile_steps: int = 5, mesh_of_one: bool = False, log=print) -> dict:
     import jax
 
     from oscar_jax.model import init_params
@@ -192,17 +195,17 @@ def run(tp_sizes, kinds, contexts, batches, *, tiny: bool = False, steps: int = 
     for kind in kinds:
         for context in contexts:
             for batch in batches:
-                for tp_size in tp_sizes:
+                for tp_size, mesh in [(t, False) for t in tp_sizes] + ([(1, True)] if mesh_of_one else []):
                     row = run_row(tp_size, kind, context, batch, model=model, oscar=oscar, params_unsharded=params,
                                   steps=steps, trials=trials, profile_steps=profile_steps, memory_bytes=memory_bytes,
-                                  reserve_bytes=reserve)
+                                  reserve_bytes=reserve, mesh=mesh)
                     rows.append(row)
-                    log(f"[bench_tp] {kind} C={context} B={batch} tp={tp_size}: "
+                    log(f"[bench_tp] {kind} C={context} B={batch} tp={tp_size}{' (mesh)' if mesh else ''}: "
                         f"{row['timing']['median_s'] * 1e3:.3f} ms/step"
                         + (f", collectives {row['collectives_s'] * 1e3:.3f} ms" if row.get("collectives_s") else "")
                         + f", capacity {row['capacity']['sequences']}")
     for row in rows:  # tp N against tp 1 of the same kind, context and batch
-        base = next((r for r in rows if r["tp"] == 1 and all(r[k] == row[k] for k in ("kind", "context", "batch"))),
+        base = next((r for r in rows if r["tp"] == 1 and not r["mesh"] and all(r[k] == row[k] for k in ("kind", "context", "batch"))),
                     None)
         if base is not None:
             row["step_ratio_vs_tp1"] = row["timing"]["median_s"] / base["timing"]["median_s"]
@@ -223,13 +226,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=bench_e2e.STEPS)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--mesh-of-one", action="store_true", help="also time the sharded step on a mesh of one device")
     p.add_argument("--tiny", action="store_true", help="a tiny model: the CPU plumbing test")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if min(args.tp) < 1:
         p.error(f"--tp {args.tp}: sizes must be positive")
     result = run(args.tp, args.kinds, args.contexts, args.batches, tiny=args.tiny, steps=args.steps,
-                 trials=args.trials, profile_steps=args.profile_steps)
+                 trials=args.trials, profile_steps=args.profile_steps, mesh_of_one=args.mesh_of_one)
     from benchmarks.harness import environment
 
     result["environment"] = environment()

@@ -5,6 +5,9 @@ and a pytest process has already initialised JAX with one device: so the tests r
 subprocess, `python oscar_jax/tests/tensor_parallel_worker.py CHECK OUT.json`, and assert on the
 facts it writes (tokens, logit differences, page mismatches, collective counts, error messages).
 `multihost` is one of two processes that jax.distributed joins over 127.0.0.1.
+
+On GPUs (issue TP-GPU): `TP_PLATFORM=gpu TP_SIZES=2 python oscar_jax/tests/tensor_parallel_worker.py
+decode qwen3 OUT.json` runs the same checks on the real devices (no fake-device flag).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import tempfile
 from pathlib import Path
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={os.environ.get('TP_DEVICES', '8')}")
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    if os.environ.get("TP_PLATFORM", "cpu") == "cpu":
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={os.environ.get('TP_DEVICES', '8')}")
+        os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
@@ -46,6 +50,8 @@ MODELS = {
                               num_kv_heads=2, head_dim=64, rope_theta=1e4, rms_norm_eps=1e-6, tie_embeddings=True),
 }
 TP_SIZES = {"qwen3": (2, 4, 8), "smollm2": (3,), "replicated": (4,)}
+if os.environ.get("TP_SIZES"):  # the sizes a machine has devices for (every model gets them)
+    TP_SIZES = {name: tuple(int(t) for t in os.environ["TP_SIZES"].split(",")) for name in TP_SIZES}
 WINDOWS = dict(sink=16, recent=16, max_seq_len=128)  # small windows: the decode steps demote pages
 # 57 and 50 tokens (one prefill bucket): history pages from the prefill, more from demotions
 PROMPTS = [np.arange(3, 60) * 7 % 90 + 1, np.arange(5, 55) * 11 % 90 + 2]
