@@ -276,6 +276,33 @@ def check_calibration(name: str) -> dict:
     return out
 
 
+def check_smollm2_real() -> dict:
+    """The real SmolLM2-135M with its shipped artifact at tp 3 vs one device: a 200-token text
+    prompt with small windows (sink 16, recent 32), so history pages are written and demoted."""
+    from oscar_jax.generate import shipped_artifact
+    from oscar_jax.loaders import load_model
+    from oscar_jax.tokenizer import load_tokenizer
+    from shared_math import read_artifact
+
+    cfg, params = load_model("smollm2-135m")
+    art = read_artifact(shipped_artifact("smollm2-135m"))
+    text = " ".join(["The history of the city begins with a small settlement on the river."] * 16)
+    prompt = np.asarray(load_tokenizer("smollm2-135m").encode(text), np.int32)[:200]
+    out = {}
+    for label, mesh in (("one_device", None), ("tp3", make_mesh(3))):
+        runtime = OscarRuntime(params, cfg, art, max_batch=1, max_seq_len=256, sink=16, recent=32, mesh=mesh)
+        sid, logits, _ = runtime.admit(prompt)
+        tokens, all_logits = [int(np.argmax(logits))], [np.asarray(logits)]
+        for _ in range(16):
+            logits = np.asarray(runtime.step([sid], [tokens[-1]])[0])
+            all_logits.append(logits)
+            tokens.append(int(np.argmax(logits)))
+        out[label] = {"tokens": tokens, "logits": np.stack(all_logits)}
+    return {"tokens": {k: v["tokens"] for k, v in out.items()},
+            "max_logit_diff": float(np.abs(out["tp3"]["logits"] - out["one_device"]["logits"]).max()),
+            "logit_scale": float(np.abs(out["one_device"]["logits"]).max())}
+
+
 def check_single(name: str) -> dict:
     """The tokens of one process on one device (the multi-host comparison)."""
     cfg, params, art = model(name)
@@ -299,6 +326,8 @@ def main(argv) -> int:
         result = check_multihost(int(argv[1]), int(argv[2]))
     elif check == "calibration":
         result = check_calibration(argv[1])
+    elif check == "smollm2_real":
+        result = check_smollm2_real()
     elif check == "single":
         result = check_single(argv[1])
     else:

@@ -27,6 +27,10 @@ LOGIT_TOL = 2e-3
 # runs as a narrower GEMM per shard; bounded here, and exact when q, k, v are the same bits
 # (test_pages_bit_identical_given_identical_inputs).
 BF16_MISMATCH_FRACTION = 0.02
+# The real SmolLM2 over 30 layers and 200 tokens: measured 0.046 on logits up to 37.7 (1.2e-3 of
+# the scale): a reordered sum that moves a stored K/V across a bf16 or INT2 rounding boundary
+# shifts the attention of every later token a little more than the reordering alone.
+REAL_MODEL_RELATIVE_TOL = 3e-3
 
 
 def _env(devices: int = 8) -> dict:
@@ -64,6 +68,14 @@ def test_qwen3_shaped_tp_1_2_4_8_decode_like_one_device(tmp_path):
 
 def test_smollm2_shaped_tp_3_decodes_like_one_device(tmp_path):
     _assert_decode(run_worker(tmp_path, "decode", "smollm2"), (3,))
+
+
+@pytest.mark.slow
+def test_real_smollm2_tp_3_decodes_like_one_device(tmp_path):
+    """SmolLM2-135M's weights (bf16 GGUF dequantized to f32) and its shipped artifact."""
+    result = run_worker(tmp_path, "smollm2_real", timeout=1200)
+    assert result["tokens"]["tp3"] == result["tokens"]["one_device"]
+    assert result["max_logit_diff"] <= REAL_MODEL_RELATIVE_TOL * result["logit_scale"], result
 
 
 def test_fewer_kv_heads_than_shards_replicates_them(tmp_path):
