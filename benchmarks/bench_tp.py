@@ -18,7 +18,8 @@ whose name says AllReduce / AllGather / all-reduce / all-gather), and their name
 Capacity per row: concurrent sequences of C tokens that fit, per device, beside its share of the
 weights and a workspace reserve (`bench_e2e.max_sequences`): each device holds K/N KV heads of
 every sequence (K·r/N when KV heads are replicated), so capacity scales ~N× in sequences.
-Every row records the logits' checks of `time_steps` (finite, deterministic, no pool copied).
+Every row records the logits' checks of `time_steps` (finite, deterministic, no pool copied). A row
+whose cache does not fit (BF16 at 100K, batch 8, on one 80 GB GPU) records `error` instead.
 
 `--tiny` runs a tiny model at the given (small) contexts: the CPU test of this script's plumbing
 (`XLA_FLAGS=--xla_force_host_platform_device_count=2`); its timings mean nothing.
@@ -128,7 +129,7 @@ def collective_seconds(run, steps: int) -> dict:
             "collective_launches_per_step": len(picked) / steps}
 
 
-def run_row(tp_size: int, kind: str, context: int, batch: int, *, model, oscar, params_unsharded, steps: int,
+def run_row(tp_size: int, kind: str, context: int, batch: int, *, model, oscar, make_params, steps: int,
             trials: int, profile_steps: int, memory_bytes: int | None, reserve_bytes: int,
             mesh: bool = False) -> dict:
     import jax
@@ -143,13 +144,15 @@ def run_row(tp_size: int, kind: str, context: int, batch: int, *, model, oscar, 
     if not row["mesh"]:
         from oscar_jax.model import fuse_qkv
 
-        params = fuse_qkv(params_unsharded)
+        params = fuse_qkv(make_params())
         cache = bench_e2e.random_cache(model, oscar, tables)
         step, info = bench_e2e.compile_step(params, model, tokens, cache, positions)
         kv_heads_per_device, device = model.num_kv_heads, jax.devices()[0]
     else:
         tp = TensorParallel.plan(model, make_mesh(tp_size))
-        params = tp.shard_params(params_unsharded)
+        # Made per row and dropped once sharded: a whole copy kept on the first device would take
+        # the room of the cache there.
+        params = tp.shard_params(make_params())
         cache = sharded_cache(tp, oscar, tables)
         t0 = time.perf_counter()
         step = _decode_step.lower(params, tokens, cache, positions, tp=tp).compile()
@@ -188,7 +191,10 @@ def run(tp_sizes, kinds, contexts, batches, *, tiny: bool = False, steps: int = 
     if max(tp_sizes) > jax.device_count():
         raise ValueError(f"--tp {max(tp_sizes)} needs {max(tp_sizes)} devices, but {jax.device_count()} "
                          f"{jax.devices()[0].platform} devices are present")
-    params = init_params(model, jax.random.key(0), dtype=jax.numpy.bfloat16)
+
+    def make_params():
+        return init_params(model, jax.random.key(0), dtype=jax.numpy.bfloat16)
+
     memory_bytes, memory_source = bench_e2e._device_memory_bytes()
     reserve = 0 if tiny else bench_e2e.WORKSPACE_RESERVE_BYTES
     rows = []
@@ -196,16 +202,25 @@ def run(tp_sizes, kinds, contexts, batches, *, tiny: bool = False, steps: int = 
         for context in contexts:
             for batch in batches:
                 for tp_size, mesh in [(t, False) for t in tp_sizes] + ([(1, True)] if mesh_of_one else []):
-                    row = run_row(tp_size, kind, context, batch, model=model, oscar=oscar, params_unsharded=params,
-                                  steps=steps, trials=trials, profile_steps=profile_steps, memory_bytes=memory_bytes,
-                                  reserve_bytes=reserve, mesh=mesh)
+                    try:
+                        row = run_row(tp_size, kind, context, batch, model=model, oscar=oscar,
+                                      make_params=make_params, steps=steps, trials=trials, profile_steps=profile_steps,
+                                      memory_bytes=memory_bytes, reserve_bytes=reserve, mesh=mesh)
+                    except Exception as err:  # noqa: BLE001 - a cache too large for tp 1 is a result, not a crash
+                        if not bench_e2e._is_oom(err):
+                            raise
+                        rows.append({"tp": tp_size, "mesh": mesh or tp_size > 1, "kind": kind, "context": context,
+                                     "batch": batch, "error": f"out of memory: {str(err)[:200]}"})
+                        log(f"[bench_tp] {kind} C={context} B={batch} tp={tp_size}: out of memory")
+                        continue
                     rows.append(row)
                     log(f"[bench_tp] {kind} C={context} B={batch} tp={tp_size}{' (mesh)' if mesh else ''}: "
                         f"{row['timing']['median_s'] * 1e3:.3f} ms/step"
                         + (f", collectives {row['collectives_s'] * 1e3:.3f} ms" if row.get("collectives_s") else "")
                         + f", capacity {row['capacity']['sequences']}")
-    for row in rows:  # tp N against tp 1 of the same kind, context and batch
-        base = next((r for r in rows if r["tp"] == 1 and not r["mesh"] and all(r[k] == row[k] for k in ("kind", "context", "batch"))),
+    timed = [r for r in rows if "timing" in r]
+    for row in timed:  # tp N against tp 1 of the same kind, context and batch
+        base = next((r for r in timed if r["tp"] == 1 and not r["mesh"] and all(r[k] == row[k] for k in ("kind", "context", "batch"))),
                     None)
         if base is not None:
             row["step_ratio_vs_tp1"] = row["timing"]["median_s"] / base["timing"]["median_s"]
