@@ -2,9 +2,9 @@
 
 A snapshot taken after a long prefill can be restored into a runtime built from the same model
 and artifact; decoding then resumes bit-identically. The pools are saved as global arrays, so a
-tensor-parallel cache restores onto any mesh whose pools have the same global shape (any tp size
-that divides the KV heads, or one device); a cache with replicated KV heads (fewer KV heads than
-shards) has more heads and restores only onto the same replication. Restoring checks the cache configuration,
+tensor-parallel cache restores onto another mesh (another tp size, or one device) with its pages
+resharded. A cache whose KV heads are replicated (fewer KV heads than shards) saves one copy of
+each head and restores into any replication. Restoring checks the cache configuration,
 the model fingerprint and every array's shape and dtype before touching the runtime.
 """
 
@@ -16,12 +16,30 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from shared_math.allocator import Demotion, Sequence
 from oscar_jax.cache import POOL_NAMES
 
 SNAPSHOT_VERSION = 1
+
+
+def _replicas(runtime) -> int:
+    tp = getattr(runtime, "tp", None)
+    return 1 if tp is None else tp.kv_replicas
+
+
+def _pools(runtime) -> dict:
+    """The pools with one copy of each KV head (a tensor-parallel cache may hold replicas)."""
+    r = _replicas(runtime)
+    return {name: getattr(runtime.cache, name)[:, :, ::r] if r > 1 else getattr(runtime.cache, name)
+            for name in POOL_NAMES}
+
+
+def _saved_shape(runtime, name: str) -> tuple[int, ...]:
+    y, pages, heads, *rest = getattr(runtime.cache, name).shape
+    return (y, pages, heads // _replicas(runtime), *rest)
 
 
 def _describe(runtime) -> dict:
@@ -32,7 +50,7 @@ def _describe(runtime) -> dict:
         "model": dataclasses.asdict(runtime.cfg),
         "k_clip_ratio": list(cache.k_clip_ratio),
         "v_clip_ratio": list(cache.v_clip_ratio),
-        "pools": {name: [list(getattr(cache, name).shape), str(getattr(cache, name).dtype)] for name in POOL_NAMES},
+        "pools": {name: [list(_saved_shape(runtime, name)), str(getattr(cache, name).dtype)] for name in POOL_NAMES},
     }
 
 
@@ -58,7 +76,7 @@ def save_snapshot(runtime, directory: str | Path) -> Path:
     if directory.exists():
         raise FileExistsError(f"snapshot directory {directory} already exists")
     directory.mkdir(parents=True)
-    arrays = {name: getattr(runtime.cache, name) for name in POOL_NAMES}
+    arrays = _pools(runtime)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(directory / "cache", arrays)
     checkpointer.wait_until_finished()
@@ -95,10 +113,15 @@ def restore_snapshot(runtime, directory: str | Path) -> None:
             raise ValueError(f"snapshot {key} {state.get(key)!r} does not match this runtime's {value!r}")
     # Each pool restores with the runtime's own sharding, so a snapshot taken on one mesh loads
     # onto another (a different tensor-parallel size, or one device) with its pages resharded.
-    target = {name: jax.ShapeDtypeStruct(getattr(runtime.cache, name).shape, getattr(runtime.cache, name).dtype,
-                                         sharding=getattr(runtime.cache, name).sharding)
+    r = _replicas(runtime)
+    target = {name: jax.ShapeDtypeStruct(_saved_shape(runtime, name), getattr(runtime.cache, name).dtype,
+                                         sharding=getattr(runtime.cache, name).sharding if r == 1 else None)
               for name in POOL_NAMES}
     arrays = ocp.StandardCheckpointer().restore(directory / "cache", target)
+    if r > 1:  # each KV head into each of its replicas, placed as the runtime's pools are
+        arrays = {name: jax.jit(lambda a: jnp.repeat(a, r, axis=2),
+                                out_shardings=getattr(runtime.cache, name).sharding)(a)
+                  for name, a in arrays.items()}
     alloc = runtime.allocator
     alloc.sequences = {int(sid): Sequence(**s) for sid, s in state["sequences"].items()}
     alloc._pending = {d["seq_id"]: Demotion(**d) for d in state["pending"]}

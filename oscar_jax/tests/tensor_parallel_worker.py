@@ -211,29 +211,41 @@ def check_errors() -> dict:
     return out
 
 
-def check_snapshot() -> dict:
-    """Save at tp 2 after decoding; restore at tp 2, tp 4 and on one device; decode on."""
+SNAPSHOT_MESHES = {"qwen3": (2, (2, 4, None)),  # saved at tp 2; restored at tp 2, tp 4, one device
+                   "replicated": (4, (4, 2, None))}  # saved with each KV head twice; restored into 1 copy
+
+
+def logical_pages(runtime, name: str) -> np.ndarray:
+    """A pool with one copy of each KV head, gathered from the shards."""
+    if runtime.tp is None:
+        return np.asarray(getattr(runtime.cache, name))
+    return np.concatenate(shard_pages(runtime.cache, name), axis=2)[:, :, :: runtime.tp.kv_replicas]
+
+
+def check_snapshot(name: str) -> dict:
+    """Save on one mesh after decoding; restore onto others; pages and the next step must agree."""
     from oscar_jax.snapshot import restore_snapshot, save_snapshot
 
-    cfg, params, art = model("qwen3")
-    ids = []
-    source = OscarRuntime(params, cfg, art, max_batch=2, mesh=make_mesh(2), **WINDOWS)
+    cfg, params, art = model(name)
+    source_tp, targets = SNAPSHOT_MESHES[name]
+    source = OscarRuntime(params, cfg, art, max_batch=2, mesh=make_mesh(source_tp), **WINDOWS)
     tokens, _ = decode(source, steps=8)
     ids = sorted(source.allocator.sequences)
-    saved = {n: np.concatenate(shard_pages(source.cache, n), axis=2) for n in POOL_NAMES}
+    saved = {n: logical_pages(source, n) for n in POOL_NAMES}
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         save_snapshot(source, Path(tmp) / "snap")
-        continued = [np.asarray(source.step(ids, [t[-1] for t in tokens])).argmax(-1).tolist() for _ in range(1)]
-        for label, mesh in (("tp2", make_mesh(2)), ("tp4", make_mesh(4)), ("one_device", None)):
-            target = OscarRuntime(params, cfg, art, max_batch=2, mesh=mesh, **WINDOWS)
+        continued = np.asarray(source.step(ids, [t[-1] for t in tokens])).argmax(-1).tolist()
+        for size in targets:
+            target = OscarRuntime(params, cfg, art, max_batch=2, mesh=None if size is None else make_mesh(size),
+                                  **WINDOWS)
             restore_snapshot(target, Path(tmp) / "snap")
-            got = {n: (np.concatenate(shard_pages(target.cache, n), axis=2) if mesh is not None
-                       else np.asarray(getattr(target.cache, n))) for n in POOL_NAMES}
-            shards = len(getattr(target.cache, "k_codes").sharding.device_set)
-            after = [np.asarray(target.step(ids, [t[-1] for t in tokens])).argmax(-1).tolist()]
-            out[label] = {"pages_equal": {n: bool(np.array_equal(saved[n], got[n])) for n in POOL_NAMES},
-                          "shards": shards, "next_tokens": after, "source_next_tokens": continued}
+            pages_equal = {n: bool(np.array_equal(saved[n], logical_pages(target, n))) for n in POOL_NAMES}
+            shards = len(target.cache.k_codes.sharding.device_set)
+            after = np.asarray(target.step(ids, [t[-1] for t in tokens])).argmax(-1).tolist()
+            out["one_device" if size is None else f"tp{size}"] = {
+                "pages_equal": pages_equal, "shards": shards, "next_tokens": after, "source_next_tokens": continued,
+                "kv_replicas": 1 if target.tp is None else target.tp.kv_replicas}
     return out
 
 
@@ -321,7 +333,7 @@ def main(argv) -> int:
     elif check == "errors":
         result = check_errors()
     elif check == "snapshot":
-        result = check_snapshot()
+        result = check_snapshot(argv[1])
     elif check == "multihost":
         result = check_multihost(int(argv[1]), int(argv[2]))
     elif check == "calibration":

@@ -130,12 +130,18 @@ def test_bad_configurations_name_their_numbers(tmp_path):
     assert "num_processes=None" in errors["partial_distributed_flags"]
 
 
-def test_snapshot_restores_onto_another_mesh(tmp_path):
-    result = run_worker(tmp_path, "snapshot")
-    for label, shards in (("tp2", 2), ("tp4", 4), ("one_device", 1)):
+@pytest.mark.parametrize("model, restored", [
+    ("qwen3", {"tp2": (2, 1), "tp4": (4, 1), "one_device": (1, 1)}),
+    # 2 KV heads: saved from tp 4 (each head twice), restored into tp 4 again and into tp 2 (once)
+    ("replicated", {"tp4": (4, 2), "tp2": (2, 1), "one_device": (1, 1)}),
+])
+def test_snapshot_restores_onto_another_mesh(tmp_path, model, restored):
+    result = run_worker(tmp_path, "snapshot", model)
+    assert set(result) == set(restored)
+    for label, (shards, replicas) in restored.items():
         run = result[label]
         assert all(run["pages_equal"].values()), (label, run["pages_equal"])
-        assert run["shards"] == shards
+        assert (run["shards"], run["kv_replicas"]) == (shards, replicas), label
         assert run["next_tokens"] == run["source_next_tokens"], label
 
 
