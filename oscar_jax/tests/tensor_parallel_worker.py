@@ -315,6 +315,33 @@ def check_smollm2_real() -> dict:
             "logit_scale": float(np.abs(out["one_device"]["logits"]).max())}
 
 
+def check_engine(name: str) -> dict:
+    """The serving engine (continuous batching, chunked prefill, on-device sampling) over a tp-N
+    runtime vs one device: three greedy requests, one of them seeded sampling."""
+    from oscar_jax.serving.engine import Engine, EngineConfig
+    from oscar_jax.serving.sampling import SamplingParams
+
+    cfg, params, art = model(name)
+    requests = {"a": (PROMPTS[0], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)),
+                "b": (PROMPTS[1], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)),
+                "c": (PROMPTS[0][:20], SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True))}
+    out = {}
+    for size in (None, TP_SIZES[name][0]):
+        runtime = OscarRuntime(params, cfg, art, max_batch=4, prefill_chunk=32,
+                               mesh=None if size is None else make_mesh(size), **WINDOWS)
+        engine = Engine(runtime, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=36, prefill_chunk=32))
+        for rid, (prompt, sampling) in requests.items():
+            engine.add_request(prompt.tolist(), sampling, rid)
+        got = {rid: [] for rid in requests}
+        for _ in range(200):
+            if not engine.has_work():
+                break
+            for o in engine.step():
+                got[o.request_id].extend(o.token_ids)
+        out["one_device" if size is None else f"tp{size}"] = got
+    return out
+
+
 def check_single(name: str) -> dict:
     """The tokens of one process on one device (the multi-host comparison)."""
     cfg, params, art = model(name)
@@ -340,6 +367,8 @@ def main(argv) -> int:
         result = check_calibration(argv[1])
     elif check == "smollm2_real":
         result = check_smollm2_real()
+    elif check == "engine":
+        result = check_engine(argv[1])
     elif check == "single":
         result = check_single(argv[1])
     else:

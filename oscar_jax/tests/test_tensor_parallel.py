@@ -203,3 +203,11 @@ def test_server_takes_tensor_parallel_size():
     assert serve.parse_args(["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
     with pytest.raises(SystemExit):
         serve.parse_args(["--tensor-parallel-size", "0"])
+
+
+def test_serving_engine_over_tp_2_answers_like_one_device(tmp_path):
+    """oscar_jax.serving's Engine (what `python -m oscar_jax.serve --tensor-parallel-size 2`
+    runs): chunked prefill, batched decode and seeded sampling give the one-device tokens."""
+    result = run_worker(tmp_path, "engine", "qwen3")
+    assert result["tp2"] == result["one_device"]
+    assert [len(t) for t in result["one_device"].values()] == [10, 6, 8]
