@@ -8,16 +8,17 @@ runs the Pallas kernels in interpret mode instead, minutes slower).
 
 Every program is compiled before it is timed: a warm-up prompt of the same prefill chunk shape,
 whose first decode step also demotes a page, compiles the INT2 runtime's prefill, decode step and
-demotion; the BF16 cache's prefill and decode step are compiled ahead of time. The INT2 and BF16
-warm-ups run in two threads (XLA compiles without the GIL). The reported tokens/s then measure the
-steady state: prefill of the whole prompt, and every one of the decode steps, demotions included.
+demotion; the BF16 cache's prefill and decode step are compiled ahead of time. (Compiling both in two
+threads saved nothing on 2 cores: one XLA compile already keeps them busy.) Compiled programs are
+kept in JAX's persistent cache, so only a machine's first run pays for compilation. The reported
+tokens/s measure the steady state: prefill of the whole prompt, and every decode step, demotions
+included.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -149,13 +150,15 @@ def generate(cache, prompt, tokenizer) -> dict:
 
 
 def compilation_cache() -> Path | None:
-    """Keep compiled programs across runs (JAX's persistent compilation cache), in
-    $XDG_CACHE_HOME/oscar_jax/jax (default ~/.cache/...), unless JAX_COMPILATION_CACHE_DIR chose
-    another place. The first run on a machine compiles (most of its wall time on a small CPU);
-    later runs load the programs."""
+    """Keep compiled programs across runs (JAX's persistent compilation cache) in jax/ of the
+    directory that holds the fetched model (oscar_jax.wheel_cache.cache_dir), unless
+    JAX_COMPILATION_CACHE_DIR chose another place. The first run on a machine compiles (most of its
+    wall time on a small CPU); later runs load the programs."""
+    from oscar_jax.wheel_cache import cache_dir
+
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return None
-    path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "oscar_jax" / "jax"
+    path = cache_dir() / "jax"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -187,21 +190,8 @@ def main(argv=None) -> int:
     caches = [Int2Cache(cfg, params, max_seq_len), Bf16Cache(cfg, params, max_seq_len)]
 
     start = time.perf_counter()
-    errors = []
-
-    def warm(cache):
-        try:
-            cache.warm_up(len(prompt))
-        except BaseException as err:  # re-raised in the main thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=warm, args=(c,)) for c in caches]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    for cache in caches:
+        cache.warm_up(len(prompt))
     print(f"[oscar] compiled both caches' prefill, decode and demotion in {time.perf_counter() - start:.1f} s "
           f"on {jax.default_backend()} ({kernels()} path for the INT2 ops)"
           + (f"; compiled programs kept in {cache_dir}" if cache_dir else ""))
