@@ -7,7 +7,7 @@ PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast demo clean
+.PHONY: venv test test-all demo clean
 
 # The stamp is rebuilt when missing or older than pyproject.toml.
 $(VENV)/.installed: pyproject.toml
@@ -19,13 +19,14 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# --durations: the CI log names the slowest tests (the suite's time is watched: benchmarks/NOTES.md v18).
+# The fast suite, a newcomer's and a developer's loop: every op, dtype and error path at test sizes,
+# real-model and compile tests excluded (marked slow). Parallel over the machine's cores.
 test: venv
-	JAX_PLATFORMS=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	JAX_PLATFORMS=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto -m "not slow" --durations=25 $(PYTEST_ARGS)
 
-# Inner loop: skip the slow real-model tests.
-test-fast: venv
-	JAX_PLATFORMS=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+# Everything, slow tests included: what CI runs (.ci/run).
+test-all: venv
+	JAX_PLATFORMS=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto --durations=25 $(PYTEST_ARGS)
 
 # Decode a ≥1K-token real-text prompt through the INT2 cache and through BF16, and compare.
 demo: venv

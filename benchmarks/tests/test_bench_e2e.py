@@ -91,6 +91,7 @@ def test_bf16_plan_puts_everything_in_the_bf16_tier():
         bench_e2e.plan_tables("bf16", 1001, 1, oscar, table_context=1000)
 
 
+@pytest.mark.slow
 def test_tiny_run_end_to_end(tiny_model):
     oscar = bench_e2e.oscar_config(64)
     per_seq = bench_e2e.sequence_cache_bytes("int2", 700, 2, 2, oscar)
@@ -130,6 +131,7 @@ def test_tiny_run_end_to_end(tiny_model):
             assert entry["step"]["logits_finite"]
 
 
+@pytest.mark.slow
 def test_run_steps_only_the_named_caches(tiny_model):
     oscar = bench_e2e.oscar_config(64)
     result = bench_e2e.run(contexts=(500,), model=tiny_model, oscar=oscar, capacity_context=None, steps=1,

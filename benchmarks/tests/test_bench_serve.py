@@ -36,6 +36,7 @@ def test_targets_compare_int2_with_bf16_at_the_longest_prompt():
     assert t["itl_p99_over_median_step"]["value"] == pytest.approx(1.5) and t["itl_p99_over_median_step"]["met"]
 
 
+@pytest.mark.slow
 def test_tiny_run_end_to_end(tmp_path, monkeypatch):
     import benchmarks.harness
 

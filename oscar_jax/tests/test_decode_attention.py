@@ -649,6 +649,7 @@ def test_interpreted_default_tiling_is_one_split_of_blocks(monkeypatch, page_siz
     assert seen == [want, want, (gpu_rule[0], gpu_rule[2])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype):
     """The values' dot transposed (oᵀ = Vᵀ·p over 16-bit code pairs, NOTES v26) gives the partials of

@@ -286,7 +286,7 @@ def encode_planes_in_a_kernel(x, *, clip_index, rows_bf16, block_rows=32):
     )(jnp.asarray(x))
 
 
-@pytest.mark.parametrize("clip_ratio", [0.96, 0.92, 0.5])
+@pytest.mark.parametrize("clip_ratio", [0.96, 0.92, pytest.param(0.5, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16_rows", "f32_rows"])
 def test_encode_planes_is_exact_where_it_says_so(bf16, clip_ratio):
     """encode_planes in a kernel: every row it calls exact has shared_math's bytes (all data kinds,

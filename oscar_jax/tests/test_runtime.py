@@ -156,6 +156,7 @@ def test_default_windows_at_the_tier_edges(model, prompt_len):
     assert len(rt.allocator.sequences[0].history_pages) == split.history_pages
 
 
+@pytest.mark.slow
 def test_batch_of_different_lengths_equals_each_alone(model):
     params, art = model
     prompts = [np.arange(9) % 50, (np.arange(70) * 5) % 90]
@@ -192,6 +193,7 @@ def _history_page_bytes(rt, sid):
             for p in seq.history_pages]
 
 
+@pytest.mark.slow
 def test_prefix_sharing_reads_pages_identical_to_a_private_prefill(model):
     params, art = model
     first = (np.arange(150) * 3) % 90
@@ -216,6 +218,7 @@ def test_prefix_sharing_reads_pages_identical_to_a_private_prefill(model):
     shared.allocator.check_invariants()
 
 
+@pytest.mark.slow
 def test_multi_turn_conversation_with_sharing_keeps_pages_consistent(model):
     """Each turn re-admits the whole growing conversation (the case that garbles the authors'
     system): every reused page must hold what a private prefill of that prefix would write, and

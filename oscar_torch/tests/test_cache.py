@@ -346,6 +346,7 @@ def _decode_step_inputs(prefilled):
     return q, k, v, plan
 
 
+@pytest.mark.slow
 def test_cache_decode_step_runs_under_torch_compile_fullgraph(prefilled):
     """One decode step of the cache (rotation, BF16 writes, split-K attention over both tiers,
     merge) as a single graph; the same pools and output as eager on a copy of the cache."""

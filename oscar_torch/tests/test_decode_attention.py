@@ -412,6 +412,7 @@ def test_unpack_asm_on_the_gpu_matches_the_compiler_unpacking(case, int2_layout)
     assert_close(unpacked, reference_decode(case, cache, case.query()), case.q_dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype, monkeypatch):
     """The values' dot transposed (oᵀ = Vᵀ·p by 16-bit code pairs, NOTES v26) gives the partials of the

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # sm_90 compiles of every launch: in `make test-all`
 
 from benchmarks.static_analysis import ENCODE_POINTERS, TRITON_QWEN3_8B, triton_kernel_usage  # noqa: E402
 from oscar_torch.kernels import decode_attention as kernels  # noqa: E402
