@@ -220,8 +220,8 @@ def run(tp_sizes, kinds, contexts, batches, *, tiny: bool = False, steps: int = 
                         + f", capacity {row['capacity']['sequences']}")
     timed = [r for r in rows if "timing" in r]
     for row in timed:  # tp N against tp 1 of the same kind, context and batch
-        base = next((r for r in timed if r["tp"] == 1 and not r["mesh"] and all(r[k] == row[k] for k in ("kind", "context", "batch"))),
-                    None)
+        same = [r for r in timed if all(r[k] == row[k] for k in ("kind", "context", "batch"))]
+        base = next((r for r in same if r["tp"] == 1 and not r["mesh"]), None)
         if base is not None:
             row["step_ratio_vs_tp1"] = row["timing"]["median_s"] / base["timing"]["median_s"]
             if row["capacity"]["sequences"] and base["capacity"]["sequences"]:

@@ -107,8 +107,9 @@ class OscarRuntime:
         self.allocator = PageAllocator(self.config, num_bf16_pages=num_bf16, num_int2_pages=num_int2)
         pools = dict(num_bf16_pages=num_bf16, num_int2_pages=num_int2, k_rotation=artifact.k_rotation,
                      k_clip_ratio=artifact.k_clip_ratio, v_clip_ratio=artifact.v_clip_ratio, interpret=interpret)
-        self.cache = (OscarKVCache.create(self.config, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, **pools)
-                      if self.tp is None else self.tp.create_cache(self.config, **pools))
+        self.cache = (self.tp.create_cache(self.config, **pools) if self.tp is not None else
+                      OscarKVCache.create(self.config, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                          **pools))
 
     # ------------------------------------------------------------------ planning
 

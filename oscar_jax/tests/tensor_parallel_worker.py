@@ -102,6 +102,11 @@ def pool_mismatches(reference, runtime) -> dict:
     return out
 
 
+def int2_pages_used(runtime) -> int:
+    pool = runtime.allocator.int2
+    return int(pool.num_pages - 1 - pool.num_free)  # page 0 is scratch
+
+
 def check_decode(name: str) -> dict:
     cfg, params, art = model(name)
     reference = OscarRuntime(params, cfg, art, max_batch=2, **WINDOWS)
@@ -113,7 +118,7 @@ def check_decode(name: str) -> dict:
         result["tp"][tp] = {"tokens": tokens, "max_logit_diff": float(np.abs(logits - ref_logits).max()),
                             "logit_scale": float(np.abs(ref_logits).max()),
                             "pools": pool_mismatches(reference, runtime),
-                            "int2_pages_used": int(runtime.allocator.int2.num_pages - 1 - runtime.allocator.int2.num_free)}
+                            "int2_pages_used": int2_pages_used(runtime)}
     return result
 
 
@@ -155,7 +160,7 @@ def check_exact_pages(name: str) -> dict:
         runtime = OscarRuntime(params, cfg, art, max_batch=2, mesh=make_mesh(tp), **WINDOWS)
         tokens, _ = decode(runtime, steps=STEPS)
         result["tp"][tp] = {"tokens_equal": tokens == ref_tokens, "pools": pool_mismatches(reference, runtime),
-                            "int2_pages_used": int(runtime.allocator.int2.num_pages - 1 - runtime.allocator.int2.num_free)}
+                            "int2_pages_used": int2_pages_used(runtime)}
     return result
 
 

@@ -121,7 +121,8 @@ def test_one_psum_after_attention_and_after_the_mlp(tmp_path):
 
 def test_bad_configurations_name_their_numbers(tmp_path):
     errors = run_worker(tmp_path, "errors")
-    assert "tensor_parallel_size=9 needs 9 devices, but 8 cpu devices are present" in errors["more_devices_than_present"]
+    assert ("tensor_parallel_size=9 needs 9 devices, but 8 cpu devices are present"
+            in errors["more_devices_than_present"])
     assert "tensor_parallel_size=0" in errors["zero_tp"]
     assert "num_q_heads=32 is not divisible by tensor_parallel_size=3" in errors["q_heads_not_divisible"]
     assert "num_kv_heads=4 and tensor_parallel_size=6" in errors["kv_heads_neither_divides"]
