@@ -234,6 +234,14 @@ def test_decode_attention_within_tolerance_of_float64(case, cut):
     cases.assert_close(out, cases.reference_decode(case, cache, case.query()), case.q_dtype)
 
 
+def test_decode_attention_where_a_byte_spans_groups():
+    """G < D/4 (D 128, G 16: the four codes of a byte lie in four groups); every tier's keys in one
+    softmax, INT2 pages dequantized group by group."""
+    case = cases.AttentionCase("byte_spans_groups", 128, 16, 2, 2, (40, 300))
+    cache = cases.build_cache(case)
+    cases.assert_close(_decode(case, cache), cases.reference_decode(case, cache, case.query()), case.q_dtype)
+
+
 def test_a_sequence_with_no_cached_token_gets_zeros():
     case = cases.AttentionCase("empty_and_full", 64, 64, 3, 3, (0, 100))
     cache = cases.build_cache(case)
