@@ -22,6 +22,7 @@ from oscar_jax.kernels import codec as kcodec
 from oscar_jax.xla import codec as xla_codec
 from oscar_jax.xla.write import rotate_rows
 from parity_tests import cases
+from parity_tests.backends import from_jax, to_jax  # uint16 arrays are bfloat16 bit patterns
 from parity_tests.cases import assert_same_bits
 from shared_math import codec as ref
 
@@ -31,19 +32,6 @@ ARRAYS = ("packed", "scale", "minimum")
 # float32 rotation vs float64: D products of |x·r| ≤ |x| summed in float32, |Δ| ≤ D·2⁻²⁴·‖x‖ ≈ 4e-6·‖x‖
 # at D = 64; measured ≤ 5e-7 relative (in norm) on these rows. Half a decade of margin.
 ROTATION_RTOL = 2e-6
-
-
-def to_jax(a: np.ndarray):
-    """numpy → jax; uint16 arrays are bfloat16 bit patterns (parity_tests.cases' convention)."""
-    if a.dtype == np.uint16:
-        return jax.lax.bitcast_convert_type(jnp.asarray(a), jnp.bfloat16)
-    return jnp.asarray(a)
-
-
-def from_jax(x) -> np.ndarray:
-    if x.dtype == jnp.bfloat16:
-        return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16))
-    return np.asarray(x)
 
 
 def assert_encoding(got, want, what: str) -> None:
