@@ -58,6 +58,45 @@ The methods and their source configurations (`parse_method` builds them from a s
   int4        Reference point: per-token asymmetric INT4 (16 uniform levels between the group's
               min and max, round to nearest, fp16 scale and minimum per group; G = head_dim by
               default, i.e. 4 + 32/64 = 4.5 bits at D = 64), no rotation, OSCAR's windows.
+              `int4:windows=0/0` is plain INT4 per token-head, the upper reference a user would pick.
+  turboquant  TurboQuant as vLLM serves it (`--kv-cache-dtype turboquant_<preset>`; read from
+              vllm/model_executor/layers/quantization/turboquant/{config,centroids}.py,
+              vllm/v1/attention/backends/turboquant_attn.py and
+              vllm/v1/attention/ops/triton_turboquant_store.py of github.com/vllm-project/vllm; the
+              method is Zandieh et al., "TurboQuant", arXiv:2504.19874, ICLR 2026, and vLLM's
+              docstring credits DRIVE/EDEN and HIGGS for the same rotation + scalar grid):
+                keys    rotated by the normalised Walsh–Hadamard matrix (vLLM: the same H for every
+                        layer and head, no random signs — "sign flips do not improve Lloyd-Max
+                        quantization"; `rotation=random` uses a Haar-random orthogonal matrix per
+                        (layer, KV head) from `seed`, the paper's random rotation), the unit vector
+                        k·H/‖k‖ quantized per coordinate to the nearest of the 2^b Lloyd-Max
+                        centroids of N(0, 1/D) (`lloyd_max_gaussian`, solved exactly here; vLLM
+                        integrates numerically), ‖k‖ stored in fp16; "_nc" (norm correction):
+                        the centroid vector is renormalised to unit length before scaling by ‖k‖.
+                        Queries are rotated the same way; scores are computed in rotated space.
+                        b = 8 (k8v4): keys stored as FP8 e4m3, no rotation.
+                values  not rotated; per token-head asymmetric uniform b-bit: scale = (max − min)
+                        /(2^b − 1) (floor 1e-8), code = ⌊(v − min)/scale + 0.5⌋ clamped, scale and
+                        min stored in fp16 and read back as fp16.
+                tiers   no BF16 windows: vLLM writes a decode step's K/V into the quantized cache
+                        before the attention kernel reads it, so query t reads positions 0..t
+                        (itself included) dequantized. vLLM always keeps the first 2 and last 2
+                        attention layers unquantized (`get_boundary_skip_layers`, unioned into
+                        kv_cache_dtype_skip_layers whenever a turboquant dtype is set; "GSM8K
+                        drops ~30 points on Qwen3-4B without it"): `skip=N` (default 2, capped at
+                        half the layers); those layers store BF16 unrotated K/V.
+                bytes   per token-head slot: ⌈D·b_K/8⌉ + 2 (fp16 norm) key bytes (D for FP8 keys),
+                        ⌈D·b_V/8⌉ + 4 (fp16 scale, min) value bytes, the slot rounded up to an even
+                        size (slot_size_aligned; the pad byte is counted with V). The boundary
+                        layers' BF16 bytes are included, so `kv_bytes` is the mean over layers.
+              Presets (`preset=NAME`, default 3bit_nc): vLLM's TQ_PRESETS — `3bit_nc` (3-bit keys,
+              3-bit values: 3.375 bits in a quantized layer at D = 64), `k3v4_nc`, `4bit_nc`,
+              `k8v4` — and `k3v2_nc`, 3-bit keys with 2-bit values (2.5 code bits, 2.875 with
+              metadata at D = 64). vLLM ships no 2.5-bit preset: its value path packs only 3 or 4
+              bits. The TurboQuant paper's own 2.5-bit setting splits channels into outliers at 3
+              bits and the rest at 2 with two TurboQuant instances; k3v2_nc is the nearest
+              configuration in vLLM's codec (3-bit-key/2-bit-value is also what several
+              third-party TurboQuant caches offer as their smallest preset).
 
 Window options (`windows=S0/W`, `page=N`) use shared_math.tiers, so the tier of every position
 is exactly the runtime's: a page of the recent window is demoted when the window reaches
@@ -74,6 +113,8 @@ rotated method differs from `bf16` by rounding even where nothing is quantized y
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -99,8 +140,8 @@ from shared_math.spec import (
 )
 from shared_math.tiers import tier_split
 
-METHOD_NAMES = ("bf16", "naive-int2", "quarot-int2", "kivi2", "oscar", "int4")
-DEFAULT_METHODS = METHOD_NAMES
+METHOD_NAMES = ("bf16", "naive-int2", "quarot-int2", "kivi2", "oscar", "int4", "turboquant")
+DEFAULT_METHODS = ("bf16", "naive-int2", "quarot-int2", "kivi2", "oscar", "int4")
 KIVI_GROUP_SIZE = 32  # KIVI's published group size (tokens per key group, channels per value group)
 KIVI_RESIDUAL = 128  # KIVI's published full-precision residual length
 BF16_BITS = 8 * BF16_BYTES
@@ -410,6 +451,182 @@ class KiviMethod:
 
 
 # ---------------------------------------------------------------------------------------------
+# TurboQuant (vLLM's turboquant_* KV cache dtypes)
+
+TURBOQUANT_PRESETS = {  # name: (key bits, value bits, norm correction); vLLM's TQ_PRESETS + k3v2_nc
+    "3bit_nc": (3, 3, True),
+    "k3v4_nc": (3, 4, True),
+    "4bit_nc": (4, 4, True),
+    "k8v4": (8, 4, False),
+    "k3v2_nc": (3, 2, True),
+}
+TURBOQUANT_DEFAULT_PRESET = "3bit_nc"
+TURBOQUANT_BOUNDARY_LAYERS = 2  # vLLM keeps the first and last 2 attention layers unquantized
+TURBOQUANT_FP8_KEY_BITS = 8
+TURBOQUANT_NORM_BYTES = 2  # fp16 ‖k‖
+TURBOQUANT_VALUE_META_BYTES = 4  # fp16 scale + fp16 minimum
+TURBOQUANT_MIN_SCALE = 1e-8
+
+
+def _normal_pdf(x: np.ndarray) -> np.ndarray:
+    return np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _normal_cdf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+@functools.lru_cache(maxsize=16)
+def lloyd_max_gaussian(bits: int, tol: float = 1e-12, max_iter: int = 100_000) -> tuple[np.ndarray, np.ndarray]:
+    """The Lloyd-Max (MSE-optimal) scalar quantizer of N(0, 1) with 2^bits levels.
+
+    Returns (centroids float64 [2^bits], boundaries float64 [2^bits − 1]), ascending; boundaries are
+    the midpoints of neighbouring centroids. Each centroid is the conditional mean of its cell,
+    (φ(a) − φ(b)) / (Φ(b) − Φ(a)) in closed form. Scale by σ for N(0, σ²) (vLLM: σ = 1/√D).
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"{bits=} must be in [1, 8]")
+    n = 1 << bits
+    c = np.linspace(-3.0, 3.0, n)
+    for _ in range(max_iter):
+        b = (c[:-1] + c[1:]) / 2
+        edges = np.concatenate([[-np.inf], b, [np.inf]])
+        pdf = np.where(np.isfinite(edges), _normal_pdf(np.where(np.isfinite(edges), edges, 0.0)), 0.0)
+        new = (pdf[:-1] - pdf[1:]) / np.diff(_normal_cdf(edges))
+        done = np.max(np.abs(new - c)) < tol
+        c = new
+        if done:
+            break
+    else:
+        raise RuntimeError(f"Lloyd-Max for {bits=} did not converge in {max_iter} iterations")
+    c = (c - c[::-1]) / 2  # exactly symmetric
+    return c, (c[:-1] + c[1:]) / 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TurboQuantKeys:
+    """Keys of a TurboQuant layer, rows already rotated: ‖k‖ in fp16 and each coordinate of k/‖k‖ as
+    the index of its nearest Lloyd-Max centroid of N(0, 1/D); FP8 e4m3 when bits = 8."""
+
+    bits: int
+    norm_correction: bool
+
+    def quantize(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, np.float32)
+        if self.bits == TURBOQUANT_FP8_KEY_BITS:
+            import ml_dtypes
+
+            return x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        d = x.shape[-1]
+        centroids, boundaries = (a / math.sqrt(d) for a in lloyd_max_gaussian(self.bits))
+        norm = np.linalg.norm(x, axis=-1, keepdims=True)
+        unit = x / np.where(norm > 0, norm, np.float32(1))
+        codes = np.searchsorted(boundaries.astype(np.float32), unit, side="right")  # #{boundaries ≤ y}
+        y = centroids.astype(np.float32)[codes]
+        if self.norm_correction:
+            y_norm = np.linalg.norm(y, axis=-1, keepdims=True)
+            y = y / np.where(y_norm > 0, y_norm, np.float32(1))
+        return (_f16(norm).astype(np.float32) * y).astype(np.float32)
+
+    def row_bytes(self, head_dim: int) -> int:
+        if self.bits == TURBOQUANT_FP8_KEY_BITS:
+            return head_dim
+        return -(-head_dim * self.bits // 8) + TURBOQUANT_NORM_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class TurboQuantValues:
+    """Values of a TurboQuant layer: per row, 2^bits uniform levels from min to max (fp16 scale and
+    minimum), code = ⌊(v − min)/scale + 0.5⌋ — vLLM's _store_quantized_value."""
+
+    bits: int
+
+    def quantize(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, np.float32)
+        top = np.float32((1 << self.bits) - 1)
+        lo, hi = x.min(axis=-1, keepdims=True), x.max(axis=-1, keepdims=True)
+        scale = np.maximum((hi - lo) / top, np.float32(TURBOQUANT_MIN_SCALE))
+        codes = np.clip(np.floor((x - lo) / scale + np.float32(0.5)), 0, top)
+        return (_f16(lo).astype(np.float32) + codes * _f16(scale).astype(np.float32)).astype(np.float32)
+
+    def row_bytes(self, head_dim: int) -> int:
+        return -(-head_dim * self.bits // 8) + TURBOQUANT_VALUE_META_BYTES
+
+
+def turboquant_boundary_layers(num_layers: int, n: int = TURBOQUANT_BOUNDARY_LAYERS) -> frozenset[int]:
+    """vLLM's get_boundary_skip_layers for a dense model: the first n and last n layers, n ≤ L // 2."""
+    if n <= 0 or num_layers <= 0:
+        return frozenset()
+    n = min(n, num_layers // 2)
+    return frozenset(range(n)) | frozenset(range(num_layers - n, num_layers))
+
+
+def _haar_rotations(num_layers: int, num_kv_heads: int, head_dim: int, seed: int) -> np.ndarray:
+    """Haar-random orthogonal matrices [L, Hkv, D, D] (QR of a Gaussian matrix, signs fixed by diag R)."""
+    rng = np.random.default_rng(seed)
+    q, r = np.linalg.qr(rng.standard_normal((num_layers, num_kv_heads, head_dim, head_dim)))
+    signs = np.sign(np.diagonal(r, axis1=-2, axis2=-1))
+    return (q * np.where(signs == 0, 1.0, signs)[..., None, :]).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TurboQuantMethod:
+    """vLLM's TurboQuant KV cache: every token quantized on write, boundary layers in BF16."""
+
+    name: str
+    preset: str
+    keys: TurboQuantKeys
+    values: TurboQuantValues
+    num_layers: int
+    skip_layers: frozenset[int]
+    k_rotation: np.ndarray | None  # [L, Hkv, D, D]; identity on skipped layers
+    rotation: str = "hadamard"
+    family: str = "turboquant"
+    v_rotation: None = None
+
+    def quantize_keys(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x, np.float32) if layer in self.skip_layers else self.keys.quantize(x)
+
+    def quantize_values(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x, np.float32) if layer in self.skip_layers else self.values.quantize(x)
+
+    def history_intervals(self, length: int) -> HistoryIntervals:
+        zeros = np.zeros(length, np.int64)
+        end = np.arange(1, length + 1, dtype=np.int64)  # the new token is stored before it is read
+        return HistoryIntervals(zeros, end, zeros.copy(), end.copy())
+
+    def at_rest_history(self, length: int) -> tuple[int, int, int, int]:
+        return 0, length, 0, length
+
+    def slot_bytes(self, head_dim: int) -> tuple[int, int]:
+        """(key, value) bytes of one token-head slot of a quantized layer; the even-size pad goes to V."""
+        k, v = self.keys.row_bytes(head_dim), self.values.row_bytes(head_dim)
+        return k, v + (k + v) % 2
+
+    def kv_bytes(self, length: int, num_kv_heads: int, head_dim: int) -> tuple[float, float]:
+        """Mean over layers of the K and V bytes one layer stores (boundary layers store BF16)."""
+        k_row, v_row = self.slot_bytes(head_dim)
+        bf16_row = head_dim * BF16_BYTES
+        skipped = len(self.skip_layers)
+        quantized = self.num_layers - skipped
+
+        def mean(row):
+            return length * num_kv_heads * (quantized * row + skipped * bf16_row) / self.num_layers
+
+        return mean(k_row), mean(v_row)
+
+    def describe(self) -> dict[str, Any]:
+        return {"family": self.family, "preset": f"turboquant_{self.preset}", "rotation": self.rotation,
+                "key_bits": self.keys.bits, "value_bits": self.values.bits,
+                "norm_correction": self.keys.norm_correction, "windows": None,
+                "skip_layers": sorted(self.skip_layers),
+                "codec": ("keys: FP8 e4m3" if self.keys.bits == TURBOQUANT_FP8_KEY_BITS else
+                          f"keys: rotation + {self.keys.bits}-bit Lloyd-Max of N(0,1/D) on k/|k|, fp16 |k|")
+                         + f"; values: {self.values.bits}-bit uniform min/max per token-head, fp16 scale+min",
+                "source": "vLLM turboquant_* KV cache dtypes (TurboQuant, Zandieh et al., arXiv:2504.19874)"}
+
+
+# ---------------------------------------------------------------------------------------------
 # Spec parsing
 
 _OPTIONS = {
@@ -419,6 +636,7 @@ _OPTIONS = {
     "quarot-int2": {"windows", "page", "group", "clip", "levels"},
     "oscar": {"windows", "page", "group", "clip", "levels", "artifact"},
     "kivi2": {"group", "residual"},
+    "turboquant": {"preset", "skip", "rotation", "seed"},
 }
 
 
@@ -498,6 +716,36 @@ def _codec_from(options, artifact, num_layers: int, head_dim: int) -> FormatV1Co
     return FormatV1Codec(group, k_clip, v_clip, levels, value_levels)
 
 
+def _turboquant(spec: str, options: dict[str, str], num_layers: int, num_kv_heads: int,
+                head_dim: int) -> TurboQuantMethod:
+    preset = options.get("preset", TURBOQUANT_DEFAULT_PRESET)
+    if preset not in TURBOQUANT_PRESETS:
+        raise ValueError(f"turboquant preset={preset!r} must be one of {list(TURBOQUANT_PRESETS)}")
+    key_bits, value_bits, norm_correction = TURBOQUANT_PRESETS[preset]
+    skip = _int(options.get("skip", str(TURBOQUANT_BOUNDARY_LAYERS)), "skip")
+    if skip < 0:
+        raise ValueError(f"turboquant skip={skip} must be ≥ 0")
+    rotation = options.get("rotation", "hadamard")
+    if rotation not in ("hadamard", "random"):
+        raise ValueError(f"turboquant rotation={rotation!r} must be 'hadamard' or 'random'")
+    if "seed" in options and rotation != "random":
+        raise ValueError("turboquant seed= applies only to rotation=random")
+    if (head_dim * value_bits) % 8 or (key_bits != TURBOQUANT_FP8_KEY_BITS and (head_dim * key_bits) % 8):
+        raise ValueError(f"turboquant_{preset} needs {head_dim=} to pack into whole bytes")
+    skipped = turboquant_boundary_layers(num_layers, skip)
+    if key_bits == TURBOQUANT_FP8_KEY_BITS:
+        k_rotation, rotation = None, "none (FP8 keys)"
+    else:
+        if rotation == "hadamard":
+            k_rotation = _hadamard_rotations(num_layers, num_kv_heads, head_dim)
+        else:
+            k_rotation = _haar_rotations(num_layers, num_kv_heads, head_dim, _int(options.get("seed", "0"), "seed"))
+        for layer in skipped:
+            k_rotation[layer] = np.eye(head_dim, dtype=np.float32)
+    return TurboQuantMethod(spec, preset, TurboQuantKeys(key_bits, norm_correction), TurboQuantValues(value_bits),
+                            num_layers, skipped, k_rotation, rotation)
+
+
 def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int, artifact=None,
                  load_artifact=None) -> KVMethod:
     """Build a method from its spec; `artifact` (a RotationArtifact) is required by 'oscar'.
@@ -513,6 +761,8 @@ def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int
     if name == "kivi2":
         return KiviMethod(spec, group_size=_int(options.get("group", str(KIVI_GROUP_SIZE)), "group"),
                           residual=_int(options.get("residual", str(KIVI_RESIDUAL)), "residual"))
+    if name == "turboquant":
+        return _turboquant(spec, options, num_layers, num_kv_heads, head_dim)
     windows = _windows(options)
     if name in ("naive-int2", "int4"):
         group = _int(options["group"], "group") if "group" in options else head_dim

@@ -308,3 +308,138 @@ def test_at_rest_history():
         split = tier_split(length, OscarConfig(head_dim=D, sink=16, recent=32))
         assert oscar.at_rest_history(length)[:2] == (split.history_start, split.recent_start)
         assert build("bf16").at_rest_history(length) == (0, 0, 0, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# TurboQuant (vLLM's turboquant_* presets)
+
+from calibration.methods import (  # noqa: E402
+    TURBOQUANT_PRESETS,
+    TurboQuantKeys,
+    TurboQuantMethod,
+    TurboQuantValues,
+    lloyd_max_gaussian,
+    turboquant_boundary_layers,
+)
+
+
+def _lloyd_max_mse(bits):
+    """E[(x − Q(x))²] for x ~ N(0, 1), in closed form: 1 − Σ_i P(cell i)·c_i² (centroids = cell means)."""
+    from math import erf, sqrt
+
+    c, b = lloyd_max_gaussian(bits)
+    cdf = np.array([0.0] + [0.5 * (1 + erf(x / sqrt(2))) for x in b] + [1.0])
+    return 1.0 - float(np.sum(np.diff(cdf) * c**2))
+
+
+def test_lloyd_max_levels_match_the_published_tables():
+    # Max (1960) / Lloyd (1982): the optimal quantizers of the unit Gaussian.
+    np.testing.assert_allclose(lloyd_max_gaussian(1)[0], [-0.7979, 0.7979], atol=1e-4)
+    np.testing.assert_allclose(lloyd_max_gaussian(2)[0], [-1.5104, -0.4528, 0.4528, 1.5104], atol=1e-4)
+    np.testing.assert_allclose(lloyd_max_gaussian(3)[0][4:], [0.2451, 0.7560, 1.3439, 2.1520], atol=1e-4)
+    for bits, mse in ((1, 0.3634), (2, 0.1175), (3, 0.03454), (4, 0.009497)):
+        c, b = lloyd_max_gaussian(bits)
+        assert len(c) == 1 << bits and np.all(np.diff(c) > 0)
+        np.testing.assert_allclose(c, -c[::-1], atol=1e-12)  # symmetric
+        np.testing.assert_allclose(b, (c[:-1] + c[1:]) / 2)  # nearest-centroid boundaries
+        assert _lloyd_max_mse(bits) == pytest.approx(mse, rel=2e-3)
+    with pytest.raises(ValueError, match="bits=0"):
+        lloyd_max_gaussian(0)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("norm_correction", [False, True])
+def test_turboquant_keys_nearest_centroid_and_error_bound(bits, norm_correction):
+    rng = np.random.default_rng(bits)
+    x = (rng.standard_normal((4, 5, D)) * rng.uniform(0.1, 30, (4, 5, 1))).astype(np.float32)
+    out = TurboQuantKeys(bits, norm_correction).quantize(x)
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    unit, c = x / norm, lloyd_max_gaussian(bits)[0] / np.sqrt(D)
+    nearest = c[np.argmin(np.abs(unit[..., None] - c), axis=-1)]  # brute force over the levels
+    if norm_correction:
+        np.testing.assert_allclose(np.linalg.norm(out, axis=-1, keepdims=True), norm, rtol=1e-3)  # fp16 ‖k‖
+        nearest = nearest / np.linalg.norm(nearest, axis=-1, keepdims=True)
+    np.testing.assert_allclose(out, np.float16(norm).astype(np.float32) * nearest, rtol=1e-5, atol=1e-6)
+    # Gaussian rows: each coordinate of k/‖k‖ is ≈ N(0, 1/D), so the relative MSE is ≈ the Lloyd-Max MSE
+    rel = np.sum((out - x) ** 2) / np.sum(x**2)
+    assert rel < 1.6 * _lloyd_max_mse(bits)
+    assert np.all(TurboQuantKeys(bits, norm_correction).quantize(np.zeros((2, D), np.float32)) == 0)
+
+
+def test_turboquant_fp8_keys():
+    x = np.random.default_rng(0).standard_normal((3, D)).astype(np.float32)
+    out = TurboQuantKeys(8, False).quantize(x)
+    assert np.all(np.abs(out - x) <= np.abs(x) * 2.0**-4 + 2.0**-10)  # e4m3: 3 mantissa bits
+    assert TurboQuantKeys(8, False).row_bytes(D) == D
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_turboquant_values_uniform_levels(bits):
+    rng = np.random.default_rng(bits)
+    x = (rng.standard_normal((6, D)) * 3 + rng.standard_normal((6, 1))).astype(np.float32)
+    out = TurboQuantValues(bits).quantize(x)
+    lo, hi = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
+    scale = (hi - lo) / ((1 << bits) - 1)
+    codes = (out - np.float16(lo).astype(np.float32)) / np.float16(scale).astype(np.float32)
+    np.testing.assert_allclose(codes, np.rint(codes), atol=1e-3)  # on the grid min + j·scale
+    assert codes.min() > -0.01 and codes.max() < (1 << bits) - 1 + 0.01
+    assert len(np.unique(np.rint(codes))) <= 1 << bits
+    assert np.all(np.abs(out - x) <= scale / 2 + 2e-3 * (np.abs(x) + np.abs(lo)) + 1e-3)  # ½ step + fp16
+    const = np.full((2, D), 1.25, np.float32)
+    np.testing.assert_allclose(TurboQuantValues(bits).quantize(const), const)
+
+
+def test_turboquant_boundary_layers_follow_vllm():
+    assert turboquant_boundary_layers(32) == {0, 1, 30, 31}
+    assert turboquant_boundary_layers(32, 0) == set()
+    assert turboquant_boundary_layers(4) == {0, 1, 2, 3}
+    assert turboquant_boundary_layers(8, 10) == set(range(8))
+    assert turboquant_boundary_layers(30) == {0, 1, 28, 29}
+
+
+def test_turboquant_bits_hand_counts():
+    def tq(spec, num_layers=L):
+        return parse_method(spec, num_layers=num_layers, num_kv_heads=HKV, head_dim=D)
+
+    # D = 64, 3bit_nc: key 24 code bytes + 2 (fp16 norm), value 24 + 4 (fp16 scale, min) = 54-byte slot
+    m = tq("turboquant:skip=0")
+    assert m.slot_bytes(D) == (26, 28)
+    assert bits_per_element(m, 2048, HKV, D) == pytest.approx(54 * 8 / 128) == pytest.approx(3.375)
+    assert bits_per_element(m, 7, HKV, D) == pytest.approx(3.375)  # no windows: the same at any length
+    assert bits_per_element(tq("turboquant:preset=k3v2_nc:skip=0"), 2048, HKV, D) == pytest.approx(46 * 8 / 128)
+    assert bits_per_element(tq("turboquant:preset=k3v4_nc:skip=0"), 2048, HKV, D) == pytest.approx(62 * 8 / 128)
+    assert bits_per_element(tq("turboquant:preset=4bit_nc:skip=0"), 2048, HKV, D) == pytest.approx(70 * 8 / 128)
+    assert bits_per_element(tq("turboquant:preset=k8v4:skip=0"), 2048, HKV, D) == pytest.approx(100 * 8 / 128)
+    # vLLM's default keeps 2 + 2 of SmolLM2's 30 layers in BF16
+    assert bits_per_element(tq("turboquant", 30), 2048, HKV, D) == pytest.approx((26 * 3.375 + 4 * 16) / 30)
+    assert bits_per_element(tq("turboquant"), 2048, HKV, D) == 16.0  # 2 layers: both are boundary layers
+    # at D = 128 the 3bit_nc slot is 50 + 52 bytes = 3.1875 bits
+    m128 = parse_method("turboquant:skip=0", num_layers=L, num_kv_heads=1, head_dim=128)
+    assert bits_per_element(m128, 100, 1, 128) == pytest.approx(102 * 8 / 256)
+    for preset in TURBOQUANT_PRESETS:
+        assert sum(tq(f"turboquant:preset={preset}").slot_bytes(D)) % 2 == 0  # slot_size_aligned
+
+
+def test_turboquant_tiers_rotation_and_options():
+    m = parse_method("turboquant", num_layers=6, num_kv_heads=HKV, head_dim=D)
+    assert isinstance(m, TurboQuantMethod) and m.skip_layers == {0, 1, 4, 5} and m.v_rotation is None
+    iv = m.history_intervals(9)
+    assert iv.k_start.tolist() == [0] * 9 and iv.k_end.tolist() == list(range(1, 10))  # itself included
+    assert iv.v_end.tolist() == iv.k_end.tolist() and m.at_rest_history(9) == (0, 9, 0, 9)
+    h = hadamard_matrix(D, np.float32)
+    np.testing.assert_array_equal(m.k_rotation[2, 1], h)
+    np.testing.assert_array_equal(m.k_rotation[0, 0], np.eye(D, dtype=np.float32))  # boundary: unrotated BF16
+    x = np.random.default_rng(0).standard_normal((1, 3, HKV, D)).astype(np.float32)
+    np.testing.assert_array_equal(m.quantize_keys(0, x), x)
+    np.testing.assert_array_equal(m.quantize_values(5, x), x)
+    assert not np.allclose(m.quantize_keys(2, x), x)
+    r = parse_method("turboquant:rotation=random:seed=3:skip=0", num_layers=2, num_kv_heads=HKV, head_dim=D).k_rotation
+    np.testing.assert_allclose(np.einsum("lkde,lkfe->lkdf", r, r), np.broadcast_to(np.eye(D), r.shape), atol=1e-5)
+    assert not np.allclose(r[0, 0], r[0, 1])  # one per (layer, KV head)
+    assert parse_method("turboquant:preset=k8v4", num_layers=2, num_kv_heads=HKV, head_dim=D).k_rotation is None
+    assert m.describe()["preset"] == "turboquant_3bit_nc"
+    for spec, match in (("turboquant:preset=2bit", "preset='2bit'"), ("turboquant:skip=-1", "skip=-1"),
+                        ("turboquant:rotation=dct", "rotation='dct'"), ("turboquant:seed=1", "seed= applies"),
+                        ("turboquant:group=32", "no option 'group'")):
+        with pytest.raises(ValueError, match=match):
+            parse_method(spec, num_layers=2, num_kv_heads=HKV, head_dim=D)
