@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oscar_jax.parallel import add_distributed_arguments, validate_distributed_arguments
 from shared_math.spec import OscarConfig
 from shared_math.tiers import bf16_kv_bytes_per_layer, kv_bytes_per_layer
 
@@ -83,12 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--max-seq-len", type=int, default=None, help="cache capacity (default: prompt + new tokens)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices the model and the INT2 cache are split over, by heads (default: 1)")
-    multi = p.add_argument_group("multi-host (one process per host; default: JAX_COORDINATOR_ADDRESS, "
-                                 "JAX_NUM_PROCESSES, JAX_PROCESS_ID when set)")
-    multi.add_argument("--coordinator-address", help="host:port of process 0")
-    multi.add_argument("--num-processes", type=int)
-    multi.add_argument("--process-id", type=int)
+    add_distributed_arguments(p)
     args = p.parse_args(argv)
+    validate_distributed_arguments(p, args)
     if args.tensor_parallel_size < 1:
         p.error(f"--tensor-parallel-size={args.tensor_parallel_size} must be at least 1")
     if args.tensor_parallel_size > 1 and args.kv_cache_dtype != "int2":
@@ -104,10 +102,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from oscar_jax.parallel import initialize_distributed, make_mesh
+    from oscar_jax.parallel import initialize_from_args, make_mesh
 
     try:  # before anything else touches JAX's backends
-        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+        initialize_from_args(args)
         mesh = make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -29,6 +29,7 @@ the same program on the same inputs (the allocator is deterministic), one proces
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import os
@@ -70,12 +71,51 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
             return False
         num_processes = _env_int("JAX_NUM_PROCESSES")
         process_id = _env_int("JAX_PROCESS_ID")
-    elif None in (coordinator_address, num_processes, process_id):
-        raise ValueError(f"multi-host needs all of {coordinator_address=}, {num_processes=}, {process_id=}")
+    else:
+        check_distributed_flags(coordinator_address, num_processes, process_id)
     if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
         raise ValueError(f"{process_id=} must be in [0, {num_processes=})")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
     return True
+
+
+def check_distributed_flags(coordinator_address: str | None, num_processes: int | None,
+                            process_id: int | None) -> None:
+    """Raises ValueError unless the three are all None (one process, or the environment's
+    variables) or all given, with 0 <= process_id < num_processes."""
+    given = (coordinator_address, num_processes, process_id)
+    if all(v is None for v in given):
+        return
+    if None in given:
+        raise ValueError(f"multi-host needs all of {coordinator_address=}, {num_processes=}, {process_id=}")
+    if num_processes < 1:
+        raise ValueError(f"{num_processes=} must be at least 1")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"{process_id=} must be in [0, {num_processes=})")
+
+
+def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+    """The multi-host flags every entry point takes (`oscar_jax.generate`, `oscar_jax.serve`);
+    `initialize_from_args` acts on them."""
+    multi = parser.add_argument_group("multi-host (one process per host; default: JAX_COORDINATOR_ADDRESS, "
+                                      "JAX_NUM_PROCESSES, JAX_PROCESS_ID when set)")
+    multi.add_argument("--coordinator-address", help="host:port of process 0")
+    multi.add_argument("--num-processes", type=int)
+    multi.add_argument("--process-id", type=int)
+
+
+def validate_distributed_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """parser.error (exit 2, the message naming the flags) on a partial or out-of-range set."""
+    try:
+        check_distributed_flags(args.coordinator_address, args.num_processes, args.process_id)
+    except ValueError as e:
+        parser.error(f"--coordinator-address, --num-processes, --process-id: {e}")
+
+
+def initialize_from_args(args: argparse.Namespace) -> bool:
+    """initialize_distributed from the flags of add_distributed_arguments; call it before
+    anything else touches JAX's backends."""
+    return initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
 
 
 def _env_int(name: str) -> int | None:
@@ -330,5 +370,6 @@ def shard_pages(cache: OscarKVCache, name: str) -> list[np.ndarray]:
     return [np.asarray(s.data) for s in sorted(array.addressable_shards, key=lambda s: s.index[2].start or 0)]
 
 
-__all__ = ["TP_AXIS", "TensorParallel", "initialize_distributed", "make_mesh", "param_specs", "cache_specs",
+__all__ = ["TP_AXIS", "TensorParallel", "add_distributed_arguments", "initialize_distributed", "initialize_from_args",
+           "validate_distributed_arguments", "make_mesh", "param_specs", "cache_specs",
            "shard_pages"]

@@ -10,11 +10,14 @@ with the same scheduler. Pools: by default room for --max-num-seqs sequences of 
 tokens; --kv-cache-memory (bytes; K/M/G/KiB/MiB/GiB suffixes) or --num-bf16-pages /
 --num-int2-pages size them explicitly (then requests wait, or are preempted, when pages run out).
 The server compiles its batch and chunk shapes before it answers /health (--no-warmup skips it).
+Multi-host (one process per host, as `oscar_jax.generate`): every process is started with the
+same flags and its own --process-id; process 0 serves HTTP and the others run its engine steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import re
 import sys
@@ -22,6 +25,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from oscar_jax.parallel import add_distributed_arguments, initialize_from_args, validate_distributed_arguments
 
 DEFAULT_MODEL = "smollm2-135m"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
@@ -79,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices the model and the cache are split over, by heads (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="compile on first use instead of at startup")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_distributed_arguments(p)
     return p
 
 
@@ -94,6 +100,7 @@ def parse_args(argv=None):
         p.error("give --kv-cache-memory or --num-bf16-pages / --num-int2-pages, not both")
     if not 0 < args.port < 65536:
         p.error(f"--port={args.port} must be in [1, 65535]")
+    validate_distributed_arguments(p, args)
     return args
 
 
@@ -231,12 +238,25 @@ def main(argv=None) -> int:
     from shared_math.artifact import ArtifactError
 
     try:
+        initialize_from_args(args)  # before anything else touches JAX's backends
         engine, tokenizer, chat, name = build_engine(args, log=log)
     except (ValueError, FileNotFoundError, ArtifactError, NotImplementedError) as err:
         log(f"error: {err}")
         return 2
     if not args.no_warmup:
         warmup(engine, log=log)
+
+    import jax
+
+    from oscar_jax.serving.multihost import StepMirror, follow
+
+    mirror = StepMirror() if jax.process_count() > 1 else None
+    if mirror is not None and not mirror.is_source:
+        log(f"[oscar] process {jax.process_index()} of {jax.process_count()}: running process 0's engine steps")
+        steps = follow(engine, mirror)
+        log(f"[oscar] process 0 stopped serving after {steps} steps")
+        jax.distributed.shutdown()  # process 0 waits for every process here before it exits
+        return 0
 
     import uvicorn
 
@@ -245,16 +265,43 @@ def main(argv=None) -> int:
     from oscar_jax.serving.server import Server, create_app
 
     metrics = Metrics(name)
-    async_engine = AsyncEngine(engine, metrics)
+    async_engine = AsyncEngine(engine, metrics, mirror)
     async_engine.start()
     metrics.update(engine)
-    app = create_app(Server(async_engine, tokenizer, chat, name))
+
+    def shutdown():
+        async_engine.stop()  # with a mirror: tells the other processes to stop
+        if mirror is not None:
+            jax.distributed.shutdown()
+
+    app = StopOnShutdown(create_app(Server(async_engine, tokenizer, chat, name)), shutdown)
     log(f"[oscar] serving {name!r} on http://{args.host}:{args.port}/v1")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         async_engine.stop()
     return 0
+
+
+class StopOnShutdown:
+    """An ASGI app that runs `stop` (in a thread) when the server shuts down, before uvicorn
+    returns: on SIGTERM or SIGINT uvicorn re-raises the signal once it has shut down, so code
+    after `uvicorn.run` may never run."""
+
+    def __init__(self, app, stop):
+        self.app, self.stop = app, stop
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def receive_then_stop():
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                await asyncio.to_thread(self.stop)
+            return message
+
+        return await self.app(scope, receive_then_stop, send)
 
 
 if __name__ == "__main__":

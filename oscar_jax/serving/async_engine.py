@@ -3,7 +3,8 @@
 Every engine call (add_request, abort, step) runs on the engine thread, so the engine needs no
 locks; handlers hand work over through an inbox and receive outputs on an asyncio.Queue per
 HTTP call. An add_request that the engine rejects (ValueError) fails the handler's future with
-that error, which the server turns into a 400.
+that error, which the server turns into a 400. With a StepMirror (several processes), the calls
+that changed the schedule go to the other processes before each step (oscar_jax.serving.multihost).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import traceback
 
 from oscar_jax.serving.engine import Engine, RequestOutput
 from oscar_jax.serving.metrics import Metrics
+from oscar_jax.serving.multihost import HEARTBEAT_S, StepMirror, encode_abort, encode_add, with_seed
 from oscar_jax.serving.sampling import SamplingParams
 
 log = logging.getLogger("oscar_jax.serving")
@@ -30,8 +32,9 @@ class EngineFailure:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, metrics: Metrics):
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: Engine, metrics: Metrics, mirror: StepMirror | None = None):
+        self.engine, self.metrics, self.mirror = engine, metrics, mirror
+        self._events: list[dict] = []  # the engine calls the mirror has not sent yet
         self._inbox: list = []
         self._wake = threading.Condition()
         self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -82,24 +85,46 @@ class AsyncEngine:
         for kind, payload, route, done in items:
             if kind == "add":
                 loop = route[0]
+                prompt_ids, params, request_id, tenant = payload
+                if self.mirror is not None:
+                    params = with_seed(params)
                 try:
-                    self.engine.add_request(*payload)
+                    self.engine.add_request(prompt_ids, params, request_id, tenant)
                 except ValueError as err:
                     loop.call_soon_threadsafe(_settle, done, err)
                     continue
-                self._routes[payload[2]] = route
+                self._record(encode_add(prompt_ids, params, request_id, tenant))
+                self._routes[request_id] = route
                 loop.call_soon_threadsafe(_settle, done, None)
             else:
-                self.engine.abort(payload)  # its final output arrives with the next step
+                self._abort(payload)  # its final output arrives with the next step
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine.abort(request_id):
+            self._record(encode_abort(request_id))
+
+    def _record(self, event: dict) -> None:
+        if self.mirror is not None:
+            self._events.append(event)
+
+    def _send(self, *, stop: bool = False) -> None:
+        if self.mirror is not None:
+            events, self._events = self._events, []
+            self.mirror.send(events, stop=stop)
 
     def _run(self) -> None:
         while True:
             with self._wake:
                 while not (self._inbox or self._stopped or self.engine.has_work()):
-                    self._wake.wait()
-                if self._stopped:
-                    return
+                    # with a mirror, an idle wait ends in an empty message: a heartbeat
+                    if not self._wake.wait(timeout=HEARTBEAT_S if self.mirror is not None else None):
+                        break
+                stopped = self._stopped
+            if stopped:
+                self._send(stop=True)
+                return
             self._drain_inbox()
+            self._send()
             if not self.engine.has_work():
                 self.metrics.update(self.engine)
                 continue
@@ -110,7 +135,7 @@ class AsyncEngine:
                 message = traceback.format_exc()
                 log.error("engine step failed; aborting the live requests\n%s", message)
                 for request_id in list(self.engine.requests):
-                    self.engine.abort(request_id)
+                    self._abort(request_id)
                     self._deliver(request_id, EngineFailure(request_id, message.strip().splitlines()[-1]), True)
                 self.engine.step()  # drains the abort outputs (no device work: nothing is live)
                 self.metrics.update(self.engine)

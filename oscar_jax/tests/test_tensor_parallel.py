@@ -13,8 +13,10 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
@@ -206,9 +208,116 @@ def test_server_takes_tensor_parallel_size():
         serve.parse_args(["--tensor-parallel-size", "0"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--num-processes", "2"], "multi-host needs all of coordinator_address=None, num_processes=2, process_id=None"),
+    (["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"],
+     "process_id=2 must be in [0, num_processes=2)"),
+    (["--coordinator-address", "h:1", "--num-processes", "0", "--process-id", "0"], "num_processes=0 must be at least 1"),
+])
+def test_generate_and_serve_refuse_the_same_bad_multi_host_flags(capsys, argv, message):
+    serve = pytest.importorskip("oscar_jax.serve")
+    from oscar_jax.generate import parse_args as generate_args
+
+    hosts = serve.parse_args(["--coordinator-address", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "1"])
+    assert (hosts.coordinator_address, hosts.num_processes, hosts.process_id) == ("10.0.0.1:1234", 2, 1)
+    for parse in (serve.parse_args, lambda a: generate_args(["--prompt", "hi", *a])):
+        with pytest.raises(SystemExit) as exit_info:
+            parse(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+def test_mirrored_engine_calls_survive_their_json_round_trip():
+    """What process 0 sends the others (oscar_jax.serving.multihost) replays the same calls."""
+    import json
+
+    from oscar_jax.serving.multihost import apply_events, encode_abort, encode_add, with_seed
+    from oscar_jax.serving.sampling import SamplingParams
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def add_request(self, *args):
+            self.calls.append(("add", *args))
+
+        def abort(self, request_id):
+            self.calls.append(("abort", request_id))
+
+    params = SamplingParams(max_tokens=5, temperature=0.7, top_k=3, stop=("\n\n",), stop_token_ids=(2, 7))
+    seeded = with_seed(params)
+    assert seeded.seed is not None and with_seed(seeded) is seeded
+    events = [encode_add(np.array([[5, 6, 7]]), seeded, "r1", "tenant"), encode_abort("r0")]
+    engine = Recorder()
+    apply_events(engine, json.loads(json.dumps(events)))
+    assert engine.calls == [("add", [5, 6, 7], seeded, "r1", "tenant"), ("abort", "r0")]
+
+
 def test_serving_engine_over_tp_2_answers_like_one_device(tmp_path):
     """oscar_jax.serving's Engine (what `python -m oscar_jax.serve --tensor-parallel-size 2`
     runs): chunked prefill, batched decode and seeded sampling give the one-device tokens."""
     result = run_worker(tmp_path, "engine", "qwen3")
     assert result["tp2"] == result["one_device"]
     assert [len(t) for t in result["one_device"].values()] == [10, 6, 8]
+
+
+@pytest.mark.slow  # ~70 s on a shared 2-core machine: two servers and a one-process engine compile
+def test_two_process_server_answers_like_one_process(tmp_path):
+    """`python -m oscar_jax.serve` across two processes (one CPU device each, tp 2 over
+    jax.distributed on 127.0.0.1): process 0 answers HTTP with the tokens a one-process engine
+    gives; process 1 runs the same steps and exits when process 0 stops."""
+    import httpx
+
+    from oscar_jax.serve import build_engine, parse_args
+    from oscar_jax.serving.sampling import SamplingParams
+    from oscar_jax.tests.serving_model import write_tiny_model
+
+    model_dir, rotation_dir = write_tiny_model(tmp_path)
+    common = ["--model", str(model_dir), "--oscar-rotation-path", str(rotation_dir), "--served-model-name", "tiny",
+              "--max-model-len", "128", "--prefill-chunk", "32", "--max-num-seqs", "2", "--decode-buckets", "2",
+              "--oscar-sink-size", "16", "--oscar-recent-size", "32", "--no-warmup"]
+    requests = {"a": ([11, 12, 13, 14, 15] * 9, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
+                "b": ([21, 22, 23], SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True))}
+    engine, *_ = build_engine(parse_args(common), log=lambda _: None)
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, rid)
+    reference = {rid: [] for rid in requests}
+    while engine.has_work():
+        for output in engine.step():
+            reference[output.request_id].extend(output.token_ids)
+
+    coordinator, port = _free_port(), _free_port()
+    procs, logs = [], []
+    for pid in (1, 0):
+        logs.append(tmp_path / f"serve{pid}.log")
+        multi = ["--tensor-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{coordinator}",
+                 "--num-processes", "2", "--process-id", str(pid), "--port", str(port)]
+        procs.append(subprocess.Popen([sys.executable, "-m", "oscar_jax.serve", *common, *multi], cwd=ROOT,
+                                      env=_env(devices=1, JAX_PLATFORMS="cpu"), stdout=open(logs[-1], "w"),
+                                      stderr=subprocess.STDOUT))
+    follower, leader = procs
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            assert leader.poll() is None and follower.poll() is None, logs[-1].read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        got = {}
+        for rid, (prompt, params) in requests.items():
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": params.max_tokens,
+                    "temperature": params.temperature, "seed": params.seed, "ignore_eos": True, "return_token_ids": True}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            got[rid] = r.json()
+    finally:
+        leader.terminate()
+        leader.wait(timeout=60)
+        follower.wait(timeout=60)
+    assert follower.returncode == 0, logs[0].read_text()[-3000:]
+    assert "process 0 stopped serving after" in logs[0].read_text()
+    for rid, tokens in reference.items():
+        assert len(tokens) == requests[rid][1].max_tokens
+        assert got[rid]["choices"][0]["token_ids"] == tokens, rid
