@@ -515,10 +515,11 @@ def test_passkey_prefill_mode_matches_prefill_then_decode(params, artifact):
     from calibration import passkey
 
     sample = passkey.build_sample(WordTokenizer(), _haystack_docs(), 100, 0.3, "27182")
-    methods = [build("oscar:windows=16/16", artifact), build("kivi2:group=16:residual=32"), build("bf16")]
+    methods = [build("oscar:windows=16/16", artifact), build("kivi2:group=16:residual=32"), build("turboquant:skip=0"),
+               build("bf16")]
     got = passkey.answer_logits(params, CFG, sample, methods, mode="prefill", query_chunk=16)
     p = len(sample.prompt)
-    for m in methods[:2]:  # bf16 has no history: covered by the others' BF16 tiers
+    for m in methods[:3]:  # bf16 has no history: covered by the others' BF16 tiers
         folded = prepare_params(params, CFG, m)
         cache = DecodeReference(m)
         logits, cache = prefill(folded, CFG, jnp.asarray(sample.prompt)[None], cache)
@@ -530,7 +531,7 @@ def test_passkey_prefill_mode_matches_prefill_then_decode(params, artifact):
     assert np.abs(got[methods[0].name] - got["bf16"])[1:].max() > 10 * LOGIT_ATOL  # history was read
     decode = passkey.answer_logits(params, CFG, sample, methods[:1], mode="decode", query_chunk=16)
     assert decode[methods[0].name].shape == got[methods[0].name].shape
-    result = passkey.run_passkey(params, CFG, WordTokenizer(), methods[2:], lengths=[100], depths=[0.2, 0.8],
+    result = passkey.run_passkey(params, CFG, WordTokenizer(), methods[3:], lengths=[100], depths=[0.2, 0.8],
                                  docs=_haystack_docs(), progress=False, query_chunk=16)
     assert set(result["methods"]["bf16"]["grid"]["100"]) == {"0.2", "0.8"} and len(result["samples"]) == 2
 
