@@ -103,9 +103,22 @@ def build_engine(setup: Setup, kind: str, params, *, max_model_len: int):
     runtime = OscarRuntime(params, cfg, identity_artifact(cfg), max_batch=seqs, max_seq_len=max_model_len,
                            sink=setup.sink, recent=recent, page_size=page, prefill_chunk=setup.prefill_chunk,
                            num_bf16_pages=num_bf16, num_int2_pages=num_int2)
-    engine = Engine(runtime, None, EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=setup.prefill_chunk + seqs,
+    # A fixed request count below capacity runs at most that many at once: no larger batch to compile.
+    running = min(seqs, setup.num_requests or seqs)
+    engine = Engine(runtime, None, EngineConfig(max_num_seqs=running, max_num_batched_tokens=setup.prefill_chunk + running,
                                                 prefill_chunk=setup.prefill_chunk, enable_prefix_caching=False))
     return engine, seqs
+
+
+def chunk_lengths_used(setup: Setup) -> list[int]:
+    """The chunk lengths the workload's prompts are prefilled in: only these shapes are compiled."""
+    lengths = set()
+    for prompt_len in setup.prompt_lens:
+        if prompt_len >= setup.prefill_chunk:
+            lengths.add(setup.prefill_chunk)
+        if prompt_len % setup.prefill_chunk:
+            lengths.add(prompt_len % setup.prefill_chunk)
+    return sorted(lengths)
 
 
 def workload(setup: Setup, prompt_len: int, n: int, seed: int) -> list[list[int]]:
@@ -262,7 +275,7 @@ def run(setup: Setup, *, kinds=("int2", "bf16"), http: bool = True, seed: int = 
         engine, seqs = build_engine(setup, kind, params, max_model_len=max_model_len)
         capacity[kind] = seqs
         log(f"[serve] {kind}: {seqs} sequences of {max_model_len} tokens in {setup.memory_bytes / GIB:.2f} GiB")
-        warmup(engine, log=log)  # every decode bucket and prefill chunk, outside the timed runs
+        warmup(engine, chunk_lengths=chunk_lengths_used(setup), log=log)  # outside the timed runs
         for prompt_len in setup.prompt_lens:
             n = setup.num_requests or capacity.get("int2", seqs)
             for rate in setup.rates:
@@ -279,7 +292,7 @@ def run(setup: Setup, *, kinds=("int2", "bf16"), http: bool = True, seed: int = 
         engine, seqs = build_engine(setup, "int2", params, max_model_len=max_model_len)
         prompt_len = min(setup.prompt_lens)
         n = setup.num_requests or seqs
-        warmup(engine, log=log)
+        warmup(engine, chunk_lengths=chunk_lengths_used(setup), log=log)
         engine_side = summarize_run(drive(engine, workload(setup, prompt_len, n, seed + 7), setup.output_len,
                                           math.inf), setup.output_len)
         http_side = summarize_run(http_run(engine, workload(setup, prompt_len, n, seed + 7), setup.output_len),

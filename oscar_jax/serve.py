@@ -198,36 +198,49 @@ def build_engine(args, *, log=print):
     return engine, tokenizer, chat, args.served_model_name or args.model
 
 
-def warmup(engine, *, log=print) -> None:
-    """Compile every decode bucket and prefill chunk bucket (then free everything)."""
+def prefill_chunk_lengths(runtime) -> list[int]:
+    """Every padded chunk length a prefill launch can take: powers of two from the minimum bucket."""
     from oscar_jax.runtime import MIN_PREFILL_BUCKET
+
+    lengths, length = [], MIN_PREFILL_BUCKET
+    while length < runtime.prefill_chunk:
+        lengths.append(length)
+        length *= 2
+    return lengths + [runtime.prefill_chunk]
+
+
+def warmup(engine, *, chunk_lengths=None, decode_buckets=None, log=print) -> None:
+    """Compile the prefill chunk and decode batch shapes (default: all of them), then free everything.
+
+    Each shape is logged with its time as it compiles: at Qwen3-8B depth one shape takes tens of
+    seconds on an H200, so a server's start is otherwise silent for minutes.
+    """
     from oscar_jax.serving.engine import EngineStats
     from oscar_jax.serving.sampling import SamplingParams
 
     t0 = time.perf_counter()
-    runtime = engine.runtime
-    chunk_lengths = []
-    length = MIN_PREFILL_BUCKET
-    while length < runtime.prefill_chunk:
-        chunk_lengths.append(length)
-        length *= 2
-    chunk_lengths.append(runtime.prefill_chunk)
+    chunk_lengths = prefill_chunk_lengths(engine.runtime) if chunk_lengths is None else sorted(chunk_lengths)
+    decode_buckets = engine.config.buckets if decode_buckets is None else sorted(decode_buckets)
     for i, n in enumerate(chunk_lengths):
         if n + 2 <= engine.max_model_len:
+            t = time.perf_counter()
             # a tenant of its own each, so no prompt starts at another's prefix hit
             engine.add_request([1] * n, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), f"warmup-p{i}",
                                tenant=f"warmup-p{i}")
             while engine.has_work():
                 engine.step()
-    for b in engine.config.buckets:
+            log(f"[oscar] warmup: prefill chunk {n} in {time.perf_counter() - t:.1f} s")
+    for b in decode_buckets:
+        t = time.perf_counter()
         for temperature in (0.0, 0.5):  # the greedy and the sampling kernels
             for i in range(b):
                 engine.add_request([1], SamplingParams(max_tokens=3, temperature=temperature, seed=i, ignore_eos=True),
                                    f"warmup-{b}-{temperature}-{i}", tenant=f"warmup-{b}-{i}")
             while engine.has_work():
                 engine.step()
+        log(f"[oscar] warmup: decode batch {b} in {time.perf_counter() - t:.1f} s")
     engine.stats = EngineStats()  # serving statistics start now
-    log(f"[oscar] compiled decode batches {engine.config.buckets} and prefill chunks {chunk_lengths} "
+    log(f"[oscar] compiled decode batches {list(decode_buckets)} and prefill chunks {chunk_lengths} "
         f"in {time.perf_counter() - t0:.1f} s")
 
 
