@@ -33,7 +33,8 @@ def parse_args(argv=None) -> CalibrationOptions:
     p.add_argument("--seed", type=int, default=0, help="0 = documents in title order; else a seeded shuffle")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="devices the forward pass is split over, by heads (same artifact as one device)")
+                   help="devices the weights are split over; each layer runs whole on the first, so the "
+                        "artifact is the one-device artifact, byte for byte")
     a = p.parse_args(argv)
     try:
         return CalibrationOptions(

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from calibration.calibrate import CalibrationOptions, calibrate
+from calibration.calibrate import CalibrationOptions, calibrate, recorded_options
 from calibration.evaluate import (
     check_no_calibration_overlap,
     environment,
@@ -95,7 +95,7 @@ GROUPS = tuple(dict.fromkeys(v.group for v in variants(8192, 64)))
 
 
 def _options_key(opts: CalibrationOptions) -> str:
-    fields = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("output_dir", "progress")}
+    fields = {k: v for k, v in recorded_options(opts).items() if k not in ("output_dir", "progress")}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -107,7 +107,7 @@ def artifact_for(base: CalibrationOptions, overrides: dict[str, Any], cache_dir:
     opts = dataclasses.replace(base, **overrides)
     key = _options_key(opts)
     out = cache_dir / key
-    wanted = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("output_dir", "progress")}
+    wanted = {k: v for k, v in recorded_options(opts).items() if k not in ("output_dir", "progress")}
     try:
         art = read_artifact(out)
         stored = {k: v for k, v in art.provenance.get("options", {}).items() if k not in ("output_dir", "progress")}

@@ -76,6 +76,16 @@ class CalibrationOptions:
         clip_index(self.v_clip_ratio, 16)
 
 
+# How a run is carried out, not what it computes: the artifact is the same bytes whatever they
+# are, so the provenance does not record them.
+RUN_ONLY_OPTIONS = ("tensor_parallel_size",)
+
+
+def recorded_options(opts: CalibrationOptions) -> dict:
+    """The options an artifact's provenance records (all but RUN_ONLY_OPTIONS)."""
+    return {k: v for k, v in dataclasses.asdict(opts).items() if k not in RUN_ONLY_OPTIONS}
+
+
 def _git_sha() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -88,10 +98,10 @@ def _git_sha() -> str:
 def _layer_activations(params, cfg, tokens, tp=None):
     """(layer, q [T, Hq, D], k [T, Hkv, D], v, attention output [T, Hq, D]) as float64 numpy.
 
-    tp (oscar_jax.parallel.TensorParallel, params sharded by it): the forward pass runs split by
-    heads; each head's activations come from its shard, and the float64 sums below are the same
-    code as on one device, so the artifact is the one-device artifact up to the forward pass's
-    float32 rounding (the shards sum W_o and W_down in another order)."""
+    tp (oscar_jax.parallel.TensorParallel, params sharded by it): the weights stay split over the
+    mesh and each layer runs whole on its first device (oscar_jax.parallel.iter_layer_activations),
+    so the activations, and everything computed from them here, are one device's bits: the
+    artifact is the one-device artifact, byte for byte."""
     from oscar_jax.model import iter_layer_activations
     from oscar_jax.parallel import iter_layer_activations as iter_sharded
 
@@ -174,7 +184,7 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
 
     provenance = {
         "command": command or "calibration.calibrate(...)",
-        "options": dataclasses.asdict(opts),
+        "options": recorded_options(opts),
         "data": opts.calib_data,
         "calibration_tokens": int(len(calib)),
         "heldout_tokens": int(len(heldout)),

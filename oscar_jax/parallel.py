@@ -41,8 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from oscar_jax.cache import POOL_NAMES, OscarKVCache, StepPlan
-from oscar_jax.cache_api import reference_attention
-from oscar_jax.model import LayerActivations, ModelConfig, Params, decode_step, decoder_layer, embed, fuse_qkv, prefill
+from oscar_jax.model import ModelConfig, Params, _causal_layer_jit, decode_step, fuse_qkv, prefill
 
 TP_AXIS = "tp"
 
@@ -212,6 +211,16 @@ class TensorParallel:
             params = fuse_qkv(params, shards=self.size)
         return jax.tree_util.tree_map_with_path(lambda path, w: self.put(w, _param_spec(path)), params)
 
+    def gather_layer(self, layer: Params, device) -> Params:
+        """One layer of `shard_params(..., fuse=False)` whole on `device`, as the model has it
+        (each replicated KV head's projections once): an exact copy of the unsharded weights."""
+        whole = {name: jax.device_put(w, device) for name, w in layer.items()}
+        if self.kv_replicas > 1:
+            h, d, r = self.cfg.hidden_size, self.cfg.head_dim, self.kv_replicas
+            for name in ("wk", "wv"):
+                whole[name] = whole[name].reshape(h, -1, d)[:, ::r].reshape(h, -1)
+        return whole
+
     def create_cache(self, config, *, num_bf16_pages: int, num_int2_pages: int, k_rotation, k_clip_ratio,
                      v_clip_ratio, interpret: bool | None = None) -> OscarKVCache:
         """OscarKVCache.create with every pool allocated sharded (never whole on one device)."""
@@ -262,37 +271,36 @@ class TensorParallel:
 
 
 def iter_layer_activations(params: Params, tp: TensorParallel, tokens, *, positions=None):
-    """model.iter_layer_activations on a mesh (calibration's forward pass): `params` from
-    `tp.shard_params(..., fuse=False)`; yields (layer, LayerActivations) with every head's
-    activations gathered from its shard (KV heads as the model has them, replicas dropped)."""
+    """model.iter_layer_activations for weights split over a mesh (calibration's forward pass of
+    a model larger than one device): `params` from `tp.shard_params(..., fuse=False)`; yields
+    (layer, LayerActivations) with the model's own KV heads (replicas dropped).
+
+    The activations are the bits one device computes, so calibration writes the one-device
+    artifact: each layer's weights are gathered onto the mesh's first device (a copy, no
+    arithmetic) and run there by model.py's one-device layer program; only one layer's weights
+    are whole at a time. A sharded forward pass could not promise that: its all-reduces add W_o's
+    and W_down's per-shard partial products in another order than one GEMM does, and even a
+    column shard is a narrower GEMM that XLA may block, and so round, differently."""
+    device = tp.mesh.devices.flat[0]
     tokens = np.asarray(tokens, np.int32)
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape) if positions is None \
         else np.asarray(positions, np.int32)
-    tokens, positions = tp.put(tokens), tp.put(positions)
-    x = _embed_step(params["embed"], tokens, tp=tp)
+    cfg = dataclasses.replace(tp.cfg, num_kv_heads=tp.cfg.num_kv_heads // tp.kv_replicas)
+    x = jax.device_put(_embedding_rows(params["embed"], tokens), device)
+    positions = jax.device_put(positions, device)
     for index, layer in enumerate(params["layers"]):
-        x, acts = _causal_layer_step(layer, x, positions, tp=tp)
-        r = tp.kv_replicas
-        yield index, acts if r == 1 else acts._replace(k=acts.k[:, :, ::r], v=acts.v[:, :, ::r])
+        x, acts = _causal_layer_jit(tp.gather_layer(layer, device), cfg, x, positions)
+        yield index, acts
 
 
-@functools.partial(jax.jit, static_argnames="tp")
-def _embed_step(table, tokens, *, tp: TensorParallel):
-    return _shard_map(tp, lambda table, tokens: embed({"embed": table}, tokens, TP_AXIS),
-                      (_PARAM_SPECS["embed"], P()), P())(table, tokens)
-
-
-@functools.partial(jax.jit, static_argnames="tp")
-def _causal_layer_step(layer, x, positions, *, tp: TensorParallel):
-    def body(layer, x, positions):
-        def causal(q, k, v):
-            return reference_attention(q, k, v, positions, positions)
-
-        return decoder_layer(layer, tp.local, x, positions, causal, TP_AXIS)
-
-    heads = P(None, None, TP_AXIS, None)  # [B, T, heads, D]
-    return _shard_map(tp, body, (param_specs(layer), P(), P()), (P(), LayerActivations(heads, heads, heads, heads)))(
-        layer, x, positions)
+def _embedding_rows(table: jax.Array, tokens: np.ndarray) -> np.ndarray:
+    """table[tokens] of a table split by rows (vocabulary), copied from the shards that hold them."""
+    rows = np.zeros(tokens.shape + table.shape[1:], table.dtype)
+    for shard in table.addressable_shards:
+        lo = shard.index[0].start or 0
+        here = (tokens >= lo) & (tokens < lo + shard.data.shape[0])
+        rows[here] = np.asarray(jnp.take(shard.data, tokens[here] - lo, axis=0))  # on the shard's device
+    return rows
 
 
 def _param_spec(path) -> P:

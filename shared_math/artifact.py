@@ -142,7 +142,7 @@ def validate_artifact(artifact: RotationArtifact, expected_model: ModelFingerpri
 
 def write_artifact(path: str | Path, artifact: RotationArtifact) -> Path:
     """Validate and write the artifact; `path` is a directory (created) or a file name. Returns the file."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     validate_artifact(artifact)
     path = Path(path)
@@ -155,8 +155,21 @@ def write_artifact(path: str | Path, artifact: RotationArtifact) -> Path:
         "codec": json.dumps(artifact.codec, sort_keys=True),
         "provenance": json.dumps(artifact.provenance, sort_keys=True),
     }
-    save_file({k: np.ascontiguousarray(v) for k, v in artifact.tensors().items()}, str(path), metadata=metadata)
+    blob = save({k: np.ascontiguousarray(v) for k, v in artifact.tensors().items()}, metadata=metadata)
+    path.write_bytes(_sorted_metadata(blob))
     return path
+
+
+def _sorted_metadata(blob: bytes) -> bytes:
+    """safetensors bytes with the header's metadata keys in sorted order. The library writes them
+    in the order of a Rust hash map, which changes from run to run; sorted, the same artifact is
+    the same bytes (tensor entries and data are left as written: their order is fixed)."""
+    size = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + size])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the format's alignment: the data starts on a multiple of 8
+    return len(text).to_bytes(8, "little") + text + blob[8 + size :]
 
 
 def _parse_json(metadata: dict[str, str], key: str, file: Path) -> Any:

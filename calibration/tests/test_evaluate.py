@@ -424,10 +424,8 @@ def test_smollm2_smoke(tmp_path):
 
 
 def test_ablations_cache_and_deduplicate(params, tmp_path):
-    import dataclasses
-
     from calibration import ablations
-    from calibration.calibrate import CalibrationOptions
+    from calibration.calibrate import CalibrationOptions, recorded_options
 
     calls = []
 
@@ -435,7 +433,7 @@ def test_ablations_cache_and_deduplicate(params, tmp_path):
         calls.append(opts)
         art = make_artifact(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, group_size=opts.group_size or 64,
                             levels=opts.levels, seed=len(calls))
-        art.provenance["options"] = dataclasses.asdict(opts)
+        art.provenance["options"] = recorded_options(opts)  # what calibrate records
         write_artifact(opts.output_dir, art)
         return art, {}
 

@@ -174,14 +174,16 @@ def test_two_processes_decode_like_one(tmp_path):
         assert host["tokens"] == single["tokens"]
 
 
-def test_calibration_statistics_on_tp_match_one_device(tmp_path):
-    """The covariances (and the rotations fitted from them) of a tp 2/4/8 forward pass equal one
-    device's up to float32 rounding of the forward pass."""
-    result = run_worker(tmp_path, "calibration", "qwen3")
-    assert set(result) == {"2", "4", "8"}
+@pytest.mark.parametrize("model, sizes", [("qwen3", {"2", "4", "8"}), ("replicated", {"4"})])
+def test_calibration_statistics_on_tp_are_one_devices_bits(tmp_path, model, sizes):
+    """The covariances (and the rotations fitted from them) with the weights split over tp 2/4/8
+    (and 2 KV heads over 4 devices, replicated) equal one device's bit for bit: each layer runs
+    whole on one device (parallel.iter_layer_activations)."""
+    result = run_worker(tmp_path, "calibration", model)
+    assert set(result) == sizes
     for tp, run in result.items():
-        assert max(run["cov_rel_diff"].values()) < 1e-5, (tp, run)
-        assert run["rotation_max_diff"] < 1e-4, (tp, run)
+        assert run["nonzero"] and all(run["cov_equal"].values()), (tp, run)
+        assert run["rotation_equal"], (tp, run)
 
 
 def test_tensor_parallel_size_flags():

@@ -57,6 +57,22 @@ def test_round_trip_directory_and_file(tmp_path):
     assert direct == tmp_path / "x.safetensors" and read_artifact(direct).group_size == 16
 
 
+def test_the_same_artifact_is_the_same_bytes(tmp_path):
+    """safetensors writes metadata in hash-map order; the writer sorts it, so rewriting an artifact
+    (or calibrating it again, on any number of devices) gives identical files that load back."""
+    art = make_artifact()
+    files = [write_artifact(tmp_path / f"a{i}.safetensors", art) for i in range(6)]
+    blobs = [f.read_bytes() for f in files]
+    assert all(b == blobs[0] for b in blobs[1:])
+    size = int.from_bytes(blobs[0][:8], "little")
+    assert size % 8 == 0
+    header = json.loads(blobs[0][8 : 8 + size])
+    assert list(header["__metadata__"]) == sorted(header["__metadata__"])
+    tensors = load_file(files[0])
+    for name, value in art.tensors().items():
+        assert np.array_equal(tensors[name], value)
+
+
 def _rewrite(tmp_path, mutate_tensors=None, mutate_meta=None):
     file = write_artifact(tmp_path, make_artifact())
     tensors = load_file(str(file))
