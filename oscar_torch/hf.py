@@ -13,8 +13,12 @@ Two pieces, used together (each refuses to run without the other):
   (`oscar_torch.cache.OscarTorchCache`: sink and recent tiers in BF16, history in INT2 pages of
   format v1) and the host planning of each step (`shared_math.allocator.PageAllocator`, pure
   numpy). Its `update(key, value, layer)` — what LlamaAttention / Qwen3Attention call — plans the
-  step at layer 0 and returns the new key/value states unchanged, tagged for the attention
-  function: it never materialises a key/value tensor of the whole sequence.
+  step at layer 0 and returns the new key/value states unchanged: it never materialises a key/value
+  tensor of the whole sequence. transformers 5.x hands the attention function neither the cache nor
+  the layer (it gets the module, q, k, v, the mask and the model's kwargs), so `update` leaves
+  (cache, layer) as this thread's pending update (`_PendingUpdate`) and the attention function takes
+  it for exactly the key tensor `update` returned — no attribute on transformers' or torch's
+  objects, no patching.
 * the attention function registered in transformers' `AttentionInterface` as "oscar". Weights
   are not folded here, so it applies the rotations itself: q' = q·R_K and k' = k·R_K (one R_K per
   KV head, inside `OscarTorchCache.attend`), v' = v·R_V before the write, and o = o'·R_Vᵀ after
@@ -49,6 +53,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +72,29 @@ from shared_math.tiling import next_power_of_two
 ATTENTION_NAME = "oscar"
 DEFAULT_MAX_CACHE_LEN = 4096
 DEFAULT_PREFILL_CHUNK = 512  # as oscar_jax.runtime: tokens per prefill launch (a multiple of the page size)
-_HANDLE = "_oscar_step"  # attribute of the key tensor that `update` returns (read by the attention function)
+
+
+class _PendingUpdate(threading.local):
+    """The (cache, layer) whose `update` ran last on this thread and the key states it returned,
+    weakly held: what the "oscar" attention function called next with those key states attends
+    through. Taken once."""
+
+    def __init__(self):
+        self._cache = self._key = None
+        self._layer = -1
+
+    def set(self, cache: "OscarHFCache", layer: int, key_states: torch.Tensor) -> None:
+        self._cache, self._layer, self._key = weakref.ref(cache), layer, weakref.ref(key_states)
+
+    def take(self, key_states: torch.Tensor):
+        """(cache, layer) if `key_states` is the tensor the pending update returned, else None."""
+        pending = self._cache and self._cache(), self._layer, self._key and self._key()
+        self._cache = self._key = None
+        cache, layer, key = pending
+        return (cache, layer) if cache is not None and key is key_states else None
+
+
+_PENDING = _PendingUpdate()
 
 
 def model_fingerprint(model_config) -> ModelFingerprint:
@@ -272,7 +300,8 @@ class OscarHFCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Called by the attention module of layer `layer_idx` with this step's key / value states
         [B, Hkv, T, D] (after RoPE). Plans the step (layer 0), then returns the states unchanged,
-        tagged for the "oscar" attention function, which writes them into the pools and attends."""
+        pending for the "oscar" attention function (`_PendingUpdate`), which writes them into the
+        pools and attends."""
         num_layers = self.fingerprint.num_layers
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
             raise ValueError(f"layer_idx={layer_idx!r} must be in [0, {num_layers})")
@@ -292,7 +321,7 @@ class OscarHFCache(Cache):
         step.updated += 1
         self._seen[layer_idx] += step.tokens
         self.layers[layer_idx].is_initialized = True
-        setattr(key_states, _HANDLE, (self, layer_idx))
+        _PENDING.set(self, layer_idx, key_states)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -585,7 +614,7 @@ def oscar_attention_forward(
 ):
     """transformers attention function "oscar": query [B, Hq, T, D], key / value [B, Hkv, T, D]
     (this step's states, as returned by OscarHFCache.update) → (output [B, T, Hq, D], None)."""
-    handle = getattr(key, _HANDLE, None)
+    handle = _PENDING.take(key)
     if handle is None:
         raise RuntimeError(
             "the 'oscar' attention implementation reads and writes an OscarHFCache: pass "
