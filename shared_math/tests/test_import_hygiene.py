@@ -12,6 +12,8 @@ def test_shared_math_imports_no_backend(tmp_path):
 import sys
 import numpy as np
 import shared_math
+import shared_math.models, shared_math.tokenizer, shared_math.wheel_cache  # the backend-neutral file layer
+assert shared_math.models.shipped_artifact("smollm2-135m") is not None
 from shared_math.tests.test_artifact import make_artifact
 shared_math.write_artifact({str(tmp_path)!r}, make_artifact())
 shared_math.read_artifact({str(tmp_path)!r})

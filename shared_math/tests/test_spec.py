@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from shared_math.spec import FORMAT_VERSION, OscarConfig, clip_index
@@ -50,3 +51,23 @@ def test_unsupported_metadata_dtype_and_bad_json():
         OscarConfig.from_dict({"format_version": 2, "head_dim": 64})
     with pytest.raises(ValueError, match="unknown OscarConfig fields"):
         OscarConfig.from_dict({"head_dim": 64, "bits": 2})
+
+
+def test_from_artifact_takes_the_codec_and_clip_from_the_artifact_and_tiers_from_the_arguments():
+    """The one place both runtimes (oscar_jax.runtime, oscar_torch.hf) build their config."""
+    from shared_math.tests.test_artifact import make_artifact
+
+    art = make_artifact()  # head_dim 16, G 16, clip 0.96 / 0.92 per layer
+    art.k_clip_ratio[:] = [0.5, 0.75]  # per layer: the config takes layer 0's
+    art.codec["levels"] = "moments"
+    config = OscarConfig.from_artifact(art)
+    defaults = OscarConfig(head_dim=16)
+    assert (config.head_dim, config.group_size, config.levels) == (16, 16, "moments")
+    assert (config.k_clip_ratio, config.v_clip_ratio) == (0.5, float(np.float32(0.92)))
+    assert (config.sink, config.recent, config.page_size) == (defaults.sink, defaults.recent, defaults.page_size)
+    chosen = OscarConfig.from_artifact(art, group_size=16, sink=0, recent=32, page_size=8)
+    assert (chosen.sink, chosen.recent, chosen.page_size) == (0, 32, 8)
+    with pytest.raises(ValueError, match="recent=20 must be a non-negative multiple of page_size=16"):
+        OscarConfig.from_artifact(art, recent=20)
+    with pytest.raises(ValueError, match="group_size"):
+        OscarConfig.from_artifact(art, group_size=32)  # wider than head_dim 16

@@ -1,0 +1,26 @@
+"""shared_math.models: model names and paths → files, and the shipped artifacts, found without a backend."""
+
+import pytest
+
+from shared_math.artifact import read_artifact
+from shared_math.models import DOWNLOADABLE, resolve_model_path, shipped_artifact, shipped_artifacts_dir
+
+
+def test_shipped_artifacts_are_found_by_model_name():
+    root = shipped_artifacts_dir()
+    assert root is not None and root.name == "artifacts" and root.parent.name == "oscar_jax"
+    for name in ("smollm2-135m", "smollm2-135m-paper"):
+        path = shipped_artifact(name)
+        assert path == root / name
+        assert read_artifact(path).model.head_dim == 64
+    for name in ("no-such-model", "", "..", "smollm2-135m/../smollm2-135m"):
+        assert shipped_artifact(name) is None, name
+
+
+def test_resolve_model_path_names_what_is_wrong(tmp_path):
+    assert resolve_model_path(tmp_path) == tmp_path  # an existing path is itself
+    with pytest.raises(FileNotFoundError, match="does-not-exist.gguf"):
+        resolve_model_path(str(tmp_path / "does-not-exist.gguf"))
+    with pytest.raises(ValueError, match=r"unknown model 'llama-9000'.*\['smollm2-135m'\]"):
+        resolve_model_path("llama-9000")
+    assert sorted(DOWNLOADABLE) == ["smollm2-135m"]
