@@ -201,17 +201,8 @@ class OscarHFCache(Cache):
                             ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        defaults = OscarConfig(head_dim=fingerprint.head_dim)
-        self.config = OscarConfig(
-            head_dim=fingerprint.head_dim,
-            group_size=group_size or artifact.group_size,
-            k_clip_ratio=float(artifact.k_clip_ratio[0]),  # per-layer ratios live in the pools
-            v_clip_ratio=float(artifact.v_clip_ratio[0]),
-            levels=artifact.levels,
-            sink=defaults.sink if sink is None else sink,
-            recent=defaults.recent if recent is None else recent,
-            page_size=page_size or defaults.page_size,
-        )
+        self.config = OscarConfig.from_artifact(artifact, group_size=group_size, sink=sink, recent=recent,
+                                                page_size=page_size)
         page = self.config.page_size
         if prefill_chunk % page:
             raise ValueError(f"{prefill_chunk=} must be a positive multiple of the page size {page}")
