@@ -281,6 +281,9 @@ def iter_layer_activations(params: Params, tp: TensorParallel, tokens, *, positi
     are whole at a time. A sharded forward pass could not promise that: its all-reduces add W_o's
     and W_down's per-shard partial products in another order than one GEMM does, and even a
     column shard is a narrower GEMM that XLA may block, and so round, differently."""
+    if not params["embed"].is_fully_addressable:
+        raise NotImplementedError(f"calibration runs in one process; the mesh spans {jax.process_count()} "
+                                  "processes (a layer is gathered onto one device of this process)")
     device = tp.mesh.devices.flat[0]
     tokens = np.asarray(tokens, np.int32)
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape) if positions is None \

@@ -153,7 +153,6 @@ def build_engine(args, *, log=print):
     """(engine, tokenizer, chat template, model name) from parsed flags. Raises ValueError,
     FileNotFoundError or ArtifactError naming what is wrong."""
     from calibration.import_rotations import read_rotation_path
-    from oscar_jax.generate import shipped_artifact
     from oscar_jax.loaders import load_model, resolve_model_path
     from oscar_jax.model import describe
     from oscar_jax.parallel import make_mesh
@@ -161,6 +160,7 @@ def build_engine(args, *, log=print):
     from oscar_jax.serving.chat import ChatTemplate, read_chat_template
     from oscar_jax.serving.engine import Engine, EngineConfig
     from oscar_jax.tokenizer import load_tokenizer
+    from shared_math.models import shipped_artifact
     from shared_math.spec import OscarConfig
 
     cfg, params = load_model(args.model)

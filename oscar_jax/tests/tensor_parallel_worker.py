@@ -260,8 +260,16 @@ def check_multihost(process_id: int, port: int) -> dict:
     cfg, params, art = model("qwen3")
     runtime = OscarRuntime(params, cfg, art, max_batch=2, mesh=make_mesh(2), **WINDOWS)
     tokens, logits = decode(runtime, steps=8)
+    from oscar_jax.parallel import iter_layer_activations
+
+    tp = TensorParallel.plan(cfg, make_mesh(2))
+    try:  # calibration gathers layers onto a device of its own process: refused across processes
+        next(iter_layer_activations(tp.shard_params(params, fuse=False), tp, np.ones((1, 8), np.int32)))
+        calibration_error = None
+    except NotImplementedError as e:
+        calibration_error = str(e)
     return {"process_count": jax.process_count(), "devices": jax.device_count(),
-            "local_devices": jax.local_device_count(), "tokens": tokens}
+            "local_devices": jax.local_device_count(), "tokens": tokens, "calibration_error": calibration_error}
 
 
 def check_calibration(name: str) -> dict:

@@ -172,6 +172,7 @@ def test_two_processes_decode_like_one(tmp_path):
         host = json.loads(out.read_text())
         assert (host["process_count"], host["devices"], host["local_devices"]) == (2, 2, 1)
         assert host["tokens"] == single["tokens"]
+        assert "calibration runs in one process; the mesh spans 2 processes" in host["calibration_error"]
 
 
 @pytest.mark.parametrize("model, sizes", [("qwen3", {"2", "4", "8"}), ("replicated", {"4"})])
