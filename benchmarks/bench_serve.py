@@ -57,6 +57,7 @@ class Setup:
     sink: int = 64
     recent: int = 256
     page_size: int = 64
+    decode_buckets: str = "default"  # "max": one decode shape, every batch padded to max_num_seqs
 
 
 def tiny_setup() -> Setup:
@@ -75,10 +76,10 @@ def percentiles(values) -> dict:
     return {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99)), "mean": float(v.mean())}
 
 
-def build_engine(setup: Setup, kind: str, params, *, max_model_len: int):
+def build_engine(setup: Setup, kind: str, params, *, max_model_len: int, log=print):
     """An Engine over a cache of `setup.memory_bytes` of the given kind, sized to the sequences it holds."""
     from oscar_jax.runtime import OscarRuntime
-    from oscar_jax.serve import identity_artifact, pages_for_memory
+    from oscar_jax.serve import identity_artifact, page_bytes, pages_for_memory
     from oscar_jax.serving.engine import Engine, EngineConfig
     from shared_math.spec import OscarConfig
     from shared_math.tiers import tier_split
@@ -88,25 +89,24 @@ def build_engine(setup: Setup, kind: str, params, *, max_model_len: int):
     recent = setup.recent if kind == "int2" else -(-max_model_len // page) * page
     config = OscarConfig(head_dim=cfg.head_dim, sink=setup.sink, recent=recent, page_size=page)
     split = tier_split(max_model_len, config)
-    if kind == "int2":
-        # sequences the memory holds at full length: BF16 windows + history pages each
-        from oscar_jax.serve import page_bytes
-
-        bf16_bytes, int2_bytes = page_bytes(cfg, config)
+    bf16_bytes, int2_bytes = page_bytes(cfg, config)
+    if kind == "int2":  # sequences the memory holds at full length: BF16 windows + history pages each
         per_seq = ((setup.sink + setup.recent) // page + 2) * bf16_bytes + split.history_pages * int2_bytes
     else:
-        from oscar_jax.serve import page_bytes
-
-        per_seq = (split.sink_pages + split.recent_pages + 1) * page_bytes(cfg, config)[0]
+        per_seq = (split.sink_pages + split.recent_pages + 1) * bf16_bytes
     seqs = max(1, setup.memory_bytes // per_seq)
-    num_bf16, num_int2 = pages_for_memory(kind, setup.memory_bytes, cfg, config, seqs)
+    num_bf16, num_int2 = pages_for_memory(kind, setup.memory_bytes, cfg, config, seqs, log=log)
+    if kind == "int2":  # fewer where the codes pools were kept below what the kernels index
+        seqs = max(1, min(seqs, (num_int2 - 1) // split.history_pages))
     runtime = OscarRuntime(params, cfg, identity_artifact(cfg), max_batch=seqs, max_seq_len=max_model_len,
                            sink=setup.sink, recent=recent, page_size=page, prefill_chunk=setup.prefill_chunk,
                            num_bf16_pages=num_bf16, num_int2_pages=num_int2)
     # A fixed request count below capacity runs at most that many at once: no larger batch to compile.
     running = min(seqs, setup.num_requests or seqs)
+    buckets = (running,) if setup.decode_buckets == "max" else None
     engine = Engine(runtime, None, EngineConfig(max_num_seqs=running, max_num_batched_tokens=setup.prefill_chunk + running,
-                                                prefill_chunk=setup.prefill_chunk, enable_prefix_caching=False))
+                                                prefill_chunk=setup.prefill_chunk, enable_prefix_caching=False,
+                                                decode_buckets=buckets))
     return engine, seqs
 
 
@@ -261,7 +261,10 @@ def device_memory_for_cache(weight_bytes: int, reserve_bytes: int) -> int:
     return int(stats["bytes_limit"]) - weight_bytes - reserve_bytes
 
 
-def run(setup: Setup, *, kinds=("int2", "bf16"), http: bool = True, seed: int = 0, log=print) -> dict:
+def run(setup: Setup, *, kinds=("int2", "bf16"), http: bool = True, seed: int = 0, log=print, checkpoint=None) -> dict:
+    """Every (kind, prompt length, rate) run; with `http`, the int2 engine serves the shortest
+    prompts once more through the HTTP server after its runs. `checkpoint(result)` is called with
+    the result so far after each run (a run cut short still leaves what it measured)."""
     import jax
 
     from oscar_jax.model import init_params
@@ -270,12 +273,26 @@ def run(setup: Setup, *, kinds=("int2", "bf16"), http: bool = True, seed: int = 
     params = init_params(setup.model, jax.random.key(seed), dtype="bfloat16")
     jax.block_until_ready(params)
     max_model_len = max(setup.prompt_lens) + setup.output_len
-    results, capacity = [], {}
+    results, capacity, compile_s = [], {}, {}
+    http_result = None
+
+    def result() -> dict:
+        return {"setup": {"model": dataclasses.asdict(setup.model), "prompt_lens": list(setup.prompt_lens),
+                          "output_len": setup.output_len, "rates": [str(r) for r in setup.rates],
+                          "kv_cache_memory_bytes": setup.memory_bytes, "prefill_chunk": setup.prefill_chunk,
+                          "sink": setup.sink, "recent": setup.recent, "page_size": setup.page_size,
+                          "decode_buckets": setup.decode_buckets},
+                "capacity": capacity, "compile_s": compile_s, "results": results, "http": http_result,
+                "targets": targets(results, http_result)}
+
     for kind in kinds:
-        engine, seqs = build_engine(setup, kind, params, max_model_len=max_model_len)
+        engine, seqs = build_engine(setup, kind, params, max_model_len=max_model_len, log=log)
         capacity[kind] = seqs
-        log(f"[serve] {kind}: {seqs} sequences of {max_model_len} tokens in {setup.memory_bytes / GIB:.2f} GiB")
+        log(f"[serve] {kind}: {seqs} sequences of {max_model_len} tokens in {setup.memory_bytes / GIB:.2f} GiB, "
+            f"decode buckets {list(engine.config.buckets)}")
+        t = time.perf_counter()
         warmup(engine, chunk_lengths=chunk_lengths_used(setup), log=log)  # outside the timed runs
+        compile_s[kind] = time.perf_counter() - t
         for prompt_len in setup.prompt_lens:
             n = setup.num_requests or capacity.get("int2", seqs)
             for rate in setup.rates:
@@ -286,27 +303,26 @@ def run(setup: Setup, *, kinds=("int2", "bf16"), http: bool = True, seed: int = 
                 log(f"[serve] {kind} prompt {prompt_len} rate {rate}: {summary['output_tokens_per_s']:.1f} tok/s, "
                     f"TTFT p50 {summary['ttft_s']['p50']:.3f} s, ITL p50 {summary['itl_s']['p50'] * 1e3:.2f} ms "
                     f"p99 {summary['itl_s']['p99'] * 1e3:.2f} ms")
+                if checkpoint is not None:
+                    checkpoint(result())
+        if http and kind == "int2":
+            prompt_len = min(setup.prompt_lens)
+            n = setup.num_requests or seqs
+            engine_side = next(r for r in results if r["kind"] == "int2" and r["prompt_len"] == prompt_len
+                               and math.isinf(r["rate"])) if math.inf in setup.rates else None
+            if engine_side is None:
+                engine_side = summarize_run(drive(engine, workload(setup, prompt_len, n, seed + prompt_len),
+                                                  setup.output_len, math.inf), setup.output_len)
+            http_side = summarize_run(http_run(engine, workload(setup, prompt_len, n, seed + prompt_len),
+                                               setup.output_len), setup.output_len)
+            http_result = {"prompt_len": prompt_len, "requests": n, "engine": engine_side, "http": http_side,
+                           "itl_ratio": http_side["itl_s"]["p50"] / engine_side["itl_s"]["p50"]}
+            log(f"[serve] HTTP vs engine at prompt {prompt_len}: {http_side['output_tokens_per_s']:.1f} vs "
+                f"{engine_side['output_tokens_per_s']:.1f} tok/s")
+            if checkpoint is not None:
+                checkpoint(result())
         del engine
-    http_result = None
-    if http and "int2" in kinds:
-        engine, seqs = build_engine(setup, "int2", params, max_model_len=max_model_len)
-        prompt_len = min(setup.prompt_lens)
-        n = setup.num_requests or seqs
-        warmup(engine, chunk_lengths=chunk_lengths_used(setup), log=log)
-        engine_side = summarize_run(drive(engine, workload(setup, prompt_len, n, seed + 7), setup.output_len,
-                                          math.inf), setup.output_len)
-        http_side = summarize_run(http_run(engine, workload(setup, prompt_len, n, seed + 7), setup.output_len),
-                                  setup.output_len)
-        http_result = {"prompt_len": prompt_len, "requests": n, "engine": engine_side, "http": http_side,
-                       "itl_ratio": http_side["itl_s"]["p50"] / engine_side["itl_s"]["p50"]}
-        log(f"[serve] HTTP vs engine at prompt {prompt_len}: {http_side['output_tokens_per_s']:.1f} vs "
-            f"{engine_side['output_tokens_per_s']:.1f} tok/s")
-    return {"setup": {"model": dataclasses.asdict(setup.model), "prompt_lens": list(setup.prompt_lens),
-                      "output_len": setup.output_len, "rates": [str(r) for r in setup.rates],
-                      "kv_cache_memory_bytes": setup.memory_bytes, "prefill_chunk": setup.prefill_chunk,
-                      "sink": setup.sink, "recent": setup.recent, "page_size": setup.page_size},
-            "capacity": capacity, "results": results, "http": http_result,
-            "targets": targets(results, http_result)}
+    return result()
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -326,11 +342,14 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--kinds", default="int2,bf16")
     p.add_argument("--no-http", action="store_true")
+    p.add_argument("--decode-buckets", choices=("default", "max"), default="default",
+                   help="decode batch shapes: powers of two up to max_num_seqs, or only max_num_seqs (one compile, "
+                        "smaller batches padded) (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model at toy sizes (the plumbing only)")
     args = p.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.tiny:
-        setup = tiny_setup()
+        setup = dataclasses.replace(tiny_setup(), decode_buckets=args.decode_buckets)
     else:
         from benchmarks.bench_e2e import qwen3_8b_config
         from oscar_jax.model import num_params
@@ -339,12 +358,18 @@ def main(argv=None) -> int:
         memory = (int(args.kv_cache_memory * GIB) if args.kv_cache_memory is not None
                   else device_memory_for_cache(2 * num_params(model), int(args.reserve_gib * GIB)))
         setup = Setup(model, tuple(int(v) for v in args.prompt_lens.split(",")), args.output_len,
-                      _floats(args.rates), memory, args.prefill_chunk, args.num_requests)
+                      _floats(args.rates), memory, args.prefill_chunk, args.num_requests,
+                      decode_buckets=args.decode_buckets)
     from benchmarks.harness import environment
 
-    result = {"environment": environment(), **run(setup, kinds=tuple(args.kinds.split(",")), http=not args.no_http,
-                                                  log=log)}
+    env = environment()
     args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint(partial: dict) -> None:
+        args.out.write_text(json.dumps({"environment": env, **partial}, indent=1, default=str))
+
+    result = {"environment": env, **run(setup, kinds=tuple(args.kinds.split(",")), http=not args.no_http, log=log,
+                                        checkpoint=checkpoint)}
     args.out.write_text(json.dumps(result, indent=1, default=str))
     log(f"[serve] wrote {args.out}; targets: {json.dumps(result['targets'])}")
     return 0

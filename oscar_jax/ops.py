@@ -116,13 +116,22 @@ def _as_int32(ids):
     return ids.astype(jnp.int32)
 
 
+# The Triton lowering indexes arrays of ≤ 4 GiB with 32-bit element offsets, which wrap
+# (sign-extended) past 2^31 elements: only uint8 arrays of 2–4 GiB can reach that. (On the H200, a
+# write to the last page of a 2.17 GB codes pool landed elsewhere.)
+UNADDRESSABLE_BYTE_ARRAYS = (2**31, 2**32)  # (exclusive, inclusive] element counts of a uint8 array
+
+
+def byte_array_addressable(num_bytes: int, interpret: bool | None = None) -> bool:
+    """Whether the ops can index a uint8 array of `num_bytes` on the path `interpret` selects."""
+    if xla.use_xla(interpret) or resolve_interpret(interpret):
+        return True
+    low, high = UNADDRESSABLE_BYTE_ARRAYS
+    return not low < num_bytes <= high
+
+
 def _check_byte_addressable(a, name: str, interpret: bool | None) -> None:
-    """The Triton lowering indexes arrays of ≤ 4 GiB with 32-bit element offsets, which wrap
-    (sign-extended) past 2^31 elements: only uint8 arrays of 2–4 GiB can reach that. (On the H200,
-    a write to the last page of a 2.17 GB codes pool landed elsewhere.)"""
-    if xla.use_xla(interpret) or resolve_interpret(interpret) or jnp.dtype(a.dtype).itemsize != 1:
-        return
-    if 2**31 < math.prod(a.shape) <= 2**32:
+    if jnp.dtype(a.dtype).itemsize == 1 and not byte_array_addressable(math.prod(a.shape), interpret):
         raise NotImplementedError(
             f"{name} holds {math.prod(a.shape)} bytes: uint8 arrays of 2–4 GiB overflow the Triton "
             f"lowering's 32-bit offsets; use a pool below 2 GiB or above 4 GiB"

@@ -126,18 +126,22 @@ def page_bytes(cfg, config) -> tuple[int, int]:
     return rows * config.head_dim * BF16_BYTES, rows * int2_row
 
 
-def pool_sizes(args, cfg, config) -> tuple[int | None, int | None]:
+def pool_sizes(args, cfg, config, log=None) -> tuple[int | None, int | None]:
     """(BF16, INT2) page counts from --kv-cache-memory or the explicit flags (None: the runtime's
     default, room for every sequence at full length)."""
     if args.kv_cache_memory is None:
         return args.num_bf16_pages, args.num_int2_pages
-    return pages_for_memory(args.kv_cache_dtype, args.kv_cache_memory, cfg, config, args.max_num_seqs)
+    return pages_for_memory(args.kv_cache_dtype, args.kv_cache_memory, cfg, config, args.max_num_seqs, log=log)
 
 
-def pages_for_memory(kind: str, memory_bytes: int, cfg, config, max_num_seqs: int) -> tuple[int, int]:
+def pages_for_memory(kind: str, memory_bytes: int, cfg, config, max_num_seqs: int, *, log=None) -> tuple[int, int]:
     """(BF16, INT2) pages (scratch pages included) of `memory_bytes` of cache. bf16: all BF16
     pages. int2: the BF16 windows (sink + recent + 2 pages) of max_num_seqs sequences, the rest
-    INT2 history pages."""
+    INT2 history pages — fewer where a codes pool would be a byte array the kernels cannot index
+    (`ops.byte_array_addressable`), which `log` is told."""
+    from oscar_jax import ops
+    from shared_math.spec import CODES_PER_BYTE
+
     bf16_bytes, int2_bytes = page_bytes(cfg, config)
     if kind == "bf16":
         return 1 + memory_bytes // bf16_bytes, 2
@@ -146,7 +150,16 @@ def pages_for_memory(kind: str, memory_bytes: int, cfg, config, max_num_seqs: in
     if left < int2_bytes:
         raise ValueError(f"{memory_bytes} bytes of cache do not hold the BF16 windows of {max_num_seqs} sequences "
                          f"({windows} pages of {bf16_bytes} bytes)")
-    return windows, 1 + left // int2_bytes
+    num_int2 = 1 + left // int2_bytes
+    codes_page = cfg.num_layers * cfg.num_kv_heads * config.page_size * config.head_dim // CODES_PER_BYTE
+    if not ops.byte_array_addressable(num_int2 * codes_page):
+        fewer = ops.UNADDRESSABLE_BYTE_ARRAYS[0] // codes_page
+        if log is not None:
+            log(f"[oscar] {num_int2} INT2 pages would make each codes pool {num_int2 * codes_page} bytes, which the "
+                f"GPU kernels cannot index (2–4 GiB): using {fewer}, {(num_int2 - fewer) * int2_bytes / 2**30:.2f} GiB "
+                f"of the cache memory unused")
+        num_int2 = fewer
+    return windows, num_int2
 
 
 def build_engine(args, *, log=print):
@@ -179,7 +192,7 @@ def build_engine(args, *, log=print):
         sink, recent = args.oscar_sink_size, -(-args.max_model_len // page) * page  # never demotes
     group = args.oscar_group_size or artifact.group_size
     config = OscarConfig(head_dim=cfg.head_dim, group_size=group, sink=sink, recent=recent)
-    num_bf16, num_int2 = pool_sizes(args, cfg, config)
+    num_bf16, num_int2 = pool_sizes(args, cfg, config, log)
     runtime = OscarRuntime(params, cfg, artifact, max_batch=args.max_num_seqs, max_seq_len=args.max_model_len,
                            sink=sink, recent=recent, group_size=group, prefill_chunk=args.prefill_chunk,
                            num_bf16_pages=num_bf16, num_int2_pages=num_int2,

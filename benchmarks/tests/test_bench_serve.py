@@ -55,3 +55,26 @@ def test_tiny_run_end_to_end(tmp_path, monkeypatch):
     http = result["http"]
     assert http["http"]["output_tokens"] == http["engine"]["output_tokens"] == setup.num_requests * setup.output_len
     assert "int2_over_bf16_output_tokens_per_s" in result["targets"]
+
+
+def test_int2_pools_stay_out_of_the_byte_range_the_gpu_kernels_cannot_index(monkeypatch):
+    """Qwen3-8B shapes, 6 GiB of cache: 4456 INT2 pages would make 2.6 GB codes pools; on the
+    compiled kernels' path the pools shrink below 2 GiB (and the log says what is left unused), the
+    bench's capacity follows them, and pools above 4 GiB are kept whole."""
+    import functools
+
+    from benchmarks.bench_e2e import qwen3_8b_config
+    from oscar_jax import ops, serve
+    from shared_math.spec import OscarConfig
+
+    cfg, config = qwen3_8b_config(), OscarConfig(head_dim=128)
+    codes_page = cfg.num_layers * cfg.num_kv_heads * config.page_size * config.head_dim // 4
+    assert serve.pages_for_memory("int2", 6 * bench_serve.GIB, cfg, config, 8)[1] * codes_page > 2**31  # XLA path
+    monkeypatch.setattr(ops, "byte_array_addressable", functools.partial(ops.byte_array_addressable, interpret=False))
+    said = []
+    bf16, int2 = serve.pages_for_memory("int2", 6 * bench_serve.GIB, cfg, config, 8, log=said.append)
+    assert int2 * codes_page <= 2**31 < (int2 + 1) * codes_page
+    assert len(said) == 1 and f"using {int2}" in said[0] and "GiB of the cache memory unused" in said[0]
+    assert serve.pages_for_memory("bf16", 6 * bench_serve.GIB, cfg, config, 8)[1] == 2  # BF16 pools: no limit
+    big = serve.pages_for_memory("int2", 16 * bench_serve.GIB, cfg, config, 8, log=said.append)[1]
+    assert big * codes_page > 2**32 and len(said) == 1
