@@ -1,12 +1,14 @@
 """One command for the H200 benchmarks: correctness-checked timings written as raw JSON.
 
-    export PYTHONPATH=. OSCAR_GIT_SHA=$(git rev-parse HEAD)
+    export PYTHONPATH=. OSCAR_GIT_SHA=$(git rev-parse HEAD) OSCAR_JAX_REGISTER_CAP=1
     python3 -m benchmarks.bench_h200 --sections copy,decode --out benchmarks/results
     python3 -m benchmarks.bench_h200 --sections write,e2e --no-capacity --out benchmarks/results
     XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 \
         python3 -m benchmarks.bench_h200 --sections e2e --capacity-only --out benchmarks/results
 
-The first two run with JAX's allocator growing on demand (torch shares the GPU); the capacity
+`OSCAR_JAX_REGISTER_CAP=1` opts the Pallas INT2 decode kernel into its register cap, off by default
+(`oscar_jax.kernels.register_cap`: a patch of a private JAX function; benchmarks/DECISIONS.md D6): the
+committed figures were measured with it. The first two run with JAX's allocator growing on demand (torch shares the GPU); the capacity
 search at 100K needs its own process with the memory preallocated, as a server runs: a growing
 allocator fragments its regions and fails to allocate a 47 GiB pool with 55 GB free
 so without preallocation the e2e section skips the capacity search and

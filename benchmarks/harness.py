@@ -124,6 +124,8 @@ def environment() -> dict:
         "jax": jax.__version__, "jaxlib": jaxlib.__version__, "jax_backend": jax.default_backend(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
         "triton": triton.__version__, "numpy": np.__version__, "python": platform.python_version(),
+        # whether the Pallas INT2 decode ran under its opt-in register cap (DECISIONS.md D6)
+        "oscar_jax_register_cap": os.environ.get("OSCAR_JAX_REGISTER_CAP", "") == "1",
         "git_sha": sha,
         "git_tree_matches_head": git_tree_matches_head(),
         "git_worktree_tree": worktree,

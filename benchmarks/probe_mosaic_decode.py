@@ -81,6 +81,7 @@ def main(out_path: str) -> dict:
 
     from oscar_jax import ops
     from oscar_jax.kernels import decode_attention as triton_kernels
+    from oscar_jax.kernels import register_cap
     from oscar_jax.kernels.mosaic import decode_attention as mosaic_kernels
     from shared_math import tiling
 
@@ -123,7 +124,9 @@ def main(out_path: str) -> dict:
         triton_launch = dict(
             tokens_on_m=tokens_on_m, channels_on_m=channels_on_m, unpack_asm=not SMOKE, fma_asm=not SMOKE,
             num_warps=tiling.INT2_DECODE_NUM_WARPS if tokens_on_m else 2, num_stages=tiling.DECODE_NUM_STAGES,
-            max_registers=tiling.int2_decode_max_registers(tokens_on_m, channels_on_m, rows_on_m=0))
+            # the register cap only where opted in (OSCAR_JAX_REGISTER_CAP=1), as ops.decode_attention
+            max_registers=tiling.int2_decode_max_registers(tokens_on_m, channels_on_m, rows_on_m=0)
+            if register_cap.opted_in() else 0)
         cfg["triton_launch"] = triton_launch
 
         def triton_tier(q_, c, operands):

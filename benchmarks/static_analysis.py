@@ -478,7 +478,7 @@ def main(argv=None) -> None:
                 with open(f"{stem}.sass", "w") as f:
                     f.write(text)
     if os.environ.get("TRITON_INTERPRET") != "1":  # the torch backend's kernel, compiled from source
-        from oscar_torch.kernels import decode_attention as torch_kernels
+        from oscar_torch.kernels.decode_attention import int2_tier as torch_kernels
 
         from shared_math.tiling import DECODE_NUM_STAGES, INT2_DECODE_NUM_WARPS
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax import xla
+from oscar_jax.kernels import register_cap
 from oscar_jax.kernels.codec import INTERPRET_BLOCK_TOKENS, resolve_interpret
 from oscar_jax.kernels.decode_attention import (
     MIN_DOT_DIM,
@@ -51,13 +52,10 @@ from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    check_max_registers, default_decode_launch, int2_decode_channels_on_m, int2_decode_rows, int2_decode_tokens_on_m,
-    int2_decode_max_registers, interpreted_tiling, next_power_of_two, resolve_splits,
+    DecodeLaunch, int2_decode_rows, next_power_of_two, prefill_launch, resolve_decode_launch, resolve_tiling,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
-DEFAULT_NUM_WARPS = 4  # Triton launch parameters of prefill's cache partials (decode: shared_math.tiling)
-DEFAULT_NUM_STAGES = 2
 DEFAULT_PREFILL_BLOCK_M = 64
 DEFAULT_PREFILL_BLOCK_N = 64
 QUERY_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -124,8 +122,6 @@ def _validate_cache(
     sink_slots,
     group_size,
     softmax_scale,
-    pages_per_split,
-    pages_per_block,
 ) -> tuple[int, int]:
     """Validate the cache arguments shared by decode and prefill; returns (Hkv, page size)."""
     _check_static_int("group_size", group_size)
@@ -175,43 +171,24 @@ def _validate_cache(
         math.isfinite(softmax_scale) and softmax_scale > 0
     ):
         raise ValueError(f"{softmax_scale=} must be a finite positive number")
-    _check_static_int("pages_per_block", pages_per_block, power_of_two=True, minimum=1)
-    _check_static_int("pages_per_split", pages_per_split, minimum=1)
-    if pages_per_block > pages_per_split:
-        raise ValueError(f"{pages_per_block=} must not exceed {pages_per_split=}")
-    if pages_per_split % pages_per_block:
-        raise ValueError(f"{pages_per_split=} must be a multiple of {pages_per_block=}")
-    if pages_per_block * page_size < MIN_DOT_DIM:
-        raise ValueError(
-            f"{pages_per_block=} × page size {page_size} must be >= {MIN_DOT_DIM} tokens (dot tile)"
-        )
     return num_kv_heads, page_size
+
+
+def _table_slots(bf16_page_table, history_page_table) -> tuple[int, int]:
+    """The two page tables' slots (0 for a malformed table, which _validate_cache names)."""
+    return tuple(table.shape[1] if len(getattr(table, "shape", ())) == 2 else 0
+                 for table in (bf16_page_table, history_page_table))
 
 
 def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, page_size,
                     sequence_heads=None, interpret=False):
-    """(pages_per_split, bf16_pages_per_split, pages_per_block), defaults filled in
-    (shared_math.tiling.resolve_splits; `sequence_heads` = B × Hkv for a decode call). Interpreted,
-    with both left to the default: one split of blocks of up to INTERPRET_BLOCK_TOKENS tokens
-    (`shared_math.tiling.interpreted_tiling`; kernels.codec says why)."""
-    bf16_slots, history_slots = (table.shape[1] if len(getattr(table, "shape", ())) == 2 else 0
-                                 for table in (bf16_page_table, history_page_table))
-    if interpret and pages_per_split is None and pages_per_block is None and page_size > 0:
-        pages_per_split, pages_per_block = interpreted_tiling(
-            max(bf16_slots, history_slots), page_size, INTERPRET_BLOCK_TOKENS)
-    return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size, sequence_heads)
-
-
-def _resolve_fma_asm(fma_asm, interpret: bool) -> bool:
-    """The INT2 tier's multiply-adds by inline-PTX fma: None → on when compiled (interpret mode
-    cannot run PTX); an explicit value is checked."""
-    if fma_asm is None:
-        return not interpret
-    if fma_asm not in (True, False):
-        raise ValueError(f"fma_asm={fma_asm!r} must be a bool or None")
-    if fma_asm and interpret:
-        raise ValueError("fma_asm=True runs inline PTX on the GPU; interpret mode cannot run PTX (interpret=True)")
-    return bool(fma_asm)
+    """(pages_per_split, bf16_pages_per_split, pages_per_block): shared_math.tiling.resolve_tiling
+    (`sequence_heads` = B × Hkv for a decode call); interpreted, with both left to the default, one
+    split of blocks of up to INTERPRET_BLOCK_TOKENS tokens (kernels.codec says why)."""
+    bf16_slots, history_slots = _table_slots(bf16_page_table, history_page_table)
+    return resolve_tiling(pages_per_split, pages_per_block, bf16_slots=bf16_slots, history_slots=history_slots,
+                          page_size=page_size, sequence_heads=sequence_heads,
+                          interpret_block_tokens=INTERPRET_BLOCK_TOKENS if interpret else None)
 
 
 POOL_ARGUMENTS = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
@@ -239,55 +216,38 @@ def _page_size(k_bf16) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _cache_partials(
-    q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split, pages_per_block,
-    block_m, interpret, bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
-    int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), layer=None, unpack_asm=False, fma_asm=None, int2_rows=None,
-    channels_on_m=False, int2_max_registers=0,
-):
-    """Partials of q_rows [B, Hkv, M, D], one (o, lse) per tier: the BF16 tier (split by
-    bf16_pages_per_split), then the INT2 tier (pages_per_split) when the history table has slots;
-    each tier's kernel launched with its (num_warps, num_stages). `int2_rows` (decode): the INT2
-    tier reads the first int2_rows rows in one block, its scores with tokens on M
-    (`shared_math.tiling.int2_decode_rows`); its partials then have int2_rows rows, and
-    `channels_on_m` its values' dot transposed (`kernels.decode_attention.int2_tier_partials`)."""
+def _cache_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, block_m, launch: DecodeLaunch,
+                   interpret, layer=None, int2_rows=None):
+    """Partials of q_rows [B, Hkv, M, D], one (o, lse) per tier: the BF16 tier, then the INT2 tier
+    when the history table has slots, each kernel launched as `launch` says. `int2_rows` (decode,
+    with launch.tokens_on_m): the INT2 tier reads the first int2_rows rows in one block, its scores
+    with tokens on M (`shared_math.tiling.int2_decode_rows`); its partials then have int2_rows rows."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
-    tiling = dict(
-        softmax_scale=softmax_scale,
-        pages_per_block=pages_per_block,
-        block_m=block_m,
-        interpret=interpret,
-        layer=layer,
-    )
-    fma_asm = _resolve_fma_asm(fma_asm, interpret)
+    common = dict(softmax_scale=softmax_scale, pages_per_block=launch.pages_per_block, interpret=interpret,
+                  layer=layer)
     tiers = [bf16_tier_partials(
         q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots=sink_slots,
-        pages_per_split=bf16_pages_per_split, num_warps=bf16_launch[0], num_stages=bf16_launch[1], **tiling,
+        pages_per_split=launch.bf16_pages_per_split, block_m=block_m, num_warps=launch.bf16_num_warps,
+        num_stages=launch.bf16_num_stages, **common,
     )]
     if history_page_table.shape[1] > 0:
-        if int2_rows is not None:  # q's first int2_rows rows, read in place
-            tiling.update(block_m=int2_rows, tokens_on_m=True, rows=int2_rows, channels_on_m=channels_on_m)
+        rows = {} if int2_rows is None else dict(block_m=int2_rows, rows=int2_rows)  # q's first rows, in place
         tiers.append(int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-            group_size=group_size, unpack_asm=unpack_asm, fma_asm=fma_asm, pages_per_split=pages_per_split,
-            num_warps=int2_launch[0], num_stages=int2_launch[1], max_registers=int2_max_registers, **tiling,
+            group_size=group_size, pages_per_split=launch.pages_per_split, **{"block_m": block_m, **rows},
+            num_warps=launch.int2_num_warps, num_stages=launch.int2_num_stages, unpack_asm=launch.unpack_asm,
+            fma_asm=launch.fma_asm, tokens_on_m=launch.tokens_on_m, channels_on_m=launch.channels_on_m,
+            max_registers=launch.max_registers, **common,
         ))
     return tiers
 
 
-_STATIC = ("sink_slots", "group_size", "softmax_scale", "pages_per_split", "bf16_pages_per_split", "pages_per_block",
-           "interpret", "layer")
+_STATIC = ("sink_slots", "group_size", "softmax_scale", "launch", "interpret", "layer")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("bf16_launch", "int2_launch", "unpack_asm", "fma_asm",
-                                                               "int2_tokens_on_m", "channels_on_m",
-                                                               "int2_max_registers"))
-def _decode_attention(
-    q, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split, pages_per_block,
-    interpret, bf16_launch, int2_launch, layer, unpack_asm, fma_asm, int2_tokens_on_m, channels_on_m=False,
-    int2_max_registers=0,
-):
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _decode_attention(q, cache, *, sink_slots, group_size, softmax_scale, launch: DecodeLaunch, interpret, layer):
     batch, q_heads, head_dim = q.shape
     num_kv_heads = cache[0].shape[-3]  # k_bf16 [(Y,) P, K, L, D]
     heads_per_kv = q_heads // num_kv_heads
@@ -295,11 +255,9 @@ def _decode_attention(
     q_rows = q.reshape(batch, num_kv_heads, heads_per_kv, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - heads_per_kv), (0, 0)))
     tiers = _cache_partials(
-        q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
-        pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
-        block_m=rows, interpret=interpret, bf16_launch=bf16_launch, int2_launch=int2_launch, layer=layer, unpack_asm=unpack_asm,
-        fma_asm=fma_asm, int2_rows=int2_decode_rows(heads_per_kv) if int2_tokens_on_m else None,
-        channels_on_m=channels_on_m, int2_max_registers=int2_max_registers,
+        q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale, block_m=rows,
+        launch=launch, interpret=interpret, layer=layer,
+        int2_rows=int2_decode_rows(heads_per_kv) if launch.tokens_on_m else None,
     )
     # One merge program per kept row reads both tiers in place (the padding rows are never read):
     # [B, Hkv, S_t, rows, D] per tier → o [B, Hkv, Gq, D], no concatenation or XLA fusions between
@@ -378,18 +336,19 @@ def decode_attention(
         it applies (benchmarks/DECISIONS.md D5), True → on or
         ValueError, False → the values' dot with the rows on M.
       max_registers: registers per thread the compiled INT2 tier kernel may use (as the Triton
-        backend's; `kernels.register_cap`: XLA's compile may hold more than the kernel needs, and
-        fewer registers fit more programs per SM); None → `shared_math.tiling.int2_decode_max_registers`:
-        160 with the tokens and channels on M (benchmarks/DECISIONS.md D6), else 0 → the compiler's
-        choice. No effect in interpret mode.
+        backend's: XLA's compile may hold more than the kernel needs, and fewer registers fit more
+        programs per SM). Pallas has no public parameter for it: a cap needs the opt-in
+        `kernels.register_cap` (OSCAR_JAX_REGISTER_CAP=1, which patches JAX's private Triton
+        lowering; a cap without it is a ValueError). None → opted in,
+        `shared_math.tiling.int2_decode_max_registers`: 160 with the tokens and channels on M
+        (benchmarks/DECISIONS.md D6), else 0; not opted
+        in, 0 → the compiler's choice. No effect in interpret mode.
+    All launch keywords resolve into one `shared_math.tiling.DecodeLaunch`
+    (`shared_math.tiling.resolve_decode_launch`, shared with oscar_torch), validated there.
     Returns:
       float32 [B, Hq, D].
     """
     _check("q", q, (None, None, None), QUERY_DTYPES)
-    if max_registers is not None:
-        check_max_registers(max_registers)
-    if channels_on_m is not None and not isinstance(channels_on_m, bool):
-        raise ValueError(f"channels_on_m={channels_on_m!r} must be a bool or None")
     batch, q_heads, head_dim = q.shape
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
@@ -397,60 +356,36 @@ def decode_attention(
     pool_shape = getattr(views[0], "shape", ())  # k_bf16 [P, Hkv, L, D]; a malformed one is named below
     use_xla = xla.use_xla(interpret)
     interpret = resolve_interpret(interpret)
-    pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
-        pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]),
+    page_size = _page_size(views[0])
+    tiling = _resolve_tiling(
+        pages_per_split, pages_per_block, bf16_page_table, history_page_table, page_size,
         sequence_heads=batch * int(pool_shape[1]) if len(pool_shape) == 4 else None, interpret=interpret)
     num_kv_heads, _ = _validate_cache(
-        q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
-        softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
+        q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
     )
-    # The INT2 tier's scores with tokens on M: whole pages of ≥ 16 tokens (the gather kernel for
-    # smaller pages keeps rows on M) and a grid large enough for one-warp programs.
-    int2_tokens_on_m = int2_decode_tokens_on_m(batch, num_kv_heads, history_page_table.shape[1], pages_per_split,
-                                               _page_size(views[0]))
-    launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],
-                                     bf16_pages_per_split, pages_per_split, int2_tokens_on_m=int2_tokens_on_m)
-    if num_warps is not None:
-        _check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
-        launches = tuple((int(num_warps), stages) for _, stages in launches)
-    if num_stages is not None:
-        _check_static_int("num_stages", num_stages, minimum=1)
-        launches = tuple((warps, int(num_stages)) for warps, _ in launches)
-    if unpack_asm is None:
-        unpack_asm = not interpret and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
-    if unpack_asm not in (True, False):
-        raise ValueError(f"unpack_asm={unpack_asm!r} must be a bool or None")
-    if unpack_asm and (interpret or jnp.dtype(q.dtype) != jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"unpack_asm=True runs inline PTX on bfloat16 queries on the GPU; got q {q.dtype} and "
-                         f"interpret={interpret} (interpret mode cannot run PTX)")
-    channels_applies = int2_decode_channels_on_m(int2_tokens_on_m, group_size, head_dim)
-    if channels_on_m is None:
-        channels_on_m = channels_applies
-    if channels_on_m and not channels_applies:
-        raise ValueError("channels_on_m=True needs the INT2 tier's tokens-on-M layout with one group per row (pages "
-                         f"of >= 16 tokens, a grid of >= 512 programs, G >= D >= 128); this call has group_size={group_size}, "
-                         f"head_dim={head_dim}, batch={batch}")
-    fma_asm = _resolve_fma_asm(fma_asm, interpret)
-    if max_registers is None:
-        max_registers = int2_decode_max_registers(int2_tokens_on_m, channels_on_m, rows_on_m=0)
+    bf16_slots, history_slots = _table_slots(bf16_page_table, history_page_table)
+    # A register cap reaches a compiled kernel only through the opt-in hook (kernels.register_cap):
+    # without it the default is the compiler's choice.
+    launch = resolve_decode_launch(
+        batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group_size=group_size, page_size=page_size,
+        bf16_slots=bf16_slots, history_slots=history_slots, tiling=tiling, compiled=not interpret,
+        q_dtype=str(q.dtype), num_warps=num_warps, num_stages=num_stages, channels_on_m=channels_on_m,
+        max_registers=max_registers, unpack_asm=unpack_asm, fma_asm=fma_asm, tokens_on_m_any_group=True,
+        rows_on_m_max_registers=0, register_caps=register_cap.opted_in(),
+    )
     if use_xla:
         from oscar_jax.xla import attention as xla_attention  # imports this module's merge_partials
 
         return xla_attention.decode_attention(q, cache, sink_slots=int(sink_slots), group_size=int(group_size),
                                               softmax_scale=float(softmax_scale), layer=layer)
-    return _decode_attention(
-        q, cache, sink_slots=int(sink_slots), group_size=int(group_size), softmax_scale=float(softmax_scale),
-        pages_per_split=int(pages_per_split), bf16_pages_per_split=int(bf16_pages_per_split),
-        pages_per_block=int(pages_per_block), bf16_launch=launches[0], int2_launch=launches[1], layer=layer, interpret=interpret,
-        unpack_asm=bool(unpack_asm), fma_asm=bool(fma_asm), int2_tokens_on_m=int2_tokens_on_m,
-        channels_on_m=channels_on_m, int2_max_registers=0 if interpret else int(max_registers),
-    )
+    return _decode_attention(q, cache, sink_slots=int(sink_slots), group_size=int(group_size),
+                             softmax_scale=float(softmax_scale), launch=launch, interpret=interpret, layer=layer)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("block_m", "block_n"))
 def _prefill_attention(
-    q, k_new, v_new, cache, new_tokens, *, sink_slots, group_size, softmax_scale, pages_per_split,
-    bf16_pages_per_split, pages_per_block, block_m, block_n, interpret, layer,
+    q, k_new, v_new, cache, new_tokens, *, sink_slots, group_size, softmax_scale, launch: DecodeLaunch, block_m,
+    block_n, interpret, layer,
 ):
     batch, chunk, q_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[2]
@@ -466,9 +401,8 @@ def _prefill_attention(
     q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     prefix_tiers = _cache_partials(
-        q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
-        pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
-        block_m=block_m, interpret=interpret, layer=layer,
+        q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale, block_m=block_m,
+        launch=launch, interpret=interpret, layer=layer,
     )
 
     chunk_dtype = jnp.promote_types(q.dtype, k_new.dtype)  # the chunk stays in full precision
@@ -545,13 +479,13 @@ def prefill_attention(
     views = _layer_views(cache, layer)
     use_xla = xla.use_xla(interpret)
     interpret = resolve_interpret(interpret)
-    pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
-        pages_per_split, pages_per_block, bf16_page_table, history_page_table, _page_size(views[0]),
-        interpret=interpret)
+    page_size = _page_size(views[0])
+    tiling = _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, page_size,
+                             interpret=interpret)
     cache_kv_heads, _ = _validate_cache(
-        q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size,
-        softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
+        q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
     )
+    launch = prefill_launch(*tiling, page_size, fma_asm=not interpret)  # the INT2 fmas by PTX when compiled
     if num_kv_heads != cache_kv_heads:
         raise ValueError(f"k_new has {num_kv_heads} KV heads but the cache has {cache_kv_heads}")
     if new_tokens is None:
@@ -567,7 +501,6 @@ def prefill_attention(
                                                layer=layer)
     return _prefill_attention(
         q, k_new, v_new, cache, new_tokens, sink_slots=int(sink_slots), group_size=int(group_size),
-        softmax_scale=float(softmax_scale), pages_per_split=int(pages_per_split),
-        bf16_pages_per_split=int(bf16_pages_per_split), pages_per_block=int(pages_per_block), block_m=int(block_m), block_n=int(block_n),
+        softmax_scale=float(softmax_scale), launch=launch, block_m=int(block_m), block_n=int(block_n),
         interpret=interpret, layer=layer,
     )

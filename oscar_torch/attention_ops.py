@@ -35,7 +35,7 @@ import torch
 
 from oscar_torch import library
 from oscar_torch.kernels.codec import INTERPRET_BLOCK_ROWS, default_block_rows, interpreting
-from oscar_torch.kernels.decode_attention import DEFAULT_NUM_STAGES, DEFAULT_NUM_WARPS, MIN_DOT_DIM
+from oscar_torch.kernels.decode_attention import MIN_DOT_DIM
 from oscar_torch.validation import (
     check_devices,
     check_positive_float,
@@ -44,9 +44,8 @@ from oscar_torch.validation import (
 )
 from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
 from shared_math.tiling import (
-    TRITON_INT2_MAX_REGISTERS, check_max_registers, default_decode_launch, int2_decode_channels_on_m,
-    int2_decode_max_registers, int2_decode_rows, int2_decode_tokens_on_m, interpreted_tiling, next_power_of_two,
-    resolve_splits,
+    TRITON_INT2_MAX_REGISTERS, DecodeLaunch, int2_decode_rows, next_power_of_two, prefill_launch,
+    resolve_decode_launch, resolve_tiling,
 )
 
 DEFAULT_PAGES_PER_BLOCK = None  # → shared_math.tiling.default_pages_per_block(page size)
@@ -99,8 +98,6 @@ def _validate_cache(
     sink_slots,
     group_size,
     softmax_scale,
-    pages_per_split,
-    pages_per_block,
 ) -> tuple[int, int]:
     """Validate the cache arguments shared by decode and prefill; returns (Hkv, page size)."""
     check_static_int("group_size", group_size)
@@ -140,33 +137,26 @@ def _validate_cache(
     if sink_slots > bf16_page_table.shape[1]:
         raise ValueError(f"{sink_slots=} exceeds the BF16 page table's {bf16_page_table.shape[1]} slots")
     check_positive_float("softmax_scale", softmax_scale)
-    check_static_int("pages_per_block", pages_per_block, power_of_two=True, minimum=1)
-    check_static_int("pages_per_split", pages_per_split, minimum=1)
-    if pages_per_block > pages_per_split:
-        raise ValueError(f"{pages_per_block=} must not exceed {pages_per_split=}")
-    if pages_per_split % pages_per_block:
-        raise ValueError(f"{pages_per_split=} must be a multiple of {pages_per_block=}")
-    if pages_per_block * page_size < MIN_DOT_DIM:
-        raise ValueError(
-            f"{pages_per_block=} × page size {page_size} must be >= {MIN_DOT_DIM} tokens (dot tile)"
-        )
     return num_kv_heads, page_size
 
 
+def _table_slots(bf16_page_table, history_page_table) -> tuple[int, int]:
+    """The two page tables' slots (0 for a malformed table, which _validate_cache names)."""
+    return tuple(table.shape[1] if isinstance(table, torch.Tensor) and table.dim() == 2 else 0
+                 for table in (bf16_page_table, history_page_table))
+
+
 def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16, batch=None):
-    """(pages_per_split, bf16_pages_per_split, pages_per_block), defaults filled in
-    (shared_math.tiling.resolve_splits; `batch` given for a decode call, whose split follows B × Hkv).
-    Interpreted, with both left to the default: each tier in one split of blocks of up to
-    INTERPRET_BLOCK_ROWS tokens (see kernels.codec)."""
+    """(pages_per_split, bf16_pages_per_split, pages_per_block, page size): shared_math.tiling.resolve_tiling
+    (`batch` given for a decode call, whose split follows B × Hkv); interpreted, with both left to the
+    default, each tier in one split of blocks of up to INTERPRET_BLOCK_ROWS tokens (see kernels.codec)."""
     pool_ok = isinstance(k_bf16, torch.Tensor) and k_bf16.dim() == 4  # a malformed pool is named by validation
     page_size = int(k_bf16.shape[2]) if pool_ok else 0
     sequence_heads = batch * int(k_bf16.shape[1]) if pool_ok and batch is not None else None
-    bf16_slots, history_slots = (table.shape[1] if isinstance(table, torch.Tensor) and table.dim() == 2 else 0
-                                 for table in (bf16_page_table, history_page_table))
-    if interpreting() and pages_per_split is None and pages_per_block is None and page_size > 0:
-        pages_per_split, pages_per_block = interpreted_tiling(
-            max(bf16_slots, history_slots), page_size, INTERPRET_BLOCK_ROWS)
-    return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size, sequence_heads)
+    bf16_slots, history_slots = _table_slots(bf16_page_table, history_page_table)
+    return resolve_tiling(pages_per_split, pages_per_block, bf16_slots=bf16_slots, history_slots=history_slots,
+                          page_size=page_size, sequence_heads=sequence_heads,
+                          interpret_block_tokens=INTERPRET_BLOCK_ROWS if interpreting() else None), page_size
 
 
 _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min",
@@ -178,20 +168,17 @@ _CACHE_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v
 # --------------------------------------------------------------------------------------------
 
 
-def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, pages_per_split, bf16_pages_per_split,
-                   pages_per_block, block_m, unpack_asm=False, bf16_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES),
-                   int2_launch=(DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES), max_registers=0, int2_rows=None,
-                   channels_on_m=False):
-    """The (outputs, lses) of q_rows [B, Hkv, M, D] over each tier: BF16 (split by
-    bf16_pages_per_split), then INT2 (pages_per_split) if it has slots; each tier's kernel launched
-    with its (num_warps, num_stages). `int2_rows` (decode): the INT2 tier reads the first int2_rows
-    rows in one block (q_rows holds at most that many), its scores with tokens on M
-    (`shared_math.tiling.int2_decode_rows`)."""
+def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, block_m, launch: DecodeLaunch,
+                   int2_rows=None):
+    """The (outputs, lses) of q_rows [B, Hkv, M, D] over each tier: BF16, then INT2 if it has slots,
+    each kernel launched as `launch` says. `int2_rows` (decode, with launch.tokens_on_m): the INT2
+    tier reads the first int2_rows rows in one block (q_rows holds at most that many), its scores with
+    tokens on M (`shared_math.tiling.int2_decode_rows`)."""
     (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
      bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens) = cache
     tiers = [library.bf16_tier_partials(
-        q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots,
-        softmax_scale, bf16_pages_per_split, pages_per_block, block_m, *bf16_launch,
+        q_rows, k_bf16, v_bf16, bf16_page_table, sink_tokens, recent_tokens, sink_slots, softmax_scale,
+        launch.bf16_pages_per_split, launch.pages_per_block, block_m, launch.bf16_num_warps, launch.bf16_num_stages,
     )]
     if history_page_table.shape[1] > 0:
         if int2_rows is not None:
@@ -199,8 +186,9 @@ def _tier_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, page
             block_m = int2_rows
         tiers.append(library.int2_tier_partials(
             q_rows, k_codes, k_scale, k_min, v_codes, v_scale, v_min, history_page_table, history_tokens,
-            group_size, softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm, *int2_launch,
-            max_registers, int2_rows is not None, channels_on_m,
+            group_size, softmax_scale, launch.pages_per_split, launch.pages_per_block, block_m, launch.unpack_asm,
+            launch.int2_num_warps, launch.int2_num_stages, launch.max_registers, launch.tokens_on_m,
+            launch.channels_on_m,
         ))
     return tiers
 
@@ -279,63 +267,38 @@ def decode_attention(
         D ≥ 128 (`shared_math.tiling.int2_decode_channels_on_m`); None → on where it applies (faster:
         DECISIONS.md D5), True → on or ValueError, False → the
         values' dot with the rows on M.
+    All launch keywords resolve into one `shared_math.tiling.DecodeLaunch`
+    (`shared_math.tiling.resolve_decode_launch`, shared with oscar_jax), validated there.
     Returns:
       float32 [B, Hq, D].
     """
     check_tensor("q", q, dtypes=QUERY_DTYPES, shape=(None, None, None))
-    if channels_on_m is not None and not isinstance(channels_on_m, bool):
-        raise ValueError(f"channels_on_m={channels_on_m!r} must be a bool or None")
-    if max_registers is not None:
-        check_max_registers(max_registers)
-    if unpack_asm is None:
-        unpack_asm = not interpreting() and q.dtype == torch.bfloat16
-    if unpack_asm not in (True, False):
-        raise ValueError(f"unpack_asm={unpack_asm!r} must be a bool or None")
-    if unpack_asm and (interpreting() or q.dtype != torch.bfloat16):
-        raise ValueError(f"unpack_asm=True runs inline PTX on bfloat16 queries in compiled Triton; got q {q.dtype} "
-                         f"with the Triton interpreter {'on' if interpreting() else 'off'} (it cannot run PTX)")
     batch, q_heads, head_dim = q.shape
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
-    pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
-        pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16, batch=batch)
+    tiling, page_size = _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16,
+                                        batch=batch)
     num_kv_heads, _ = _validate_cache(
-        q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
-        softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
+        q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
     )
-    # The INT2 tier's scores with tokens on M: one group per row (G ≥ D, the form measured on the
-    # H200; the Pallas kernel also takes G < D), pages of ≥ 16 tokens, a grid large enough for
-    # one-warp programs.
-    int2_tokens_on_m = group_size >= head_dim and int2_decode_tokens_on_m(
-        batch, num_kv_heads, history_page_table.shape[1], pages_per_split, k_bf16.shape[2])
-    channels_applies = int2_decode_channels_on_m(int2_tokens_on_m, group_size, head_dim)
-    if channels_on_m is None:
-        channels_on_m = channels_applies
-    if channels_on_m and not channels_applies:
-        raise ValueError("channels_on_m=True needs the INT2 tier's tokens-on-M layout (G >= D >= 128, pages of >= 16 "
-                         f"tokens, a grid of >= 512 programs); this call has group_size={group_size}, "
-                         f"head_dim={head_dim}, batch={batch}")
-    if max_registers is None:
-        max_registers = int2_decode_max_registers(int2_tokens_on_m, channels_on_m, rows_on_m=TRITON_INT2_MAX_REGISTERS)
-    launches = default_decode_launch(batch, num_kv_heads, bf16_page_table.shape[1], history_page_table.shape[1],
-                                     bf16_pages_per_split, pages_per_split, int2_tokens_on_m=int2_tokens_on_m)
-    if num_warps is not None:
-        check_static_int("num_warps", num_warps, power_of_two=True, minimum=1)
-        launches = tuple((int(num_warps), stages) for _, stages in launches)
-    if num_stages is not None:
-        check_static_int("num_stages", num_stages, minimum=1)
-        launches = tuple((warps, int(num_stages)) for warps, _ in launches)
+    # The INT2 tier takes its scores with tokens on M with one group per row only (G ≥ D, the form
+    # measured on the H200; the Pallas kernel also takes G < D); its rows-on-M kernel is capped at
+    # TRITON_INT2_MAX_REGISTERS by default (DECISIONS.md D8).
+    launch = resolve_decode_launch(
+        batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group_size=group_size, page_size=page_size,
+        bf16_slots=bf16_page_table.shape[1], history_slots=history_page_table.shape[1], tiling=tiling,
+        compiled=not interpreting(), q_dtype=str(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        channels_on_m=channels_on_m, max_registers=max_registers, unpack_asm=unpack_asm, fma_asm=False,
+        tokens_on_m_any_group=False, rows_on_m_max_registers=TRITON_INT2_MAX_REGISTERS,
+    )
     check_devices(q=q, **dict(zip(_CACHE_NAMES, cache)))
     heads_per_kv = q_heads // num_kv_heads
     rows = max(MIN_DOT_DIM, next_power_of_two(heads_per_kv))  # GQA group padded for dot's M ≥ 16
     # Unpadded: the tier kernels read rows ≥ Gq as zero queries (kdecode.partial_rows).
     q_rows = q.reshape(batch, num_kv_heads, heads_per_kv, head_dim).contiguous()
     tiers = _tier_partials(
-        q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=float(softmax_scale),
-        pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
-        block_m=rows, unpack_asm=bool(unpack_asm),
-        bf16_launch=launches[0], int2_launch=launches[1], max_registers=int(max_registers),
-        int2_rows=int2_decode_rows(heads_per_kv) if int2_tokens_on_m else None, channels_on_m=channels_on_m,
+        q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=float(softmax_scale), block_m=rows,
+        launch=launch, int2_rows=int2_decode_rows(heads_per_kv) if launch.tokens_on_m else None,
     )
     # One merge kernel over both tiers' splits, reading only the Gq kept rows of the padded ones
     # (no eager concatenate + merge: benchmarks/DECISIONS.md D18).
@@ -397,12 +360,11 @@ def prefill_attention(
         raise ValueError(f"the chunk must hold at least one token, got q of shape {tuple(q.shape)}")
     cache = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
              bf16_page_table, sink_tokens, recent_tokens, history_page_table, history_tokens)
-    pages_per_split, bf16_pages_per_split, pages_per_block = _resolve_tiling(
-        pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16)
+    tiling, page_size = _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, k_bf16)
     cache_kv_heads, _ = _validate_cache(
-        q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size,
-        softmax_scale=softmax_scale, pages_per_split=pages_per_split, pages_per_block=pages_per_block,
+        q_heads, head_dim, batch, *cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
     )
+    launch = prefill_launch(*tiling, page_size)
     if num_kv_heads != cache_kv_heads:
         raise ValueError(f"k_new has {num_kv_heads} KV heads but the cache has {cache_kv_heads}")
     if new_tokens is None:
@@ -427,9 +389,8 @@ def prefill_attention(
     q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_dim)
     q_rows = torch.nn.functional.pad(q_rows, (0, 0, 0, padded_rows - rows)).contiguous()
     prefix_outputs, prefix_lses = _cache_partials(
-        q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
-        pages_per_split=pages_per_split, bf16_pages_per_split=bf16_pages_per_split, pages_per_block=pages_per_block,
-        block_m=block_m,
+        q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale, block_m=block_m,
+        launch=launch,
     )
 
     chunk_dtype = torch.promote_types(q.dtype, k_new.dtype)  # the chunk stays in full precision

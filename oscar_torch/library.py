@@ -31,6 +31,7 @@ from oscar_torch.kernels import decode_attention as kdecode
 from oscar_torch.kernels import prefill_attention as kprefill
 from oscar_torch.kernels import write as kwrite
 from shared_math.spec import CODES_PER_BYTE
+from shared_math.tiling import num_splits
 
 NAMESPACE = "oscar"
 
@@ -177,7 +178,7 @@ def bf16_tier_partials(
 def _(q, k_bf16, v_bf16, page_table, sink_tokens, recent_tokens, sink_slots, softmax_scale,
       pages_per_split, pages_per_block, block_m, num_warps=kdecode.DEFAULT_NUM_WARPS,
       num_stages=kdecode.DEFAULT_NUM_STAGES):
-    return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split), block_m)
+    return _partials_like(q, num_splits(page_table.shape[1], pages_per_split), block_m)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::int2_tier_partials", mutates_args=())
@@ -216,7 +217,7 @@ def int2_tier_partials(
 def _(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, page_table, history_tokens, group_size,
       softmax_scale, pages_per_split, pages_per_block, block_m, unpack_asm=False, num_warps=kdecode.DEFAULT_NUM_WARPS,
       num_stages=kdecode.DEFAULT_NUM_STAGES, max_registers=0, tokens_on_m=False, channels_on_m=False):
-    return _partials_like(q, kdecode.num_splits(page_table.shape[1], pages_per_split), block_m)
+    return _partials_like(q, num_splits(page_table.shape[1], pages_per_split), block_m)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::merge_tier_partials", mutates_args=())

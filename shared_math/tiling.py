@@ -11,6 +11,7 @@ here names its measurement in benchmarks/DECISIONS.md (rows D1–D18, W1–W5, C
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -213,9 +214,10 @@ def default_decode_launch(batch: int, num_kv_heads: int, bf16_slots: int, histor
 TRITON_INT2_MAX_REGISTERS = 128
 # The INT2 tier kernel with its scores and values' dot transposed (tokens and channels on M), both
 # backends: XLA's compile of the Pallas kernel holds more registers uncapped than the Triton
-# backend's kernel, so fewer one-warp programs fit an SM; capped at 160 both fit 12 (Pallas through
-# `oscar_jax.kernels.register_cap`; outputs bit-identical), and both run faster for it
-# (DECISIONS.md D6).
+# backend's kernel, so fewer one-warp programs fit an SM; capped at 160 both fit 12 (outputs
+# bit-identical), and both run faster for it (DECISIONS.md D6). Pallas takes the cap only where the
+# user opts in (`oscar_jax.kernels.register_cap`, a patch of a private JAX function): its
+# resolve_decode_launch call passes register_caps=False otherwise.
 INT2_CHANNELS_ON_M_MAX_REGISTERS = 160
 MIN_MAX_REGISTERS = 32  # a cap below it leaves a kernel little but spills
 
@@ -237,6 +239,184 @@ def check_max_registers(max_registers) -> int:
         raise ValueError(f"max_registers={max_registers!r} must be 0 (the compiler's choice) or an integer "
                          f">= {MIN_MAX_REGISTERS}")
     return int(max_registers)
+
+
+# A tier kernel's launch where no policy applies (prefill's cache partials, a launcher's default).
+TIER_NUM_WARPS = 4
+TIER_NUM_STAGES = 2
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, *, minimum: int = 0, power_of_two: bool = False) -> None:
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    if power_of_two and value & (value - 1):
+        raise ValueError(f"{name}={value!r} must be a power of two")
+
+
+def _check_flag(name: str, value, *, optional: bool = False, strict: bool = True) -> None:
+    """A bool (`strict`: of type bool, else also 0 / 1), or None where `optional`."""
+    ok = isinstance(value, bool) if strict else value in (True, False)
+    if not ok and not (optional and value is None):
+        raise ValueError(f"{name}={value!r} must be a bool{' or None' if optional else ''}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """How the tier kernels of one attention call are launched: one object for both backends, built
+    by `resolve_decode_launch` (decode) or `prefill_launch` and checked here, so that the kernels'
+    launchers take it as it is. Hashable: a static argument of a jitted function.
+
+    pages_per_split       pages a program of the tier that holds the context (the INT2 tier, or the
+                          BF16 tier of a cache without one), a multiple of pages_per_block
+    bf16_pages_per_split  pages a program of the BF16 tier (bf16_tier_pages_per_split), ditto
+    pages_per_block       pages an inner iteration of both tiers (a power of two)
+    bf16_num_warps, bf16_num_stages, int2_num_warps, int2_num_stages
+                          each tier kernel's Triton launch (warps a power of two, stages ≥ 1)
+    tokens_on_m           the INT2 tier's scores as [page tokens, rows], its rows int2_decode_rows (D4)
+    channels_on_m         … and its values' dot as oᵀ = Vᵀ·p (needs tokens_on_m; D5)
+    max_registers         the INT2 tier kernel's register cap, 0: the compiler's choice (D6, D8)
+    unpack_asm            the INT2 codes unpacked by inline PTX (compiled kernels, bfloat16 q; D10)
+    fma_asm               the INT2 loop's multiply-adds as inline-PTX fmas (compiled Pallas; D14)
+    """
+
+    pages_per_split: int
+    bf16_pages_per_split: int
+    pages_per_block: int
+    bf16_num_warps: int = TIER_NUM_WARPS
+    bf16_num_stages: int = TIER_NUM_STAGES
+    int2_num_warps: int = TIER_NUM_WARPS
+    int2_num_stages: int = TIER_NUM_STAGES
+    tokens_on_m: bool = False
+    channels_on_m: bool = False
+    max_registers: int = 0
+    unpack_asm: bool = False
+    fma_asm: bool = False
+
+    def __post_init__(self):
+        _check_int("pages_per_block", self.pages_per_block, minimum=1, power_of_two=True)
+        for name in ("pages_per_split", "bf16_pages_per_split"):
+            split = getattr(self, name)
+            _check_int(name, split, minimum=1)
+            if self.pages_per_block > split:
+                raise ValueError(f"pages_per_block={self.pages_per_block} must not exceed {name}={split}")
+            if split % self.pages_per_block:
+                raise ValueError(f"{name}={split} must be a multiple of pages_per_block={self.pages_per_block}")
+        for name in ("bf16_num_warps", "int2_num_warps"):
+            _check_int(name, getattr(self, name), minimum=1, power_of_two=True)
+        for name in ("bf16_num_stages", "int2_num_stages"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("tokens_on_m", "channels_on_m", "unpack_asm", "fma_asm"):
+            _check_flag(name, getattr(self, name))
+        check_max_registers(self.max_registers)
+        if self.channels_on_m and not self.tokens_on_m:
+            raise ValueError("channels_on_m=True needs tokens_on_m=True (the values' dot transposed takes the "
+                             "scores with the tokens on M)")
+
+
+def check_tiling(pages_per_split, pages_per_block, page_size: int) -> None:
+    """The user's pages_per_split / pages_per_block (after resolve_splits): a ValueError naming the
+    first bad one. A block holds at least MIN_DOT_DIM tokens (a dot tile)."""
+    _check_int("pages_per_block", pages_per_block, minimum=1, power_of_two=True)
+    _check_int("pages_per_split", pages_per_split, minimum=1)
+    if pages_per_block > pages_per_split:
+        raise ValueError(f"{pages_per_block=} must not exceed {pages_per_split=}")
+    if pages_per_split % pages_per_block:
+        raise ValueError(f"{pages_per_split=} must be a multiple of {pages_per_block=}")
+    if pages_per_block * page_size < MIN_DOT_DIM:
+        raise ValueError(f"{pages_per_block=} × page size {page_size} must be >= {MIN_DOT_DIM} tokens (dot tile)")
+
+
+def resolve_tiling(pages_per_split, pages_per_block, *, bf16_slots: int, history_slots: int, page_size: int,
+                   sequence_heads: int | None = None, interpret_block_tokens: int | None = None) -> tuple:
+    """(pages_per_split, bf16_pages_per_split, pages_per_block) of a call, the defaults filled in by
+    resolve_splits (`sequence_heads` = B × Hkv for a decode call). `interpret_block_tokens` (an
+    interpreted call): with both left to the default, interpreted_tiling's one split of blocks of up
+    to that many tokens. Bad values pass through for check_tiling to name."""
+    if interpret_block_tokens and pages_per_split is None and pages_per_block is None and page_size > 0:
+        pages_per_split, pages_per_block = interpreted_tiling(
+            max(bf16_slots, history_slots), page_size, interpret_block_tokens)
+    return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size, sequence_heads)
+
+
+def prefill_launch(pages_per_split: int, bf16_pages_per_split: int, pages_per_block: int, page_size: int, *,
+                   fma_asm: bool = False) -> DecodeLaunch:
+    """The launch of a prefill call's cache partials: its tiling (checked), both tiers at
+    TIER_NUM_WARPS / TIER_NUM_STAGES, the INT2 tier with its rows on M, uncapped."""
+    check_tiling(pages_per_split, pages_per_block, page_size)
+    return DecodeLaunch(int(pages_per_split), int(bf16_pages_per_split), int(pages_per_block), fma_asm=bool(fma_asm))
+
+
+def resolve_decode_launch(
+    *, batch: int, num_kv_heads: int, head_dim: int, group_size: int, page_size: int, bf16_slots: int,
+    history_slots: int, tiling: tuple, compiled: bool, q_dtype: str, num_warps=None, num_stages=None,
+    channels_on_m=None, max_registers=None, unpack_asm=None, fma_asm=None, tokens_on_m_any_group: bool = True,
+    rows_on_m_max_registers: int = 0, register_caps: bool = True,
+) -> DecodeLaunch:
+    """The DecodeLaunch of a decode call, both backends: `tiling` = resolve_tiling's (checked here),
+    each knob the caller's or, for None, this module's policy (DECISIONS.md D4–D10, D14):
+
+      num_warps, num_stages  both tiers' when given (warps a power of two, stages ≥ 1); else
+                             default_decode_launch's, by each tier's program count and layout
+      tokens_on_m            int2_decode_tokens_on_m (and G ≥ D unless `tokens_on_m_any_group`)
+      channels_on_m          None → where int2_decode_channels_on_m applies; True where it does not
+                             is a ValueError
+      max_registers          None → int2_decode_max_registers (rows on M: `rows_on_m_max_registers`),
+                             0 without `register_caps` (a backend that cannot cap now)
+      unpack_asm             None → compiled with bfloat16 q (`q_dtype`, the query dtype's name);
+                             True elsewhere is a ValueError (an interpreter cannot run PTX)
+      fma_asm                None → compiled; True interpreted is a ValueError
+    """
+    pages_per_split, bf16_pages_per_split, pages_per_block = tiling
+    check_tiling(pages_per_split, pages_per_block, page_size)
+    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None:
+            _check_int(name, value, minimum=1, power_of_two=name == "num_warps")
+    _check_flag("channels_on_m", channels_on_m, optional=True)
+    for name, value in (("unpack_asm", unpack_asm), ("fma_asm", fma_asm)):
+        _check_flag(name, value, optional=True, strict=False)
+    if max_registers is not None:
+        check_max_registers(max_registers)
+    interpret = not compiled
+    q_bf16 = "bfloat16" in str(q_dtype)
+    if unpack_asm is None:
+        unpack_asm = compiled and q_bf16
+    if unpack_asm and (interpret or not q_bf16):
+        raise ValueError(f"unpack_asm=True runs inline PTX on bfloat16 queries on the GPU; got q {q_dtype} and "
+                         f"interpret={interpret} (interpret mode cannot run PTX)")
+    if fma_asm is None:
+        fma_asm = compiled
+    if fma_asm and interpret:
+        raise ValueError("fma_asm=True runs inline PTX on the GPU; interpret mode cannot run PTX (interpret=True)")
+    tokens_on_m = (tokens_on_m_any_group or group_size >= head_dim) and int2_decode_tokens_on_m(
+        batch, num_kv_heads, history_slots, pages_per_split, page_size)
+    channels_applies = int2_decode_channels_on_m(tokens_on_m, group_size, head_dim)
+    if channels_on_m is None:
+        channels_on_m = channels_applies
+    if channels_on_m and not channels_applies:
+        raise ValueError("channels_on_m=True needs the INT2 tier's tokens-on-M layout with one group per row (pages "
+                         f"of >= {MIN_DOT_DIM} tokens, a grid of >= {DECODE_TWO_WARPS_MIN_PROGRAMS} programs, "
+                         f"G >= D >= {MIN_DOT_DIM * CHANNELS_PER_PAIR_ROW}); this call has {group_size=}, "
+                         f"{head_dim=}, {batch=}")
+    if max_registers is None:
+        max_registers = (int2_decode_max_registers(tokens_on_m, channels_on_m, rows_on_m=rows_on_m_max_registers)
+                         if register_caps else 0)
+    (bf16_warps, bf16_stages), (int2_warps, int2_stages) = default_decode_launch(
+        batch, num_kv_heads, bf16_slots, history_slots, bf16_pages_per_split, pages_per_split,
+        int2_tokens_on_m=tokens_on_m)
+    if num_warps is not None:
+        bf16_warps = int2_warps = int(num_warps)
+    if num_stages is not None:
+        bf16_stages = int2_stages = int(num_stages)
+    return DecodeLaunch(
+        pages_per_split=int(pages_per_split), bf16_pages_per_split=int(bf16_pages_per_split),
+        pages_per_block=int(pages_per_block), bf16_num_warps=bf16_warps, bf16_num_stages=bf16_stages,
+        int2_num_warps=int2_warps, int2_num_stages=int2_stages, tokens_on_m=bool(tokens_on_m),
+        channels_on_m=bool(channels_on_m), max_registers=int(max_registers), unpack_asm=bool(unpack_asm),
+        fma_asm=bool(fma_asm))
 
 
 # The clip threshold τ (the k-th smallest |x| of a row, exact; shared_math.codec.clip_rows) is found

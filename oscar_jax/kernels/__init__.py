@@ -6,6 +6,11 @@ Modules (the same file names as oscar_torch/kernels, so the two can be read side
   write.py   the write path: fused rotate + encode of [T, Hkv, D] rows, page scatters into the
              INT2 and BF16 page pools (in place through input_output_aliases), and demotion of
              whole BF16 pages into INT2 pages (all layers in one launch).
+  decode_attention/  split-K first-stage kernels over the BF16 tier and the INT2 tier and their
+             merge, one file a tier (bf16_tier, int2_tier, merge; its __init__ says more).
+  prefill_attention.py  the causal full-precision kernel of a prefill chunk over itself.
+  register_cap.py  the opt-in register cap of the INT2 tier kernel (a patch of a private JAX
+             function, off by default).
 
 Lowering choice: `pl.pallas_call` with the Triton lowering (`jax.experimental.pallas.triton`,
 `plgpu.CompilerParams(num_warps=...)`), not Mosaic GPU. Why:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import warnings
 import zlib
 
 import hypothesis
@@ -488,41 +486,12 @@ def test_decode_kernels_compile_for_h200(head_dim, group_size, heads_per_kv, dty
     assert sorted(name.split("_tier")[0] for name in kernels) == ["oscar_bf16", "oscar_int2", "oscar_merge"]
     int2_kernel = next(name for name in kernels if name.startswith("oscar_int2"))
     # Compiled, the INT2 tier takes its fmas by PTX by default, and its values' dot with the channels
-    # on M (16-bit code pairs) where its scores take tokens on M with one group per row, D ≥ 128,
-    # then under the default register cap (shared_math.tiling.INT2_CHANNELS_ON_M_MAX_REGISTERS).
-    from shared_math.tiling import INT2_CHANNELS_ON_M_MAX_REGISTERS
-
+    # on M (16-bit code pairs) where its scores take tokens on M with one group per row, D ≥ 128; no
+    # register cap unless opted in (kernels.register_cap; test_register_cap.py).
     channels_on_m = int2_layout == "tokens_on_m" and group_size >= head_dim >= 128
-    expected = f"_fma_pairs_max_registers_{INT2_CHANNELS_ON_M_MAX_REGISTERS}" if channels_on_m else "_fma"
-    assert int2_kernel.endswith(expected), int2_kernel
+    assert int2_kernel.endswith("_fma_pairs" if channels_on_m else "_fma"), int2_kernel
     for name, usage in kernels.items():
         assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
-
-
-@pytest.mark.parametrize("max_registers", [None, 0, 168, 128])
-def test_register_cap_reaches_the_int2_kernels_triton_module(max_registers):
-    """max_registers > 0 names the INT2 tier kernel `…_max_registers_<n>` and sets its Triton module's
-    `ttg.maxnreg` (`kernels.register_cap`), which the sm_90 compile obeys; 0 leaves both alone, and
-    the other tiers' kernels never get it. None: shared_math.tiling.int2_decode_max_registers of
-    the call's form (here tokens and channels on M)."""
-    pytest.importorskip("triton")
-    from benchmarks.static_analysis import compile_triton_ir, pallas_triton_kernels, qwen3_decode_case, resource_usage
-    from shared_math.tiling import int2_decode_max_registers
-
-    _, args = qwen3_decode_case(None)  # Qwen3-8B heads on a production-sized INT2 grid: tokens and channels on M
-    cap = int2_decode_max_registers(True, True, rows_on_m=0) if max_registers is None else max_registers
-    fn = lambda *a: decode_attention(*a, sink_slots=1, group_size=128, softmax_scale=128**-0.5,  # noqa: E731
-                                     interpret=False, max_registers=max_registers)
-    kernels = {name: (text, warps, stages) for name, text, warps, stages in pallas_triton_kernels(fn, *args)}
-    int2 = next(name for name in kernels if name.startswith("oscar_int2"))
-    assert int2.endswith(f"_max_registers_{cap}") == bool(cap), int2
-    for name, (text, warps, stages) in kernels.items():
-        capped = name == int2 and cap
-        assert (f"ttg.maxnreg = {cap} : i32" in text) == bool(capped), name
-        assert ("ttg.maxnreg" in text) == bool(capped), name
-    text, warps, stages = kernels[int2]
-    usage = resource_usage(compile_triton_ir(text, warps, stages).asm["cubin"])
-    assert usage["registers"] <= (cap or 255), usage
 
 
 @pytest.mark.parametrize("bad", [16, -1, True, 1.5, "168"])
@@ -546,8 +515,9 @@ def test_default_launch_is_the_tiling_policy(small_cache, monkeypatch, batch_row
     q, cache = small_cache
     seen = []
     monkeypatch.setattr(attention_ops, "_decode_attention",
-                        lambda q, cache, **kw: seen.append((kw["bf16_launch"], kw["int2_launch"],
-                                                            kw["int2_tokens_on_m"])))
+                        lambda q, cache, launch, **kw: seen.append((
+                            (launch.bf16_num_warps, launch.bf16_num_stages),
+                            (launch.int2_num_warps, launch.int2_num_stages), launch.tokens_on_m)))
     arrays = list(cache.arrays)
     kv_heads, bf16_slots, slots = arrays[2].shape[1], arrays[8].shape[1], arrays[11].shape[1]
     split, bf16_split, _ = tiling.resolve_splits(None, None, bf16_slots, slots, arrays[0].shape[2])
@@ -579,7 +549,8 @@ def test_default_split_follows_the_longer_table(small_cache, monkeypatch, bf16_s
     q, cache = small_cache
     seen = []
     monkeypatch.setattr(attention_ops, "_decode_attention",
-                        lambda q, cache, **kw: seen.append((kw["pages_per_split"], kw["bf16_pages_per_split"])))
+                        lambda q, cache, launch, **kw: seen.append((launch.pages_per_split,
+                                                                    launch.bf16_pages_per_split)))
     arrays = list(cache.arrays)
     batch = q.shape[0]
     arrays[8] = jnp.zeros((batch, bf16_slots), jnp.int32)
@@ -601,7 +572,7 @@ def test_default_split_of_a_decode_call_follows_the_batch(small_cache, monkeypat
     q, cache = small_cache
     seen = []
     monkeypatch.setattr(attention_ops, "_decode_attention",
-                        lambda q, cache, **kw: seen.append(kw["pages_per_split"]))
+                        lambda q, cache, launch, **kw: seen.append(launch.pages_per_split))
     arrays = list(cache.arrays)
     kv_heads, history_slots = arrays[2].shape[1], 4096
     arrays[11] = jnp.zeros((1, history_slots), jnp.int32)
@@ -631,7 +602,7 @@ def test_interpreted_default_tiling_is_one_split_of_blocks(monkeypatch, page_siz
 
     assert INTERPRET_BLOCK_TOKENS == 64  # the cases' expectations below assume it
     seen = []
-    record = lambda *a, **kw: seen.append((kw["pages_per_split"], kw["pages_per_block"]))  # noqa: E731
+    record = lambda *a, launch, **kw: seen.append((launch.pages_per_split, launch.pages_per_block))  # noqa: E731
     monkeypatch.setattr(attention_ops, "_decode_attention", record)
     monkeypatch.setattr(attention_ops, "_prefill_attention", record)
     rng = np.random.default_rng(3)
@@ -652,7 +623,7 @@ def test_interpreted_default_tiling_is_one_split_of_blocks(monkeypatch, page_siz
 @pytest.mark.slow
 @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype):
-    """The values' dot transposed (oᵀ = Vᵀ·p over 16-bit code pairs, NOTES v26) gives the partials of
+    """The values' dot transposed (oᵀ = Vᵀ·p over 16-bit code pairs, DECISIONS.md D5) gives the partials of
     the tokens-on-M form (interpret mode: float32 dots of the same operands, so they differ by
     summation order only): several pages a split, one sequence cut 5 tokens short of whole pages
     with real codes in the cut rows, an odd length; and two pages a block. It needs tokens on M,
@@ -739,23 +710,3 @@ def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_whole_pages():
     with pytest.raises(ValueError, match="tokens_on_m needs pages of >= 16 tokens"):
         int2_tier_partials(q[:1, :1, :8], *small.arrays[2:8], *small.arrays[11:13], block_m=8, tokens_on_m=True,
                            **common)
-
-
-def test_register_cap_without_jaxs_hook_warns_and_runs_uncapped(monkeypatch):
-    """If jax's private Pallas → Triton lowering moves, install() says so once and returns False
-    (kernels then compile uncapped) instead of failing every decode call."""
-    from jax._src.pallas.triton import lowering
-
-    from oscar_jax.kernels import register_cap
-
-    monkeypatch.setattr(register_cap, "_installed", False)
-    monkeypatch.setattr(register_cap, "_unavailable", False)
-    monkeypatch.delattr(lowering, "lower_jaxpr_to_triton_module")
-    with pytest.warns(RuntimeWarning, match="no register cap for Pallas kernels"):
-        assert register_cap.install() is False
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # said once: later kernels do not warn again
-        assert register_cap.install() is False
-    assert register_cap.requested_cap(register_cap.capped_name("oscar_int2_tier", 168)) == 168
-    assert register_cap.capped_name("oscar_int2_tier", 0) == "oscar_int2_tier"
-    assert register_cap.requested_cap("oscar_int2_tier_pages_per_block_2") is None

@@ -6,7 +6,8 @@ Modules (the same file names as oscar_jax/kernels, so the two can be read side b
   write.py              the write path: fused rotate + encode of [T, Hkv, D] rows, page scatters
                         into the INT2 and BF16 page pools (in place), and demotion of whole BF16
                         pages into INT2 pages (all layers in one launch).
-  decode_attention.py   split-K first-stage kernels over the BF16 tier and the INT2 tier.
+  decode_attention/     split-K first-stage kernels over the BF16 tier and the INT2 tier and their
+                        merge, one file a tier (bf16_tier, int2_tier, merge; its __init__ says more).
   prefill_attention.py  the causal full-precision kernel of a prefill chunk over itself.
 
 Rules kept on every backend (so the bytes match the interpreter, the GPU and oscar_jax): no

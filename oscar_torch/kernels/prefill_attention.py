@@ -11,7 +11,7 @@ the KV head), so one K/V tile serves all Gq heads; the causal mask compares key 
 Keys at or beyond `new_tokens[b]` (a ragged chunk's padding) are masked and their V rows zeroed.
 
 Precision: the chunk's compute dtype is the promotion of q's and k_new's dtypes; bfloat16 rounds
-the probabilities to bfloat16 before P·V (`dot_operand`, as in decode_attention.py), float32 runs
+the probabilities to bfloat16 before P·V (`dot_operand`, as in kernels.decode_attention), float32 runs
 IEEE float32 dots. bfloat16 tensors arrive as int16 bit patterns and are widened exactly.
 Shape vocabulary: B batch, K KV heads, M query rows of one KV head, T chunk tokens, D head dim.
 """
@@ -70,7 +70,7 @@ def _causal_chunk_kernel(
     o = tl.zeros((BLOCK_M, D), tl.float32)
     m = tl.full((BLOCK_M,), MASK_VALUE_C, tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
-    # A static trip count with a dynamic guard (see decode_attention.py).
+    # A static trip count with a dynamic guard (see kernels.decode_attention.bf16_tier).
     for i in range(0, CHUNK // BLOCK_N):
         if i < num_blocks:
             key = i * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]

@@ -64,7 +64,7 @@ class _RecordOps(TorchDispatchMode):
 @pytest.mark.parametrize("case", [c for c in ATTENTION_CASES if c.name in ("qwen3_8b", "edges_bf16")], ids=str)
 def test_decode_launches_its_three_kernels_and_nothing_else(case):
     """No pad, copy or fill of q around the tier kernels: they read rows ≥ Gq as zero queries. At
-    128K b1 on the H200 those three small kernels cost ~5 µs of a ~68 µs call (NOTES v17)."""
+    128K b1 on the H200 those three small kernels cost ~5 µs of a ~68 µs call (DECISIONS.md D18)."""
     cache = build_cache(case)
     q, arrays = query(case), cache_arrays(cache)
     with _RecordOps() as recorded:
@@ -315,7 +315,7 @@ def test_default_split_follows_the_longer_table(small, monkeypatch, bf16_slots, 
         pass
 
     def capture(q_rows, cache, **kw):
-        raise Seen(kw["pages_per_split"], kw["bf16_pages_per_split"])
+        raise Seen(kw["launch"].pages_per_split, kw["launch"].bf16_pages_per_split)
 
     monkeypatch.setattr(attention_ops, "_tier_partials", capture)
     q, arrays = small
@@ -342,7 +342,7 @@ def test_default_split_of_a_decode_call_follows_the_batch(small, monkeypatch):
         pass
 
     def capture(q_rows, cache, **kw):
-        raise Seen(kw["pages_per_split"])
+        raise Seen(kw["launch"].pages_per_split)
 
     monkeypatch.setattr(attention_ops, "_tier_partials", capture)
     q, arrays = small
@@ -405,7 +405,7 @@ def test_unpack_asm_on_the_gpu_matches_the_compiler_unpacking(case, int2_layout)
     default = ops.decode_attention(query(case), *arrays, **kwargs).cpu().numpy()
     np.testing.assert_allclose(unpacked, compiler, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(default, unpacked)  # None → the PTX unpacker on the GPU for bf16 q
-    # the launch before v12 (4 warps, 2 stages, uncapped registers): another dot split, no spills
+    # the rows-on-M launch of D7's alternative (4 warps, 2 stages, uncapped registers): another dot split, no spills
     four_warps = ops.decode_attention(query(case), *arrays, num_warps=4, num_stages=2, max_registers=0,
                                       **kwargs).cpu().numpy()
     assert_close(four_warps, reference_decode(case, cache, case.query()), case.q_dtype)
@@ -415,7 +415,7 @@ def test_unpack_asm_on_the_gpu_matches_the_compiler_unpacking(case, int2_layout)
 @pytest.mark.slow
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype, monkeypatch):
-    """The values' dot transposed (oᵀ = Vᵀ·p by 16-bit code pairs, NOTES v26) gives the partials of the
+    """The values' dot transposed (oᵀ = Vᵀ·p by 16-bit code pairs, DECISIONS.md D5) gives the partials of the
     shipped tokens-on-M form: several pages a split, GQA 4 in 8 rows, one sequence cut 5 tokens short of
     whole pages (its last page runs masked, with real codes in the cut rows) and one at an odd length
     (interpreter: float32 dots of the same operands, so they differ by summation order only); so does
@@ -433,7 +433,7 @@ def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype, monkeypatch):
     assert int(history[1]) % case.page_size != 0 or int(history[0]) % case.page_size != 0
     gen = torch.Generator().manual_seed(5)
     q = torch.randn((2, 2, 8, 128), generator=gen).to(q_dtype).to(DEVICE)
-    for pages_per_split, pages_per_block in ((3, 1), (4, 2)):  # two pages a block: a bench variant (NOTES v26)
+    for pages_per_split, pages_per_block in ((3, 1), (4, 2)):  # two pages a block: a bench variant (DECISIONS.md D5)
         common = dict(group_size=128, softmax_scale=case.softmax_scale, pages_per_split=pages_per_split,
                       pages_per_block=pages_per_block, block_m=8, tokens_on_m=True)
         o_rows, lse_rows = kdecode.int2_tier_partials(q, *pools, table, history, **common)
@@ -460,7 +460,7 @@ def test_channels_on_m_int2_tier_matches_tokens_on_m(q_dtype, monkeypatch):
     want = ops.decode_attention(query(case), *arrays[:11], table, history, channels_on_m=False,
                                 **attention_kwargs(case))
     # bf16 queries: the code dots carry a bias ~100x the output that cancels within each page; another
-    # summation order moves the result by ~1e-5 (NOTES v20: up to 3.6e-5 on the H200)
+    # summation order moves the result by ~1e-5 (up to 3.6e-5 on the H200)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="channels_on_m needs tokens_on_m and head_dim >= 128"):
         kdecode.int2_tier_partials(torch.zeros((1, 1, 8, 64), device=DEVICE), *arrays64[2:8], *arrays64[11:13],
@@ -482,7 +482,7 @@ def test_default_register_cap_follows_the_int2_layout(monkeypatch):
     seen = []
 
     def spy(*args, **kw):
-        seen.append((kw["max_registers"], kw["channels_on_m"], kw["int2_rows"] is not None))
+        seen.append((kw["launch"].max_registers, kw["launch"].channels_on_m, kw["int2_rows"] is not None))
         raise Launched
 
     monkeypatch.setattr(attention_ops, "_tier_partials", spy)
@@ -495,7 +495,7 @@ def test_default_register_cap_follows_the_int2_layout(monkeypatch):
             ops.decode_attention(query(case), *cache_arrays(build_cache(case)), **attention_kwargs(case), **extra)
     assert seen == [(tiling.INT2_CHANNELS_ON_M_MAX_REGISTERS, True, True), (0, False, True),
                     (tiling.TRITON_INT2_MAX_REGISTERS, False, False), (96, True, True)]
-    assert tiling.INT2_CHANNELS_ON_M_MAX_REGISTERS == 160  # the cap timed on the H200 (NOTES v28)
+    assert tiling.INT2_CHANNELS_ON_M_MAX_REGISTERS == 160  # DECISIONS.md D6
 
 
 def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_one_group():

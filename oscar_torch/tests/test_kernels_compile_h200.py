@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # sm_90 compiles of every launch: in `make test-a
 
 from benchmarks.static_analysis import ENCODE_POINTERS, TRITON_QWEN3_8B, triton_kernel_usage  # noqa: E402
 from oscar_torch.kernels import decode_attention as kernels  # noqa: E402
-from shared_math.tiling import select_order_statistic  # noqa: E402
+from shared_math.tiling import MERGE_BLOCK_D, MERGE_BLOCK_SPLITS, select_order_statistic  # noqa: E402
 
 QWEN3_8B = {k: v for k, v in TRITON_QWEN3_8B.items() if k not in ("GROUP_SIZE", "PAGES_PER_BLOCK", "Q_BF16")}
 
@@ -32,12 +32,19 @@ def compile_for_h200(kernel, constants: dict, num_warps: int, num_stages: int, l
                                shortest_path=shortest_path)
 
 
+# The decode kernels' modules (oscar_torch.kernels.decode_attention is a package of one file a tier).
+DECODE_KERNEL_MODULES = {"_bf16_tier_kernel": "decode_attention.bf16_tier",
+                         "_int2_tier_kernel": "decode_attention.int2_tier",
+                         "_merge_tiers_kernel": "decode_attention.merge"}
+
+
 def _compile_in_fresh_process(kernel_name: str, constants: dict, num_warps: int, num_stages: int,
-                              loop: bool = False, module: str = "decode_attention",
+                              loop: bool = False, module: str | None = None,
                               pointers: dict | None = None, shortest_path: bool = False) -> dict:
     """The test session runs Triton in interpreter mode (TRITON_INTERPRET=1), whose kernels cannot be
     compiled; a child process without it imports the real `triton.jit` kernels (of
-    oscar_torch.kernels.`module`)."""
+    oscar_torch.kernels.`module`, by default the decode kernel's module)."""
+    module = module or DECODE_KERNEL_MODULES[kernel_name]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"import json, sys, importlib; from oscar_torch.tests.test_kernels_compile_h200 import compile_for_h200; "
             f"kernels = importlib.import_module('oscar_torch.kernels.{module}'); "
@@ -92,7 +99,7 @@ def test_tokens_on_m_decode_kernel_compiles_for_h200_without_spills(unpack_asm):
 
 
 def test_channels_on_m_decode_kernel_compiles_for_h200_with_fewer_instructions():
-    """The values' dot transposed (CHANNELS_ON_M, NOTES v26) at the decode launch: no spills, its code
+    """The values' dot transposed (CHANNELS_ON_M, DECISIONS.md D5) at the decode launch: no spills, its code
     pairs staged in shared memory and read by ldmatrix (the shipped layout reads V one byte a load:
     LDS.U8 x64 a page), and fewer instructions a page than the shipped tokens-on-M kernel (sm_90:
     935 against 1238)."""
@@ -160,7 +167,7 @@ def test_write_kernel_by_planes_compiles_for_h200_without_spills(kernel, rotate)
 def test_merge_kernel_compiles_for_h200_without_spills():
     """The decode merge at 128K (1 BF16 split of 16 padded rows, 128 INT2 splits of 8, GQA 4)."""
     constants = dict(SPLITS_A=1, SPLITS_B=128, NUM_HEADS=8, ROWS_A=16, ROWS_B=8, VALID_ROWS=4, D=128,
-                     BLOCK_S=kernels.MERGE_BLOCK_SPLITS, BLOCK_D=kernels.MERGE_BLOCK_D)
+                     BLOCK_S=MERGE_BLOCK_SPLITS, BLOCK_D=MERGE_BLOCK_D)
     usage = _compile_in_fresh_process("_merge_tiers_kernel", constants, kernels.DEFAULT_NUM_WARPS, 1)
     assert usage["spills"] == 0 and 0 < usage["registers"] <= 255, usage
 
@@ -200,7 +207,7 @@ def test_unpack_asm_is_refused_where_it_cannot_run():
 
     cases = [(torch.zeros(1, 2, 64, dtype=torch.float32), "q torch.float32")]
     if interpreting():  # a GPU run (OSCAR_TEST_GPU=1, no TRITON_INTERPRET) compiles the PTX instead
-        cases.append((torch.zeros(1, 2, 64, dtype=torch.bfloat16), "interpreter on"))
+        cases.append((torch.zeros(1, 2, 64, dtype=torch.bfloat16), "interpret mode cannot run PTX"))
     for q, message in cases:
         with pytest.raises(ValueError, match=message):
             decode_attention(q, *pools, *tables, sink_slots=1, group_size=64, softmax_scale=0.1, unpack_asm=True)

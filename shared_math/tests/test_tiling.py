@@ -266,3 +266,110 @@ def test_planes_blocks_hold_at_least_four_rows(rows, planes, expected):
     from shared_math.tiling import planes_block_rows
 
     assert planes_block_rows(rows, planes) == expected
+
+
+# --------------------------------------------------------------------------------------------
+# DecodeLaunch: the one launch configuration both backends' attention ops resolve and pass on.
+# --------------------------------------------------------------------------------------------
+
+
+def _decode_launch(**overrides):
+    from shared_math.tiling import resolve_decode_launch, resolve_tiling
+
+    shape = dict(batch=8, num_kv_heads=8, head_dim=128, group_size=128, page_size=64, bf16_slots=6,
+                 history_slots=2043)
+    shape.update({k: overrides.pop(k) for k in list(overrides) if k in shape})
+    tiling = resolve_tiling(overrides.pop("pages_per_split", None), overrides.pop("pages_per_block", None),
+                            bf16_slots=shape["bf16_slots"], history_slots=shape["history_slots"],
+                            page_size=shape["page_size"], sequence_heads=shape["batch"] * shape["num_kv_heads"])
+    return resolve_decode_launch(**shape, tiling=tiling, **{"compiled": True, "q_dtype": "bfloat16", **overrides})
+
+
+def test_decode_launch_of_the_production_call_is_the_policy():
+    """Qwen3-8B heads at 128K batch 8: tokens and channels on M at one warp and 3 stages, capped where
+    the backend can cap, the PTX unpacker and fmas compiled; frozen and hashable (a jit static)."""
+    import dataclasses
+
+    from shared_math.tiling import (
+        BF16_TIER_NUM_STAGES, DECODE_NUM_STAGES, INT2_CHANNELS_ON_M_MAX_REGISTERS, INT2_DECODE_NUM_WARPS,
+        DecodeLaunch, decode_pages_per_split,
+    )
+
+    launch = _decode_launch()
+    assert launch == DecodeLaunch(
+        pages_per_split=decode_pages_per_split(2043, 1, 64, 64), bf16_pages_per_split=1, pages_per_block=1,
+        bf16_num_warps=4, bf16_num_stages=BF16_TIER_NUM_STAGES, int2_num_warps=INT2_DECODE_NUM_WARPS,
+        int2_num_stages=DECODE_NUM_STAGES, tokens_on_m=True, channels_on_m=True,
+        max_registers=INT2_CHANNELS_ON_M_MAX_REGISTERS, unpack_asm=True, fma_asm=True)
+    assert hash(launch) == hash(dataclasses.replace(launch))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        launch.max_registers = 0
+    assert _decode_launch(register_caps=False).max_registers == 0
+    assert _decode_launch(compiled=False, q_dtype="float32").unpack_asm is False
+    interpreted = _decode_launch(compiled=False)
+    assert not interpreted.unpack_asm and not interpreted.fma_asm
+
+
+def test_decode_launch_backend_rules():
+    """The Triton backend's INT2 tier takes tokens on M with one group per row only, and caps its
+    rows-on-M kernel; explicit warps / stages reach both tiers."""
+    from shared_math.tiling import TRITON_INT2_MAX_REGISTERS
+
+    triton_rules = dict(tokens_on_m_any_group=False, rows_on_m_max_registers=TRITON_INT2_MAX_REGISTERS, fma_asm=False)
+    narrow = _decode_launch(group_size=32, **triton_rules)
+    assert not narrow.tokens_on_m and narrow.max_registers == TRITON_INT2_MAX_REGISTERS and not narrow.fma_asm
+    assert _decode_launch(group_size=32).tokens_on_m  # Pallas: any group size
+    explicit = _decode_launch(num_warps=8, num_stages=1, max_registers=0, channels_on_m=False)
+    assert (explicit.bf16_num_warps, explicit.int2_num_warps, explicit.bf16_num_stages, explicit.int2_num_stages,
+            explicit.max_registers, explicit.channels_on_m) == (8, 8, 1, 1, 0, False)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(num_warps=3), "num_warps=3 must be a power of two"),
+    (dict(num_warps=0), "num_warps=0 must be an integer >= 1"),
+    (dict(num_stages=0), "num_stages=0 must be an integer >= 1"),
+    (dict(num_stages=True), "num_stages=True must be an integer"),
+    (dict(max_registers=16), r"max_registers=16 must be 0 \(the compiler's choice\) or an integer >= 32"),
+    (dict(channels_on_m=1), "channels_on_m=1 must be a bool or None"),
+    (dict(channels_on_m=True, batch=1, history_slots=100), "channels_on_m=True needs the INT2 tier's tokens-on-M layout"),
+    (dict(unpack_asm="yes"), "unpack_asm='yes' must be a bool or None"),
+    (dict(unpack_asm=True, compiled=False), "interpret mode cannot run PTX"),
+    (dict(unpack_asm=True, q_dtype="float32"), "q float32"),
+    (dict(fma_asm=True, compiled=False), "fma_asm=True runs inline PTX"),
+    (dict(pages_per_split=6, pages_per_block=4), "pages_per_split=6 must be a multiple of pages_per_block=4"),
+    (dict(pages_per_split=4, pages_per_block=8), "pages_per_block=8 must not exceed pages_per_split=4"),
+    (dict(pages_per_block=3), "pages_per_block=3 must be a power of two"),
+    (dict(page_size=8, pages_per_block=1, pages_per_split=2), r"pages_per_block=1 × page size 8 must be >= 16"),
+])
+def test_decode_launch_names_the_bad_value(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _decode_launch(**overrides)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(pages_per_split=3, bf16_pages_per_split=2, pages_per_block=2), "pages_per_split=3 must be a multiple"),
+    (dict(pages_per_split=2, bf16_pages_per_split=1, pages_per_block=2), "pages_per_block=2 must not exceed"),
+    (dict(pages_per_split=2, bf16_pages_per_split=2, pages_per_block=1, int2_num_warps=6), "int2_num_warps=6"),
+    (dict(pages_per_split=2, bf16_pages_per_split=2, pages_per_block=1, bf16_num_stages=0), "bf16_num_stages=0"),
+    (dict(pages_per_split=2, bf16_pages_per_split=2, pages_per_block=1, tokens_on_m=1), "tokens_on_m=1 must be a bool"),
+    (dict(pages_per_split=2, bf16_pages_per_split=2, pages_per_block=1, channels_on_m=True), "needs tokens_on_m=True"),
+    (dict(pages_per_split=2, bf16_pages_per_split=2, pages_per_block=1, max_registers=8), "max_registers=8"),
+])
+def test_decode_launch_checks_itself(fields, message):
+    """A DecodeLaunch built by hand is checked as one resolved from a call's arguments."""
+    from shared_math.tiling import DecodeLaunch
+
+    with pytest.raises(ValueError, match=message):
+        DecodeLaunch(**fields)
+
+
+def test_prefill_launch_is_the_plain_tier_launch():
+    from shared_math.tiling import TIER_NUM_STAGES, TIER_NUM_WARPS, prefill_launch
+
+    launch = prefill_launch(4, 1, 1, 64, fma_asm=True)
+    assert (launch.bf16_num_warps, launch.int2_num_warps, launch.bf16_num_stages, launch.int2_num_stages) == (
+        TIER_NUM_WARPS, TIER_NUM_WARPS, TIER_NUM_STAGES, TIER_NUM_STAGES)
+    assert not (launch.tokens_on_m or launch.channels_on_m or launch.unpack_asm or launch.max_registers)
+    assert launch.fma_asm
+    with pytest.raises(ValueError, match="pages_per_split=3 must be a multiple of pages_per_block=2"):
+        prefill_launch(3, 2, 2, 64)
