@@ -12,6 +12,10 @@ Conventions (shared by every implementation):
   scale    softmax(q·kᵀ / √D); masking is by absolute position (key position ≤ query position),
            so a right-padded batch needs no extra mask: padding writes beyond a row's length are
            masked for that row's real queries and overwritten when decoding reaches them.
+  window   a sliding-window layer (Gemma 3's local layers) calls `attend(..., window=w)`: a key
+           is then visible only when query position − key position < w (the query itself and
+           the w − 1 positions before it). Global layers never pass it, so a cache without
+           sliding windows needs no such keyword (a local layer then fails loudly).
   purity   `attend` returns a new cache (a pytree) instead of mutating, so callers can jit the
            model step with the cache donated.
 """
@@ -38,13 +42,17 @@ class KVCache(Protocol):
 
 
 def reference_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, k_positions: jax.Array
+    q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, k_positions: jax.Array,
+    *, window: int | None = None,
 ) -> jax.Array:
     """Masked GQA softmax attention in float32, the math every cache must reproduce.
 
     q [B, T, Hq, D]; k, v [B, S, K, D]; q_positions [B, T]; k_positions [B, S] (a key is visible
-    to a query when k_position ≤ q_position). Returns [B, T, Hq, D] in q's dtype.
+    to a query when k_position ≤ q_position, and with `window` also q_position − k_position <
+    window). Returns [B, T, Hq, D] in q's dtype.
     """
+    if window is not None and window < 1:
+        raise ValueError(f"{window=} must be ≥ 1")
     b, t, hq, d = q.shape
     kv_heads = k.shape[2]
     if hq % kv_heads:
@@ -55,6 +63,8 @@ def reference_attention(
         "btkgd,bskd->bkgts", qf, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     ) * (d**-0.5)
     visible = k_positions[:, None, :] <= q_positions[:, :, None]  # [B, T, S]
+    if window is not None:
+        visible &= q_positions[:, :, None] - k_positions[:, None, :] < window
     # A finite floor instead of -inf: a row is never fully masked (a query sees itself), but a
     # finite value keeps padded garbage from producing NaN through inf - inf.
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
@@ -97,7 +107,9 @@ class DenseKVCache:
     def max_seq_len(self) -> int:
         return self.k[0].shape[2]
 
-    def attend(self, layer, q, k, v, positions):
+    def attend(self, layer, q, k, v, positions, *, window: int | None = None):
+        """The KVCache contract; `window` masks a sliding-window layer (the buffers still hold
+        every position: this cache is the oracle, not the memory-saving layout)."""
         k_cache, v_cache = self.k[layer], self.v[layer]
         b, t = positions.shape
         if k.shape[:2] != (b, t) or k.shape[2:] != (k_cache.shape[1], k_cache.shape[3]):
@@ -114,7 +126,8 @@ class DenseKVCache:
         v_cache = v_cache.at[rows, :, positions].set(v.astype(v_cache.dtype))
         slots = jnp.broadcast_to(jnp.arange(k_cache.shape[2], dtype=positions.dtype), (b, k_cache.shape[2]))
         out = reference_attention(
-            q, k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3), positions, slots
+            q, k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3), positions, slots,
+            window=window,
         )
         new = dataclasses.replace(
             self,

@@ -1,4 +1,5 @@
-"""One decoder for the Llama family and Qwen3, written as plain functions over a params pytree.
+"""One decoder for the Llama family, Qwen3 and Gemma 3, written as plain functions over a params
+pytree.
 
 Why functional JAX and not Flax: the runtime jits `prefill` / `decode_step` with the cache
 donated and the config static; a frozen `ModelConfig` plus a dict of arrays is exactly what
@@ -15,10 +16,21 @@ Architecture (matches transformers' LlamaForCausalLM / Qwen3ForCausalLM, no bias
               x = x + o·W_o;  x = x + W_down(silu(rms_norm(x)·W_gate) * (rms_norm(x)·W_up))
   logits = rms_norm(x)·lm_head   (lm_head = embedᵀ when cfg.tie_embeddings)
 
+Gemma 3 is the same loop with configuration flags (defaults are the Llama behaviour; matches
+transformers' Gemma3ForCausalLM): norms scale by (1 + w) (cfg.norm_weight_offset = 1), RMSNorm
+also on the attention and MLP outputs before each residual add (cfg.post_norms), embeddings
+times √hidden (cfg.scale_embeddings), GELU-tanh instead of SiLU in the gated MLP
+(cfg.hidden_act), attention scaled by 1/√query_pre_attn_scalar, and per layer a type
+(cfg.layer_types): "local" layers attend to the newest cfg.sliding_window positions only (the
+query's own included) and use RoPE θ cfg.rope_local_theta, "global" layers see every position.
+A cache learns a local layer's window through `cache.attend(..., window=w)` (global layers are
+called exactly as before).
+
 Params layout (weights stored [in, out] so a projection is `x @ w`):
   {"embed": [V, H], "final_norm": [H], "lm_head": [H, V] (absent when tied),
    "layers": [ {"attn_norm": [H], "wq": [H, Hq·D], "wk": [H, K·D], "wv": [H, K·D],
                 "wo": [Hq·D, H], "q_norm": [D], "k_norm": [D] (qk_norm only),
+                "post_attn_norm": [H], "post_mlp_norm": [H] (post_norms only),
                 "mlp_norm": [H], "w_gate": [H, I], "w_up": [H, I], "w_down": [I, H]}, ... ]}
 `fuse_qkv` replaces a layer's wq, wk, wv by one "wqkv": [H, (Hq + 2K)·D] (the runtime does):
 at batch 1 XLA runs the fused projection as one bandwidth-bound GEMM, where the narrow K and V
@@ -65,6 +77,15 @@ class ModelConfig:
     tie_embeddings: bool
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     max_seq_len: int = 8192  # the checkpoint's trained context (informational)
+    # Gemma 3 (module docstring); the defaults are the Llama / Qwen3 behaviour.
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma stores w − 1 (offset 1)
+    post_norms: bool = False  # RMSNorm on attention and MLP outputs before the residual adds
+    scale_embeddings: bool = False  # embeddings × √hidden_size (in the embedding dtype)
+    hidden_act: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/√(this); None: head_dim
+    layer_types: tuple[str, ...] = ()  # per layer "local" or "global"; (): every layer global
+    sliding_window: int | None = None  # local layers see positions p with q_pos − p < window
+    rope_local_theta: float | None = None  # RoPE θ of local layers (None: rope_theta)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -78,6 +99,19 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} must be one of {sorted(HIDDEN_ACTS)}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries, want num_layers={self.num_layers}")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer_types holds {unknown}; each must be one of {LAYER_TYPES}")
+        if self.local_layers and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"sliding_window={self.sliding_window} must be ≥ 1 when layers are local")
+        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+            raise ValueError(f"query_pre_attn_scalar={self.query_pre_attn_scalar} must be > 0")
         # A head_dim that is not a power of two is fine for the model; the OSCAR codec and
         # Hadamard rotation need one, and the cache / calibration reject such models there.
 
@@ -90,9 +124,29 @@ class ModelConfig:
     def head_dim_is_power_of_two(self) -> bool:
         return self.head_dim & (self.head_dim - 1) == 0
 
+    @property
+    def local_layers(self) -> tuple[int, ...]:
+        """Indices of the sliding-window layers (empty for Llama / Qwen3)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "local")
 
-# Real checkpoints' shapes (from their config.json). Only `smollm2-135m` has downloadable
-# weights (oscar_jax.loaders); the others give real shapes for random-weight GPU runs.
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """Indices of the layers that attend to every position."""
+        local = set(self.local_layers)
+        return tuple(i for i in range(self.num_layers) if i not in local)
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index`, None for a global layer."""
+        return self.sliding_window if self.layer_types and self.layer_types[index] == "local" else None
+
+
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("local", "global")
+
+
+# Real checkpoints' shapes (from their config.json). `smollm2-135m` and `gemma3-270m` have
+# downloadable weights (oscar_jax.loaders; their GGUF metadata gives these same configs); the
+# others give real shapes for random-weight GPU runs.
 MODEL_CONFIGS: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -114,6 +168,14 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64,
         num_q_heads=64, num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
         tie_embeddings=False, qk_norm=True, max_seq_len=40960),
+    # MQA (4 q heads, 1 KV head), head_dim 256; 5 sliding-window (512) layers per global layer.
+    "gemma3-270m": ModelConfig(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18,
+        num_q_heads=4, num_kv_heads=1, head_dim=256, rope_theta=1e6, rms_norm_eps=1e-6,
+        tie_embeddings=True, qk_norm=True, max_seq_len=32768, norm_weight_offset=1.0,
+        post_norms=True, scale_embeddings=True, hidden_act="gelu_tanh", query_pre_attn_scalar=256.0,
+        layer_types=tuple("global" if i % 6 == 5 else "local" for i in range(18)),
+        sliding_window=512, rope_local_theta=1e4),
 }
 
 
@@ -122,7 +184,7 @@ def num_params(cfg: ModelConfig) -> int:
     h, d = cfg.hidden_size, cfg.head_dim
     attn = h * d * (2 * cfg.num_q_heads + 2 * cfg.num_kv_heads)
     mlp = 3 * h * cfg.intermediate_size
-    norms = 2 * h + (2 * d if cfg.qk_norm else 0)
+    norms = (4 if cfg.post_norms else 2) * h + (2 * d if cfg.qk_norm else 0)
     embed = cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2)
     return cfg.num_layers * (attn + mlp + norms) + embed + h
 
@@ -130,7 +192,8 @@ def num_params(cfg: ModelConfig) -> int:
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
     """Random weights at the config's shapes (for GPU runs of models we cannot ship).
 
-    Normal(0, std²) matrices, unit norm weights. One jitted program per layer (compiled once,
+    Normal(0, std²) matrices, norm weights that scale by one (1 − cfg.norm_weight_offset).
+    One jitted program per layer (compiled once,
     reused for every layer) keeps compile time flat in depth and each program small.
     """
     dtype = jnp.dtype(dtype)
@@ -138,7 +201,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
     h = cfg.hidden_size
     params = {
         "embed": _normal(layer_keys[-1], (cfg.vocab_size, h), dtype, std),
-        "final_norm": jnp.ones((h,), dtype),
+        "final_norm": _unit_norm(cfg, h, dtype),
         "layers": [_init_layer(cfg, k, dtype, std) for k in layer_keys[: cfg.num_layers]],
     }
     if not cfg.tie_embeddings:
@@ -160,23 +223,39 @@ def _init_layer(cfg: ModelConfig, key: jax.Array, dtype, std: float) -> Params:
     keys = jax.random.split(key, len(shapes))
     layer = {name: (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
              for k, (name, shape) in zip(keys, shapes.items())}
-    layer["attn_norm"] = jnp.ones((h,), dtype)
-    layer["mlp_norm"] = jnp.ones((h,), dtype)
+    names = ["attn_norm", "mlp_norm"] + (["post_attn_norm", "post_mlp_norm"] if cfg.post_norms else [])
+    for name in names:
+        layer[name] = _unit_norm(cfg, h, dtype)
     if cfg.qk_norm:
-        layer["q_norm"] = jnp.ones((d,), dtype)
-        layer["k_norm"] = jnp.ones((d,), dtype)
+        layer["q_norm"] = _unit_norm(cfg, d, dtype)
+        layer["k_norm"] = _unit_norm(cfg, d, dtype)
     return layer
+
+
+def _unit_norm(cfg: ModelConfig, size: int, dtype) -> jax.Array:
+    """Norm weights that scale by one under cfg's norm_weight_offset."""
+    if cfg.norm_weight_offset == 0:
+        return jnp.ones((size,), dtype)
+    return jnp.full((size,), 1.0 - cfg.norm_weight_offset, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis in float32 (as transformers does), cast back to x's dtype."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis in float32 (as transformers does), cast back to x's dtype.
+    The scale is (offset + weight): Gemma's norms store w − 1 and pass offset 1."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+    scale = weight.astype(jnp.float32)
+    if offset:
+        scale = scale + offset
+    return (scale * xf).astype(x.dtype)
+
+
+def _norm(x: jax.Array, weight: jax.Array, cfg: "ModelConfig") -> jax.Array:
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_weight_offset)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -216,10 +295,25 @@ class LayerActivations(NamedTuple):
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def qkv_projections(layer: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
-    """The attention inputs of one layer: (q [B,T,Hq,D], k, v [B,T,K,D]), post norm and RoPE."""
+def _is_local(cfg: ModelConfig, local: bool | None) -> bool:
+    if local is None:
+        if cfg.local_layers:
+            raise ValueError(
+                "this config has sliding-window layers: pass local=cfg.layer_window(index) is not None")
+        return False
+    return local
+
+
+def qkv_projections(layer: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array, *,
+                    local: bool | None = None):
+    """The attention inputs of one layer: (q [B,T,Hq,D], k, v [B,T,K,D]), post norm and RoPE.
+
+    `local`: whether this is a sliding-window layer (it picks the RoPE θ); required when cfg has
+    local layers. q comes pre-multiplied by √(D / query_pre_attn_scalar) when that scalar is not
+    D, so every cache's softmax(q·kᵀ/√D) gives the model's scale."""
+    local = _is_local(cfg, local)
     b, t, _ = x.shape
-    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    h = _norm(x, layer["attn_norm"], cfg)
     if "wqkv" in layer:  # fuse_qkv: one GEMM, split after
         q_width, kv_width = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = jnp.split(_dot(h, layer["wqkv"]), [q_width, q_width + kv_width], axis=-1)
@@ -229,17 +323,22 @@ def qkv_projections(layer: Params, cfg: ModelConfig, x: jax.Array, positions: ja
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-    return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+        q = _norm(q, layer["q_norm"], cfg)
+        k = _norm(k, layer["k_norm"], cfg)
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta is not None else cfg.rope_theta
+    q, k = rope(q, positions, theta), rope(k, positions, theta)
+    if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim:
+        q = (q.astype(jnp.float32) * (cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5).astype(q.dtype)
+    return q, k, v
 
 
 def decoder_layer(
     layer: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array, attend: AttendFn,
-    tp_axis: str | None = None,
+    tp_axis: str | None = None, *, local: bool | None = None,
 ) -> tuple[jax.Array, LayerActivations]:
-    """One pre-norm block. `attend(q, k, v) -> o` is the attention backend (here: causal)."""
-    q, k, v = qkv_projections(layer, cfg, x, positions)
+    """One pre-norm block. `attend(q, k, v) -> o` is the attention backend (here: causal; for a
+    local layer it must apply the window). `local`: as in qkv_projections."""
+    q, k, v = qkv_projections(layer, cfg, x, positions, local=local)
     o = attend(q, k, v)
     return layer_output(layer, cfg, x, o, tp_axis), LayerActivations(q, k, v, o)
 
@@ -258,12 +357,20 @@ def _row_parallel(x: jax.Array, w: jax.Array, tp_axis: str | None) -> jax.Array:
 
 def layer_output(layer: Params, cfg: ModelConfig, x: jax.Array, o: jax.Array,
                  tp_axis: str | None = None) -> jax.Array:
-    """The rest of the block after attention: residual + W_o, then the SwiGLU MLP."""
+    """The rest of the block after attention: residual + W_o, then the gated MLP (SwiGLU, or
+    GeGLU-tanh); with cfg.post_norms each branch is normed before its residual add."""
     b, t, _ = x.shape
-    x = x + _row_parallel(o.reshape(b, t, cfg.num_q_heads * cfg.head_dim), layer["wo"], tp_axis)
-    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    mlp = jax.nn.silu(_dot(h, layer["w_gate"])) * _dot(h, layer["w_up"])
-    return x + _row_parallel(mlp, layer["w_down"], tp_axis)
+    attn = _row_parallel(o.reshape(b, t, cfg.num_q_heads * cfg.head_dim), layer["wo"], tp_axis)
+    if cfg.post_norms:
+        attn = _norm(attn, layer["post_attn_norm"], cfg)
+    x = x + attn
+    h = _norm(x, layer["mlp_norm"], cfg)
+    gate = _dot(h, layer["w_gate"])
+    gate = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    mlp = _row_parallel(gate * _dot(h, layer["w_up"]), layer["w_down"], tp_axis)
+    if cfg.post_norms:
+        mlp = _norm(mlp, layer["post_mlp_norm"], cfg)
+    return x + mlp
 
 
 def embed(params: Params, tokens: jax.Array, tp_axis: str | None = None) -> jax.Array:
@@ -279,10 +386,20 @@ def embed(params: Params, tokens: jax.Array, tp_axis: str | None = None) -> jax.
     return jax.lax.psum(x, tp_axis)
 
 
+def input_embeddings(params: Params, cfg: ModelConfig, tokens: jax.Array,
+                     tp_axis: str | None = None) -> jax.Array:
+    """`embed`, times √hidden_size (rounded to the table's dtype, as transformers does) when
+    cfg.scale_embeddings."""
+    x = embed(params, tokens, tp_axis)
+    if cfg.scale_embeddings:
+        x = x * jnp.asarray(cfg.hidden_size**0.5, jnp.float32).astype(x.dtype)
+    return x
+
+
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array, tp_axis: str | None = None) -> jax.Array:
     """Final norm + output projection; float32 logits (under tp_axis: gathered from the
     shards' vocabulary slices, so every shard returns all of them)."""
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    x = _norm(x, params["final_norm"], cfg)
     if cfg.tie_embeddings:
         logits = jnp.einsum("...h,vh->...v", x, params["embed"],
                             precision=_HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None)
@@ -319,13 +436,14 @@ def forward(
     """
     positions = _default_positions(tokens) if positions is None else positions
 
-    def causal(q, k, v):
-        return reference_attention(q, k, v, positions, positions)
+    def causal(window):
+        return lambda q, k, v: reference_attention(q, k, v, positions, positions, window=window)
 
-    x = embed(params, tokens)
+    x = input_embeddings(params, cfg, tokens)
     collected = []
-    for layer in params["layers"]:
-        x, acts = decoder_layer(layer, cfg, x, positions, causal)
+    for index, layer in enumerate(params["layers"]):
+        window = cfg.layer_window(index)
+        x, acts = decoder_layer(layer, cfg, x, positions, causal(window), local=window is not None)
         if collect:
             collected.append(acts)
     logits = lm_head(params, cfg, x)
@@ -341,29 +459,37 @@ def iter_layer_activations(
     only the current layer's activations are alive, so memory does not grow with depth.
     """
     positions = _default_positions(tokens) if positions is None else positions
-    x = _embed_jit(params["embed"], tokens)
+    x = _embed_jit(params["embed"], tokens, cfg)
     for index, layer in enumerate(params["layers"]):
-        x, acts = _causal_layer_jit(layer, cfg, x, positions)
+        x, acts = _causal_layer_jit(layer, cfg, x, positions, window=cfg.layer_window(index))
         yield index, acts
 
 
-@jax.jit
-def _embed_jit(table, tokens):
-    return jnp.take(table, tokens, axis=0)
-
-
 @functools.partial(jax.jit, static_argnames="cfg")
-def _causal_layer_jit(layer, cfg, x, positions):
+def _embed_jit(table, tokens, cfg):
+    return input_embeddings({"embed": table}, cfg, tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "window"))
+def _causal_layer_jit(layer, cfg, x, positions, window=None):
+    """One layer over its causal (for window: sliding-window) attention; compiled once per
+    window, so once for Llama and twice for Gemma 3."""
     return decoder_layer(
-        layer, cfg, x, positions, lambda q, k, v: reference_attention(q, k, v, positions, positions)
+        layer, cfg, x, positions,
+        lambda q, k, v: reference_attention(q, k, v, positions, positions, window=window),
+        local=window is not None,
     )
 
 
 def _run_with_cache(params, cfg, tokens, cache, positions, tp_axis=None):
-    x = embed(params, tokens, tp_axis)
+    x = input_embeddings(params, cfg, tokens, tp_axis)
     for index, layer in enumerate(params["layers"]):
-        q, k, v = qkv_projections(layer, cfg, x, positions)
-        o, cache = cache.attend(index, q, k, v, positions)
+        window = cfg.layer_window(index)
+        q, k, v = qkv_projections(layer, cfg, x, positions, local=window is not None)
+        if window is None:
+            o, cache = cache.attend(index, q, k, v, positions)
+        else:  # only caches that implement sliding windows take the keyword
+            o, cache = cache.attend(index, q, k, v, positions, window=window)
         x = layer_output(layer, cfg, x, o, tp_axis)
     return x, cache
 
@@ -488,14 +614,17 @@ def cast_params(params: Params, dtype) -> Params:
 
 def describe(cfg: ModelConfig) -> str:
     """One line for logs."""
+    local = len(cfg.local_layers)
+    window = f"{local} local (window {cfg.sliding_window}) + {cfg.num_layers - local} global, " if local else ""
     return (f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_q_heads} q / "
             f"{cfg.num_kv_heads} kv heads × {cfg.head_dim}, vocab {cfg.vocab_size}, "
-            f"{'qk_norm, ' if cfg.qk_norm else ''}{num_params(cfg) / 1e6:,.1f}M params")
+            f"{'qk_norm, ' if cfg.qk_norm else ''}{window}{num_params(cfg) / 1e6:,.1f}M params")
 
 
 __all__ = [
     "ModelConfig", "MODEL_CONFIGS", "LayerActivations", "num_params", "init_params",
-    "rms_norm", "rope", "qkv_projections", "decoder_layer", "layer_output", "embed", "lm_head", "forward",
+    "rms_norm", "rope", "qkv_projections", "decoder_layer", "layer_output", "embed", "input_embeddings",
+    "lm_head", "forward",
     "iter_layer_activations", "prefill", "decode_step", "generate_greedy",
     "fold_value_rotation", "cast_params", "describe",
 ]

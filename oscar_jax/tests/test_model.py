@@ -96,7 +96,7 @@ def _tokens(cfg, shape, seed):
 
 @pytest.mark.parametrize("name, published", [
     ("smollm2-135m", 134.5e6), ("llama-3-8b", 8.03e9), ("qwen3-4b", 4.02e9),
-    ("qwen3-8b", 8.19e9), ("qwen3-32b", 32.76e9),
+    ("qwen3-8b", 8.19e9), ("qwen3-32b", 32.76e9), ("gemma3-270m", 268.1e6),
 ])
 def test_config_table_matches_published_sizes(name, published):
     assert abs(M.num_params(M.MODEL_CONFIGS[name]) / published - 1) < 0.01
