@@ -354,3 +354,75 @@ def test_gemma3_270m_logits_match_transformers(gemma3_270m):
     print(f"gemma3-270m vs transformers: max|Δlogit|/max|logit| = {err:.2e}")
     assert err < LOGIT_TOL
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding-window ring for local layers + a separate cache for global layers
+
+
+def _routed(cfg, batch, max_chunk, max_seq_len=32):
+    from oscar_jax.window_cache import LayerRoutedKVCache, SlidingWindowKVCache
+
+    local = SlidingWindowKVCache.create(num_layers=len(cfg.local_layers), batch=batch,
+                                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                        window=cfg.sliding_window, max_chunk=max_chunk, dtype=jnp.float32)
+    full = DenseKVCache.create(num_layers=len(cfg.global_layers), batch=batch, num_kv_heads=cfg.num_kv_heads,
+                               max_seq_len=max_seq_len, head_dim=cfg.head_dim, dtype=jnp.float32)
+    return LayerRoutedKVCache.for_layer_types(cfg.layer_types, local_cache=local, global_cache=full)
+
+
+def test_routed_cache_chunked_prefill_and_decode_equal_forward(tiny):
+    """Chunks of 6 (> window 4) and 3, then 7 decode steps: the ring (window + 5 slots) has
+    wrapped several times; every logit equals the uncached forward's."""
+    cfg, params = tiny
+    length = 16
+    tokens = jnp.asarray(_tokens(cfg, length=length))
+    full = np.asarray(M.forward(params, cfg, tokens))
+    cache = _routed(cfg, batch=2, max_chunk=6)
+    assert cache.local_cache.slots == 9 and cache.route == (("local", 0), ("global", 0), ("local", 1))
+    steps = []
+    for start, stop in ((0, 6), (6, 9)):
+        pos = jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (2, stop - start))
+        logits, cache = M.prefill(params, cfg, tokens[:, start:stop], cache, positions=pos, all_logits=True)
+        steps.append(np.asarray(logits))
+    for t in range(9, length):
+        logits, cache = M.decode_step(params, cfg, tokens[:, t], cache, jnp.full((2,), t, jnp.int32))
+        steps.append(np.asarray(logits)[:, None])
+    err = _rel_err(np.concatenate(steps, axis=1), full)
+    print(f"routed ring cache vs forward: {err:.2e}")
+    assert err < LOGIT_TOL
+
+
+def test_routed_cache_right_padded_batch_decodes_each_row_like_alone(tiny):
+    """Row 1 has 5 real tokens padded to 9: the padding writes land in the ring but never evict a
+    position that row's decode steps need."""
+    cfg, params = tiny
+    prompt = jnp.asarray(_tokens(cfg, length=9))
+    lengths = jnp.asarray([9, 5], jnp.int32)
+    cache = _routed(cfg, batch=2, max_chunk=9)
+    logits, cache = M.prefill(params, cfg, prompt, cache, lengths=lengths)
+    token, position, out = jnp.argmax(logits, -1).astype(jnp.int32), lengths, []
+    for _ in range(7):  # row 1 decodes through positions 5..11, over its own padding
+        out.append((token, position, logits))
+        logits, cache = M.decode_step(params, cfg, token, cache, position)
+        token, position = jnp.argmax(logits, -1).astype(jnp.int32), position + 1
+    for row in range(2):
+        seq = list(np.asarray(prompt[row, : int(lengths[row])])) + [int(t[row]) for t, _, _ in out]
+        ref = np.asarray(M.forward(params, cfg, jnp.asarray([seq], jnp.int32)))[0]
+        ours = np.stack([np.asarray(l[row]) for _, _, l in out])
+        first = int(lengths[row]) - 1
+        assert _rel_err(ours, ref[first: first + len(out)]) < LOGIT_TOL, row
+
+
+def test_window_cache_rejects_misuse(tiny):
+    cfg, params = tiny
+    cache = _routed(cfg, batch=1, max_chunk=4)
+    with pytest.raises(ValueError, match="t=5 tokens in one step exceed max_chunk=4"):
+        M.prefill(params, cfg, jnp.zeros((1, 5), jnp.int32), cache)
+    q = jnp.zeros((1, 1, cfg.num_q_heads, cfg.head_dim))
+    kv = jnp.zeros((1, 1, cfg.num_kv_heads, cfg.head_dim))
+    pos = jnp.zeros((1, 1), jnp.int32)
+    with pytest.raises(ValueError, match="layer 1 is routed as global but called with window=4"):
+        cache.attend(1, q, kv, kv, pos, window=4)
+    with pytest.raises(ValueError, match="layer 0 asks for window=3, this cache keeps window=4"):
+        cache.local_cache.attend(0, q, kv, kv, pos, window=3)
