@@ -161,6 +161,7 @@ def summarize_run(run: dict, output_len: int) -> dict:
     ttft = [t[0] - a for t, a in zip(times, arrivals)]
     itl = [b - a for t in times for a, b in zip(t, t[1:])]
     decode_steps = [s for s in run["steps"] if s.prefill_tokens == 0 and s.decode_rows > 0]
+    prefill_steps = [s for s in run["steps"] if s.prefill_tokens > 0]
     big = [s for s in decode_steps if s.decode_rows >= HOST_BATCH]
     host = [(s.total_s - s.device_wait_s) / s.total_s for s in big]
     return {
@@ -170,6 +171,9 @@ def summarize_run(run: dict, output_len: int) -> dict:
         "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
         "decode_step_s": percentiles([s.total_s for s in decode_steps]),
         "max_decode_batch": max((s.decode_rows for s in decode_steps), default=0),
+        # steps carrying a prefill chunk: their wall time and the share blocked on the device
+        "prefill_step_s": percentiles([s.total_s for s in prefill_steps]),
+        "prefill_step_device_share": percentiles([s.device_wait_s / s.total_s for s in prefill_steps]),
         "host_share_at_batch_32": percentiles(host) if host else None,
         "steps": len(run["steps"]),
     }

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shared_math.allocator import AdmitPlan, PageAllocator, PoolExhausted
+from shared_math.allocator import SCRATCH_PAGE, AdmitPlan, PageAllocator, PoolExhausted
 from oscar_jax.cache import OscarKVCache, StepPlan
 from oscar_jax.model import ModelConfig, Params, decode_step, fold_value_rotation, fuse_qkv, prefill
 from oscar_jax.parallel import TensorParallel
@@ -308,13 +308,29 @@ class OscarRuntime:
         cache = dataclasses.replace(cache, plan=None)
         due = [d for d in demotions if d is not None]
         if due:
-            src = jnp.asarray([d.src_bf16_page for d in due], jnp.int32)
-            dst = jnp.asarray([d.dst_int2_page for d in due], jnp.int32)
-            cache = self._steps[2](cache, src, dst)
+            src, dst = self._demotion_pages(len(due))
+            src[: len(due)] = [d.src_bf16_page for d in due]
+            dst[: len(due)] = [d.dst_int2_page for d in due]
+            cache = self._steps[2](cache, jnp.asarray(src), jnp.asarray(dst))
             for d in due:
                 self.allocator.demoted(d)
         self.cache = cache
         return logits
+
+    @staticmethod
+    def _demotion_pages(count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) page ids for `count` demotions, padded to a power of two with scratch page →
+        scratch page: a few demotion shapes, however many rows of a batch cross a page at once.
+        (The padding all writes the same bytes to the INT2 scratch page, which no table reads.)"""
+        size = 1 << max(count - 1, 0).bit_length()
+        return np.full(size, SCRATCH_PAGE, np.int32), np.full(size, SCRATCH_PAGE, np.int32)
+
+    def compile_demotion(self, batch_size: int) -> None:
+        """Compile every demotion shape of a decode batch of up to `batch_size` rows (a server's
+        warm-up) by running each on padding alone: only the scratch pages are touched."""
+        for count in sorted({len(self._demotion_pages(n)[0]) for n in range(1, batch_size + 1)}):
+            src, dst = self._demotion_pages(count)
+            self.cache = self._steps[2](self.cache, jnp.asarray(src), jnp.asarray(dst))
 
     @staticmethod
     def _padded(tables: dict, rows: int) -> dict:

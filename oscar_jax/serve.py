@@ -243,14 +243,20 @@ def warmup(engine, *, chunk_lengths=None, decode_buckets=None, log=print) -> Non
             while engine.has_work():
                 engine.step()
             log(f"[oscar] warmup: prefill chunk {n} in {time.perf_counter() - t:.1f} s")
-    for b in decode_buckets:
+    # Decode warm-up prompts are prefilled in a chunk shape compiled above, each its own tenant so
+    # that no prefix hit shortens its chunk (else their prefill compiles one more shape, a minute at
+    # Qwen3-8B depth); a bucket is reached by one row more than the bucket below it holds.
+    prompt_len = min((n for n in chunk_lengths if n + 3 <= engine.max_model_len), default=1)
+    for below, b in zip([0] + list(decode_buckets), decode_buckets):
         t = time.perf_counter()
         for temperature in (0.0, 0.5):  # the greedy and the sampling kernels
-            for i in range(b):
-                engine.add_request([1], SamplingParams(max_tokens=3, temperature=temperature, seed=i, ignore_eos=True),
-                                   f"warmup-{b}-{temperature}-{i}", tenant=f"warmup-{b}-{i}")
+            for i in range(below + 1):
+                engine.add_request([1] * prompt_len,
+                                   SamplingParams(max_tokens=3, temperature=temperature, seed=i, ignore_eos=True),
+                                   f"warmup-{b}-{temperature}-{i}", tenant=f"warmup-{b}-{temperature}-{i}")
             while engine.has_work():
                 engine.step()
+        engine.runtime.compile_demotion(b)  # warm-up prompts seldom cross a page: compiled directly
         log(f"[oscar] warmup: decode batch {b} in {time.perf_counter() - t:.1f} s")
     engine.stats = EngineStats()  # serving statistics start now
     log(f"[oscar] compiled decode batches {list(decode_buckets)} and prefill chunks {chunk_lengths} "

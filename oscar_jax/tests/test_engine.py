@@ -194,13 +194,15 @@ def test_serving_varied_lengths_compiles_only_the_buckets(model):
         lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
     engine = Engine(runtime(model), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=CHUNK + 4,
                                                        prefill_chunk=CHUNK))
-    # warm: every prefill bucket (16, 32) and decode bucket (1, 2, 4), greedy and sampled
+    # warm: every prefill bucket (16, 32) and decode bucket (1, 2, 4), greedy and sampled, and the
+    # demotion of each decode bucket
     for n, batch in ((3, 1), (20, 2), (31, 4)):
         for temperature in (0.0, 0.7):
             for i in range(batch):
                 engine.add_request(prompt(n, i), SamplingParams(max_tokens=3, temperature=temperature, seed=i),
                                    f"w{n}-{temperature}-{i}")
             run(engine)
+        engine.runtime.compile_demotion(batch)
     warm = len(compiles)
     assert warm > 0
     rng = np.random.default_rng(0)
@@ -210,6 +212,34 @@ def test_serving_varied_lengths_compiles_only_the_buckets(model):
                                                         temperature=float(rng.choice([0.0, 0.8])), seed=i), f"v{i}")
     run(engine)
     assert len(compiles) == warm, f"{len(compiles) - warm} compilations while serving varied requests"
+
+
+def test_warmup_compiles_the_shapes_it_is_given_and_no_other(model):
+    """warmup(chunk_lengths=[32]) compiles the 32-token prefill and every decode bucket: serving
+    prompts made of 32-token chunks then compiles nothing, and its decode warm-up prompts did not
+    compile the 16-token prefill bucket (a shorter prompt still does)."""
+    from oscar_jax.serve import warmup
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+    # a table width of its own: no shape is compiled already by another test of this module
+    engine = Engine(runtime(model, max_seq_len=MAX_LEN - 2 * CHUNK), None,
+                    EngineConfig(max_num_seqs=4, max_num_batched_tokens=CHUNK + 4, prefill_chunk=CHUNK))
+    said = []
+    warmup(engine, chunk_lengths=[CHUNK], log=said.append)
+    assert [line.split(" in ")[0] for line in said[:-1]] == [
+        "[oscar] warmup: prefill chunk 32", "[oscar] warmup: decode batch 1", "[oscar] warmup: decode batch 2",
+        "[oscar] warmup: decode batch 4"]
+    warm = len(compiles)
+    for i, n in enumerate((64, 96, 32, 64)):
+        engine.add_request(prompt(n, i), SamplingParams(max_tokens=4, temperature=0.0 if i % 2 else 0.8, seed=i),
+                           f"r{i}")
+    run(engine)
+    assert len(compiles) == warm, f"{len(compiles) - warm} compilations serving 32-token chunks after warm-up"
+    engine.add_request(prompt(5), GREEDY, "short")
+    run(engine)
+    assert len(compiles) > warm  # the 16-token prefill bucket was left to compile
 
 
 class CharTokenizer:
