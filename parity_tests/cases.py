@@ -418,21 +418,32 @@ class PagedCache:
 
 
 def build_cache(case: AttentionCase, spare_pages: int = 2) -> PagedCache:
-    """A poisoned, shuffled paged cache holding `case.lengths` tokens (tiers per shared_math).
+    """A poisoned, shuffled paged cache holding `case.lengths` tokens (tiers per shared_math),
+    seeded by the case's name: `build_paged_cache` of the case's shapes."""
+    return build_paged_cache(np.random.default_rng(seed_of(case.name, "cache")), case.lengths, config=case.config,
+                             num_kv_heads=case.num_kv_heads, spare_pages=spare_pages)
+
+
+def build_paged_cache(rng: np.random.Generator, lengths, *, config: OscarConfig, num_kv_heads: int,
+                      spare_pages: int = 2, shape_for_lengths=None) -> PagedCache:
+    """A poisoned, shuffled paged cache holding sequences of the given lengths (tiers per shared_math),
+    its data drawn from `rng`: the one cache generator of every backend's attention tests.
 
     Poison: page 0 and spare pages hold NaN (bf16 and metadata) and random codes, the unused rows
     of partly filled pages too, and unused page-table entries point at page 0: a kernel that
-    reads a token that is not valid turns the output into NaN. Page ids are shuffled.
+    reads a token that is not valid turns the output into NaN. Page ids are shuffled. Table widths
+    and pool sizes fit `lengths`, or `shape_for_lengths` (same batch, each ≥ the matching length) to
+    keep the array shapes fixed while the lengths vary.
     """
-    rng = np.random.default_rng(seed_of(case.name, "cache"))
-    config = case.config
-    d, g, kh, page = case.head_dim, case.group_size, case.num_kv_heads, case.page_size
-    splits = [tier_split(int(n), config) for n in case.lengths]
+    d, g, kh, page = config.head_dim, config.group_size, num_kv_heads, config.page_size
+    sink_slots = config.sink // page
+    splits = [tier_split(int(n), config) for n in lengths]
+    sizing = splits if shape_for_lengths is None else [tier_split(int(n), config) for n in shape_for_lengths]
     batch, groups, packed = len(splits), d // g, d // CODES_PER_BYTE
-    bf16_slots = case.sink_slots + max(s.recent_pages for s in splits) + 1  # one slot always unused
-    history_slots = max(s.history_pages for s in splits) + 1
-    bf16_pages = 1 + sum(s.bf16_pages for s in splits) + spare_pages
-    int2_pages = 1 + sum(s.history_pages for s in splits) + spare_pages
+    bf16_slots = sink_slots + max(s.recent_pages for s in sizing) + 1  # one slot always unused
+    history_slots = max(s.history_pages for s in sizing) + 1
+    bf16_pages = 1 + sum(s.bf16_pages for s in sizing) + spare_pages
+    int2_pages = 1 + sum(s.history_pages for s in sizing) + spare_pages
 
     nan_bits = BF16_QUIET_NAN
     k_bf16 = np.full((bf16_pages, kh, page, d), nan_bits, np.uint16)
@@ -457,7 +468,7 @@ def build_cache(case: AttentionCase, spare_pages: int = 2) -> PagedCache:
         tiers = {}
         for name, start, count, first_slot in (
             ("sink", 0, split.sink_tokens, 0),
-            ("recent", split.recent_start, split.recent_tokens, case.sink_slots),
+            ("recent", split.recent_start, split.recent_tokens, sink_slots),
         ):
             k_bits, v_bits = bf16_bits(k[start : start + count]), bf16_bits(v[start : start + count])
             for j in range(0, count, page):
@@ -472,8 +483,8 @@ def build_cache(case: AttentionCase, spare_pages: int = 2) -> PagedCache:
             plan["bv"].append(v[start : start + count])
             tiers[name] = (bf16_values(k_bits), bf16_values(v_bits))
         hist = slice(split.history_start, split.recent_start)
-        k_q = encode(k[hist], group_size=g, clip_ratio=k_clip, levels=case.levels)
-        v_q = encode(v[hist], group_size=g, clip_ratio=v_clip, levels=case.levels)
+        k_q = encode(k[hist], group_size=g, clip_ratio=k_clip, levels=config.levels)
+        v_q = encode(v[hist], group_size=g, clip_ratio=v_clip, levels=config.levels)
         for j in range(split.history_pages):
             pid = free_int2.pop()
             history_table[b, j] = pid
@@ -559,8 +570,13 @@ def bias_cancellation_cache() -> PagedCache:
 
 def dequantized_cache(case: AttentionCase, tiers: SequenceTiers) -> tuple[np.ndarray, np.ndarray]:
     """All cached K and V of one sequence, [S, K, D] float64 (sink ‖ history ‖ recent)."""
-    k_hist = decode(*tiers.history[0], group_size=case.group_size)
-    v_hist = decode(*tiers.history[1], group_size=case.group_size)
+    return dequantized_tiers(tiers, case.group_size)
+
+
+def dequantized_tiers(tiers: SequenceTiers, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """dequantized_cache of a sequence's tiers, the group size given."""
+    k_hist = decode(*tiers.history[0], group_size=group_size)
+    v_hist = decode(*tiers.history[1], group_size=group_size)
     k = np.concatenate([tiers.sink[0], k_hist, tiers.recent[0]]).astype(np.float64)
     v = np.concatenate([tiers.sink[1], v_hist, tiers.recent[1]]).astype(np.float64)
     return k, v

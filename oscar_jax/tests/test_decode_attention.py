@@ -1,7 +1,8 @@
 """Decode attention over the paged mixed-tier cache vs the float64 reference of shared_math.
 
-Caches are built with shared_math (codec.encode for the INT2 pages, tiers.tier_split for the tier
-boundaries); the kernels' output is compared with attention over the *dequantized* cache in
+Caches come from parity_tests.cases.build_paged_cache, the generator both backends' attention tests
+share (shared_math's codec.encode for the INT2 pages, tiers.tier_split for the tier boundaries),
+with the data drawn from each test's rng; the kernels' output is compared with attention over the *dequantized* cache in
 float64 (shared_math.attention.mixed_tier_decode_attention, and a one-pass softmax over the
 concatenated tiers), so quantization error is never mistaken for kernel error. The pools are
 poisoned: page 0, spare pages and the unused rows of partially filled pages hold NaN (codes hold
@@ -26,9 +27,7 @@ from oscar_jax.attention_ops import decode_attention, merge_partials
 from parity_tests import cases
 from parity_tests.backends import to_jax
 from shared_math import attention as reference
-from shared_math.codec import decode, encode
-from shared_math.spec import CODES_PER_BYTE, DEFAULT_K_CLIP_RATIO, DEFAULT_V_CLIP_RATIO, OscarConfig
-from shared_math.tiers import tier_split
+from shared_math.spec import OscarConfig
 
 pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
 
@@ -39,35 +38,13 @@ TOLERANCES = {jnp.float32: cases.ATTENTION_TOLERANCES["float32"], jnp.bfloat16: 
 PAGE_SIZE = 16
 SINK = 64
 SINK_SLOTS = SINK // PAGE_SIZE
-POISON_PAGE = 0  # NaN-filled; masked tokens are redirected here by the kernels, and must stay masked
-
-
-@dataclasses.dataclass
-class SequenceTiers:
-    """One sequence's tiers as the reference consumes them (float32 views of the stored values)."""
-
-    sink: tuple[np.ndarray, np.ndarray]  # k, v float32 [S_sink, Hkv, D] (bf16-exact)
-    history: tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]  # (codes, scale, min) for K and V
-    recent: tuple[np.ndarray, np.ndarray]
-
-    def dequantized(self, group_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """All cached K and V, [S, Hkv, D] float64 (sink ‖ history dequantized ‖ recent)."""
-        k_hist = decode(*self.history[0], group_size=group_size)
-        v_hist = decode(*self.history[1], group_size=group_size)
-        k = np.concatenate([self.sink[0], k_hist, self.recent[0]]).astype(np.float64)
-        v = np.concatenate([self.sink[1], v_hist, self.recent[1]]).astype(np.float64)
-        return k, v
 
 
 @dataclasses.dataclass
 class MixedCache:
-    arrays: tuple  # the 13 cache arguments of decode_attention, in order
-    sequences: list[SequenceTiers]
+    arrays: tuple  # the 13 cache arguments of decode_attention, in order (jax arrays)
+    sequences: list[cases.SequenceTiers]  # each sequence's tiers, as the reference consumes them
     group_size: int
-
-
-def _bf16_round(x: np.ndarray) -> np.ndarray:
-    return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
 
 
 def build_cache(
@@ -82,80 +59,12 @@ def build_cache(
     shape_for_lengths=None,
     page_size: int = PAGE_SIZE,
 ) -> MixedCache:
-    """A poisoned, shuffled paged cache holding sequences of the given lengths (tiers per shared_math).
-
-    Table widths and pool sizes fit `lengths`, or `shape_for_lengths` (same batch, each ≥ the
-    matching length) to keep the array shapes fixed while the lengths vary.
-    """
-    config = OscarConfig(
-        head_dim=head_dim, group_size=group_size, sink=SINK, recent=recent, page_size=page_size
-    )
-    sink_slots = SINK // page_size
-    splits = [tier_split(int(length), config) for length in lengths]
-    sizing = splits if shape_for_lengths is None else [tier_split(int(n), config) for n in shape_for_lengths]
-    batch, groups, packed = len(lengths), head_dim // group_size, head_dim // CODES_PER_BYTE
-    bf16_slots = sink_slots + max(s.recent_pages for s in sizing) + 1  # one slot always unused
-    history_slots = max(s.history_pages for s in sizing) + 1
-    bf16_pages = 1 + sum(s.bf16_pages for s in sizing) + spare_pages
-    int2_pages = 1 + sum(s.history_pages for s in sizing) + spare_pages
-
-    k_bf16 = np.full((bf16_pages, num_kv_heads, page_size, head_dim), np.nan, np.float32)
-    v_bf16 = k_bf16.copy()
-    codes_shape = (int2_pages, num_kv_heads, page_size, packed)
-    k_codes = rng.integers(0, 256, codes_shape, dtype=np.uint8)
-    v_codes = rng.integers(0, 256, codes_shape, dtype=np.uint8)
-    meta = [np.full(codes_shape[:-1] + (groups,), np.nan, np.float16) for _ in range(4)]
-    bf16_table = np.full((batch, bf16_slots), POISON_PAGE, np.int32)
-    history_table = np.full((batch, history_slots), POISON_PAGE, np.int32)
-    free_bf16 = list(rng.permutation(np.arange(1, bf16_pages)))
-    free_int2 = list(rng.permutation(np.arange(1, int2_pages)))
-
-    sequences = []
-    for b, split in enumerate(splits):
-        k = rng.standard_normal((split.length, num_kv_heads, head_dim)).astype(np.float32)
-        v = rng.standard_normal((split.length, num_kv_heads, head_dim)).astype(np.float32)
-        tiers = {}
-        for name, start, count, first_slot in (
-            ("sink", 0, split.sink_tokens, 0),
-            ("recent", split.recent_start, split.recent_tokens, sink_slots),
-        ):
-            k_tier, v_tier = _bf16_round(k[start : start + count]), _bf16_round(v[start : start + count])
-            for j in range(0, count, page_size):
-                page = free_bf16.pop()
-                bf16_table[b, first_slot + j // page_size] = page
-                rows = min(page_size, count - j)
-                k_bf16[page, :, :rows] = k_tier[j : j + rows].transpose(1, 0, 2)
-                v_bf16[page, :, :rows] = v_tier[j : j + rows].transpose(1, 0, 2)
-            tiers[name] = (k_tier, v_tier)
-        hist = slice(split.history_start, split.recent_start)
-        k_q = encode(k[hist], group_size=group_size, clip_ratio=DEFAULT_K_CLIP_RATIO)
-        v_q = encode(v[hist], group_size=group_size, clip_ratio=DEFAULT_V_CLIP_RATIO)
-        for j in range(split.history_pages):
-            page = free_int2.pop()
-            history_table[b, j] = page
-            rows = slice(j * page_size, (j + 1) * page_size)
-            k_codes[page], v_codes[page] = k_q[0][rows].transpose(1, 0, 2), v_q[0][rows].transpose(1, 0, 2)
-            for pool, value in zip(meta, (k_q[1], k_q[2], v_q[1], v_q[2])):
-                pool[page] = value[rows].transpose(1, 0, 2)
-        sequences.append(SequenceTiers(tiers["sink"], (k_q, v_q), tiers["recent"]))
-
-    lengths_of = lambda attr: jnp.asarray([getattr(s, attr) for s in splits], jnp.int32)  # noqa: E731
-    arrays = (
-        jnp.asarray(k_bf16, jnp.bfloat16),
-        jnp.asarray(v_bf16, jnp.bfloat16),
-        jnp.asarray(k_codes),
-        jnp.asarray(meta[0]),
-        jnp.asarray(meta[1]),
-        jnp.asarray(v_codes),
-        jnp.asarray(meta[2]),
-        jnp.asarray(meta[3]),
-        jnp.asarray(bf16_table),
-        lengths_of("sink_tokens"),
-        lengths_of("recent_tokens"),
-        jnp.asarray(history_table),
-        lengths_of("history_tokens"),
-    )
-    return MixedCache(arrays, sequences, group_size)
+    """parity_tests.cases.build_paged_cache (the cache generator both backends' tests share: poisoned,
+    shuffled pages) with its data drawn from `rng`, as jax arrays."""
+    config = OscarConfig(head_dim=head_dim, group_size=group_size, sink=SINK, recent=recent, page_size=page_size)
+    paged = cases.build_paged_cache(rng, lengths, config=config, num_kv_heads=num_kv_heads, spare_pages=spare_pages,
+                                    shape_for_lengths=shape_for_lengths)
+    return MixedCache(tuple(to_jax(a) for a in paged.pools() + paged.tables()), paged.sequences, group_size)
 
 
 def reference_decode(q, cache: MixedCache, softmax_scale: float, *, one_pass: bool = False) -> np.ndarray:
@@ -164,7 +73,7 @@ def reference_decode(q, cache: MixedCache, softmax_scale: float, *, one_pass: bo
     out = []
     for b, tiers in enumerate(cache.sequences):
         if one_pass:
-            k, v = tiers.dequantized(cache.group_size)
+            k, v = cases.dequantized_tiers(tiers, cache.group_size)
             out.append(reference.softmax_attention(q[b], k, v, softmax_scale=softmax_scale))
         else:
             out.append(

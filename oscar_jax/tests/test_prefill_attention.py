@@ -22,6 +22,7 @@ from oscar_jax.tests.test_decode_attention import (
     build_cache,
     compile_triton_kernels_for_h200,
 )
+from parity_tests import cases
 from shared_math.attention import softmax_attention
 
 pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
@@ -37,7 +38,7 @@ def reference_prefill(q, k_new, v_new, cache, new_tokens, softmax_scale) -> np.n
     q, k_new, v_new = as64(q), as64(k_new), as64(v_new)
     out = np.zeros(q.shape)
     for b, tiers in enumerate(cache.sequences):
-        k_prefix, v_prefix = tiers.dequantized(cache.group_size)
+        k_prefix, v_prefix = cases.dequantized_tiers(tiers, cache.group_size)
         for t in range(int(new_tokens[b])):
             k = np.concatenate([k_prefix, k_new[b, : t + 1]])
             v = np.concatenate([v_prefix, v_new[b, : t + 1]])
