@@ -1,5 +1,5 @@
 """The SmolLM2 artifacts that ship in the package — the product default (U from the key / value
-second moments of 32K calibration tokens, min/max levels, clip ratios fitted per layer: QUALITY.md
+second moments of 32K calibration tokens, min/max levels, clip ratios fitted per layer: calibration/HISTORY.md
 run 12) and the paper's configuration kept as the reference — valid, and each reproduced by the
 command recorded in it."""
 
@@ -16,7 +16,7 @@ from shared_math.rotation import bit_reversal_permutation
 
 DOCUMENTED = "python -m calibration --model-path smollm2-135m --calib-data wiki --calib-tokens {tokens} --output-dir"
 SHIPPED = {  # directory under oscar_jax/artifacts → (calibration tokens, options after the output dir, levels,
-    # K clip, V clip, targets). The default reads 32K tokens (QUALITY.md run 8: 1.0068× BF16 against 1.0119×
+    # K clip, V clip, targets). The default reads 32K tokens (calibration/HISTORY.md run 8: 1.0068× BF16 against 1.0119×
     # from 8K) and has min/max levels since run 12 (moment-placed levels before: the same perplexity).
     "smollm2-135m": (32768, "--levels minmax --fit-clip --key-target key --value-target value",
                      "minmax", "fitted", "fitted", ("key", "value")),
