@@ -107,7 +107,7 @@ def restore_snapshot(runtime, directory: str | Path) -> None:
         state = json.loads(state_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{state_file} is not valid JSON ({e})") from None
-    expected = _describe(runtime)
+    expected = json.loads(json.dumps(_describe(runtime)))  # as written: tuples read back as lists
     for key, value in expected.items():
         if state.get(key) != value:
             raise ValueError(f"snapshot {key} {state.get(key)!r} does not match this runtime's {value!r}")
