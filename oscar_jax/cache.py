@@ -31,8 +31,9 @@ import numpy as np
 
 from oscar_jax import ops
 from oscar_jax.xla import kernels as current_kernels
-from oscar_jax.xla import use_kernels
-from shared_math.spec import CODES_PER_BYTE, OscarConfig
+from oscar_jax.xla import use_kernels, use_xla
+from oscar_jax.xla import write as xla_write
+from shared_math.spec import CODES_PER_BYTE, OscarConfig, clip_index
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 PHASES = ("prefill", "decode")
@@ -183,6 +184,15 @@ class OscarKVCache:
         for prefix, clips in (("k", self.k_clip_ratio), ("v", self.v_clip_ratio)):
             bf16 = getattr(self, f"{prefix}_bf16")
             pools = [getattr(self, f"{prefix}_{n}") for n in ("codes", "scale", "min")]
+            indices = [clip_index(c, cfg.head_dim) for c in clips]
+            if len(set(indices)) > 1 and use_xla(self.interpret):
+                # Layers grouped by clip index (what the bytes depend on): one encode per group.
+                groups = tuple((k, tuple(i for i, j in enumerate(indices) if j == k)) for k in sorted(set(indices)))
+                pools = xla_write.demote_layer_groups(bf16, *pools, jnp.asarray(src_pages, jnp.int32),
+                                                      jnp.asarray(dst_pages, jnp.int32), group_size=cfg.group_size,
+                                                      groups=groups, levels=cfg.levels)
+                updates.update({f"{prefix}_{n}": p for n, p in zip(("codes", "scale", "min"), pools)})
+                continue
             for ratio in sorted(set(clips)):
                 layers = [i for i, c in enumerate(clips) if c == ratio]
                 if len(layers) == len(clips):  # the common case: one launch for all layers

@@ -89,7 +89,11 @@ class OscarRuntime:
         if prefill_chunk < page or prefill_chunk % page:
             raise ValueError(f"{prefill_chunk=} must be a positive multiple of the page size {page}")
         self.prefill_chunk = prefill_chunk
-        self.history_slots = -(-max_seq_len // page)
+        # The most history pages a sequence of max_seq_len tokens holds (tier_split): the sink and the
+        # recent window never demote, so their tokens need no history slot. Every slot is gathered by
+        # the XLA path's attention, so a table sized by max_seq_len // page read ~40% empty slots at
+        # 1K tokens.
+        self.history_slots = max(1, (max_seq_len - self.config.sink - self.config.recent) // page)
         per_seq_bf16 = (self.config.sink + self.config.recent) // page + 1
         num_bf16 = num_bf16_pages or 1 + max_batch * per_seq_bf16 + extra_pages
         num_int2 = num_int2_pages or 1 + max_batch * self.history_slots + extra_pages

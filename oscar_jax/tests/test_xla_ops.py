@@ -161,6 +161,40 @@ def test_stacked_pools_write_one_layer_and_demote_all_layers(case):
     assert_encoding(got, cases.reference_demote(bf16_pool, pools, src, dst, **kwargs), f"{case.name} demote")
 
 
+
+@pytest.mark.parametrize("levels", ["minmax", "moments"])
+def test_cache_demotes_layers_with_different_clip_ratios_by_group(levels):
+    """OscarKVCache.demote with a clip ratio per layer (a calibrated artifact's: here three layers,
+    two clip indices) encodes each layer's pages with its own ratio, in one program per clip index
+    (xla.write.demote_layer_groups): the bytes of shared_math's per-layer demotion."""
+    from oscar_jax.cache import OscarKVCache
+    from shared_math.spec import OscarConfig, clip_index
+
+    case = next(c for c in cases.WRITE_CASES if c.name == "many_pages_odd")  # 3 layers, D = 64, G = 16
+    ratios = (0.96, 0.84, 0.96)
+    assert len({clip_index(r, case.head_dim) for r in ratios}) == 2
+    config = OscarConfig(head_dim=case.head_dim, group_size=case.group_size, page_size=case.page_size,
+                         sink=0, recent=0, levels=levels)
+    cache = OscarKVCache.create(config, num_layers=case.num_layers, num_kv_heads=case.num_kv_heads,
+                                num_bf16_pages=case.num_pages, num_int2_pages=case.num_pages,
+                                k_rotation=np.broadcast_to(np.eye(case.head_dim, dtype=np.float32),
+                                                           (case.num_layers, case.num_kv_heads) + (case.head_dim,) * 2),
+                                k_clip_ratio=ratios, v_clip_ratio=ratios[::-1])
+    assert cache.kernels == "xla"
+    bf16_pool, pools = case.bf16_pool(layers=True), case.int2_pools(layers=True)
+    v_pool = bf16_pool[::-1].copy()
+    cache = dataclasses.replace(cache, k_bf16=to_jax(bf16_pool), v_bf16=to_jax(v_pool),
+                                **{f"{t}_{n}": jnp.asarray(p) for t in "kv" for n, p in zip(("codes", "scale", "min"), pools)})
+    src, dst = case.demotions()
+    got = jax.jit(lambda c, s, d: c.demote(s, d))(cache, src, dst)
+    for prefix, pool, layer_ratios in (("k", bf16_pool, ratios), ("v", v_pool, ratios[::-1])):
+        for layer, ratio in enumerate(layer_ratios):
+            want = cases.reference_demote(pool[layer], tuple(p[layer] for p in pools), src, dst,
+                                          group_size=case.group_size, clip_ratio=ratio, levels=levels)
+            have = [getattr(got, f"{prefix}_{n}")[layer] for n in ("codes", "scale", "min")]
+            assert_encoding(have, want, f"{prefix} layer {layer} (clip ratio {ratio})")
+
+
 def test_demote_pages_of_one_layer_pools():
     case = cases.WRITE_CASES[1]  # SmolLM2 K, D; one page
     kwargs = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels="moments")
