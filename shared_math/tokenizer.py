@@ -8,6 +8,18 @@ GPT-2's byte-level regex (what SmolLM2's tokenizer.json does); "gpt2" / "default
 regex only. Other pre-tokenizers (llama-bpe, qwen2, ...) use different regexes: load those
 models from an HF directory, whose tokenizer.json carries the exact pipeline.
 
+From a GGUF with `tokenizer.ggml.model == "llama"` (SentencePiece BPE, as Gemma 3 uses): the GGUF
+holds pieces and scores, no merges. SentencePiece's BPE repeatedly merges the adjacent pair of
+symbols whose concatenation is a vocabulary piece of the highest score (leftmost on ties); the
+same result comes from a `tokenizers` BPE whose merges are every split (a, b) of every NORMAL
+piece a + b with a and b in the vocabulary, ranked by the score of a + b (`_spm_merges`). Spaces
+become "▁" (no dummy prefix unless `tokenizer.ggml.add_space_prefix`), characters outside the
+vocabulary fall back to their UTF-8 byte pieces <0xNN> (BYTE entries), CONTROL entries (<bos>,
+<eos>, <start_of_turn>, ...) are special tokens and USER_DEFINED entries ("\\n\\n", runs of
+spaces or tabs, HTML tags) are matched whole in the raw text before anything else, as
+SentencePiece's prefix matcher does. BOS is prepended when `tokenizer.ggml.add_bos_token` says
+so (Gemma: true, <bos> = 2).
+
 Chat format (ChatML, SmolLM2's template): `<|im_start|>{role}\\n{content}<|im_end|>\\n` per
 message, then `<|im_start|>assistant\\n` to prompt a reply. When the model's own template inserts
 a default system message (SmolLM2's does: "You are a helpful AI assistant named SmolLM, ..."),
@@ -24,13 +36,15 @@ import os
 import re
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer as _HFTokenizer, decoders, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer as _HFTokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from shared_math.models import gguf_field, open_gguf, resolve_model_path
 
+_NORMAL = 1  # gguf.TokenType.NORMAL
 _CONTROL = 3  # gguf.TokenType.CONTROL
 _USER_DEFINED = 4  # gguf.TokenType.USER_DEFINED
+_SPM_SPACE = "\u2581"  # "▁", SentencePiece's escaped space
 _DIGIT_SPLITTING_PRE = ("smollm", "starcoder")
 _REGEX_ONLY_PRE = ("gpt2", "default")
 # The default system turn inside a ChatML template, as SmolLM2 writes it.
@@ -90,9 +104,12 @@ class Tokenizer:
         reader = open_gguf(path)
         kind = gguf_field(reader, "tokenizer.ggml.model", path=path)
         pre = gguf_field(reader, "tokenizer.ggml.pre", "default", path=path)
+        if kind == "llama":
+            return cls._from_gguf_sentencepiece(reader, path)
         if kind != "gpt2":
             raise NotImplementedError(
-                f"{str(path)!r}: tokenizer model {kind!r} is not supported (gpt2 byte-level BPE)"
+                f"{str(path)!r}: tokenizer model {kind!r} is not supported (gpt2 byte-level BPE, "
+                "llama SentencePiece BPE)"
             )
         if pre not in _DIGIT_SPLITTING_PRE + _REGEX_ONLY_PRE:
             raise NotImplementedError(
@@ -125,6 +142,40 @@ class Tokenizer:
         )
 
     @classmethod
+    def _from_gguf_sentencepiece(cls, reader, path) -> "Tokenizer":
+        """The `tokenizer.ggml.model == "llama"` kind: SentencePiece BPE from pieces and scores."""
+        tokens = list(gguf_field(reader, "tokenizer.ggml.tokens", path=path))
+        scores = list(gguf_field(reader, "tokenizer.ggml.scores", path=path))
+        types = list(gguf_field(reader, "tokenizer.ggml.token_type", path=path))
+        if not len(tokens) == len(scores) == len(types):
+            raise ValueError(f"{str(path)!r}: {len(tokens)} tokens, {len(scores)} scores, {len(types)} token types")
+        vocab = {}
+        for i, token in enumerate(tokens):
+            vocab.setdefault(token, i)  # a repeated piece keeps its first id, as SentencePiece does
+        unk = reader.fields.get("tokenizer.ggml.unknown_token_id")
+        unk_token = tokens[int(unk.contents())] if unk is not None else None
+        backend = _HFTokenizer(BPE(vocab, _spm_merges(tokens, scores, types, vocab), unk_token=unk_token,
+                                   fuse_unk=True, byte_fallback=True))
+        prefix = bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", False, path=path))
+        steps = ([normalizers.Prepend(_SPM_SPACE)] if prefix else []) + [normalizers.Replace(" ", _SPM_SPACE)]
+        backend.normalizer = normalizers.Sequence(steps)
+        backend.decoder = decoders.Sequence(
+            [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+            + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
+        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                            for i, t in enumerate(types) if t == _USER_DEFINED])
+        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                    for i, t in enumerate(types) if t == _CONTROL])
+        bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+        eos = reader.fields.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            backend,
+            bos_id=int(bos.contents()) if bos is not None else None,
+            eos_id=int(eos.contents()) if eos is not None else None,
+            add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False, path=path)),
+        )
+
+    @classmethod
     def from_hf_dir(cls, directory: str | os.PathLike) -> "Tokenizer":
         directory = Path(directory)
         path = directory / "tokenizer.json"
@@ -151,6 +202,22 @@ class Tokenizer:
         return cls(backend, bos_id=token_id("bos_token"), eos_id=token_id("eos_token"),
                    add_bos=bool(settings.get("add_bos_token", False)),
                    default_system_prompt=_default_system_prompt(template))
+
+
+def _spm_merges(tokens, scores, types, vocab) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's score-driven BPE: every split (a, b) of a NORMAL
+    piece a + b whose halves are both vocabulary pieces, ranked by the score of a + b (highest
+    first; ties by the merged piece's id, then by the left half's length)."""
+    ranked = []
+    for i, (piece, score, kind) in enumerate(zip(tokens, scores, types)):
+        if kind != _NORMAL or len(piece) < 2 or vocab.get(piece) != i:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-float(score), i, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
 
 
 def _default_system_prompt(template: str) -> str | None:
