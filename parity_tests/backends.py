@@ -40,7 +40,7 @@ JAX_KERNELS = {"jax": "pallas", "xla": "xla"}  # backend → the oscar_jax imple
 
 
 def to_jax(a: np.ndarray):
-    a = np.ascontiguousarray(a)
+    a = np.ascontiguousarray(a).reshape(np.shape(a))  # (ascontiguousarray makes a 0-d array 1-d)
     if a.dtype == np.uint16:  # bfloat16 bit patterns
         return jax.lax.bitcast_convert_type(jnp.asarray(a), jnp.bfloat16)
     return jnp.asarray(a)
@@ -53,7 +53,7 @@ def from_jax(x) -> np.ndarray:
 
 
 def to_torch(a: np.ndarray) -> torch.Tensor:
-    a = np.ascontiguousarray(a)
+    a = np.ascontiguousarray(a).reshape(np.shape(a))
     if a.dtype == np.uint16:
         return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(TORCH_DEVICE)
     return torch.from_numpy(a.copy()).to(TORCH_DEVICE)
@@ -84,6 +84,15 @@ def encode(backend: str, x: np.ndarray, **kwargs):
         with use_kernels(JAX_KERNELS[backend]):
             return tuple(from_jax(a) for a in jax_ops.encode(to_jax(x), **kwargs))
     return tuple(from_torch(a) for a in torch_ops.encode(to_torch(x), **kwargs))
+
+
+def decode(backend: str, packed: np.ndarray, scale: np.ndarray, minimum: np.ndarray, *, group_size: int) -> np.ndarray:
+    if backend == "shared_math":
+        return reference.decode(packed, scale, minimum, group_size=group_size)
+    if backend in JAX_KERNELS:
+        with use_kernels(JAX_KERNELS[backend]):
+            return from_jax(jax_ops.decode(to_jax(packed), to_jax(scale), to_jax(minimum), group_size=group_size))
+    return from_torch(torch_ops.decode(to_torch(packed), to_torch(scale), to_torch(minimum), group_size=group_size))
 
 
 def write_pages(backend: str, pools, rows, page_ids, slots, rotation=None, **kwargs):
@@ -177,3 +186,34 @@ def prefill_attention(backend: str, case: cases.PrefillCase, pools, tables, q, k
         _query_torch(q, p.q_dtype), to_torch(k_new).to(kv), to_torch(v_new).to(kv),
         *(to_torch(a) for a in pools + tables), to_torch(new_tokens), **kwargs)
     return from_torch(out)
+
+
+# ------------------------------------------------------------------------------ the encode kernels
+# The two kernel sets ("jax": oscar_jax.kernels, "torch": oscar_torch.kernels) implement the same
+# encode block bodies (order statistics, encode by planes); the XLA path has none of them.
+
+
+def kernel_codec(backend: str):
+    """The backend's kernel codec module (oscar_jax.kernels.codec or oscar_torch.kernels.codec)."""
+    if backend == "jax":
+        from oscar_jax.kernels import codec
+    elif backend == "torch":
+        from oscar_torch.kernels import codec
+    else:
+        raise ValueError(f"{backend!r} has no encode kernels")
+    return codec
+
+
+def rows_dtype(backend: str, dtype: str):
+    """The backend's dtype named "float32" or "bfloat16" (an argument of resolve_order_statistic)."""
+    return {"jax": {"float32": jnp.float32, "bfloat16": jnp.bfloat16},
+            "torch": {"float32": torch.float32, "bfloat16": torch.bfloat16}}[backend][dtype]
+
+
+def encode_rows(backend: str, x: np.ndarray, **kwargs) -> tuple[np.ndarray, ...]:
+    """The backend's kernel launcher `encode_rows` over rows x [N, D] (float32, or bfloat16 as uint16
+    bit patterns); kwargs: group_size, clip_index, levels, order_statistic, block_rows, planes."""
+    kernels = kernel_codec(backend)
+    if backend == "jax":
+        return tuple(from_jax(a) for a in kernels.encode_rows(to_jax(x), **kwargs))
+    return tuple(from_torch(a) for a in kernels.encode_rows(to_torch(x), **kwargs))
