@@ -5,6 +5,12 @@ write the artifact both runtimes load, and a short report.
 
 Held-out tokens (the `heldout_tokens` that follow the calibration tokens in the same split) are
 used only to fit clip ratios and to report errors; they never enter the covariances.
+
+Models with sliding-window layers (Gemma 3: ModelConfig.layer_types "local"): a local layer keeps
+its window in BF16 and never reads the OSCAR cache, so statistics, rotations, clip ratios and
+held-out errors are computed for the global layers only. The artifact keeps its format (every
+layer present): a local layer gets the identity rotations, zero eigenvalues and clip ratio 1, and
+the provenance names the unused layers (`unused_layers`, with `unused_layers_reason`).
 """
 
 from __future__ import annotations
@@ -135,25 +141,37 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
         docs = [docs[i] for i in np.random.default_rng(opts.seed).permutation(len(docs))]
     tokens = pack_tokens(docs, tokenizer.encode, tokenizer.eos_id, num_tokens=opts.calib_tokens + opts.heldout_tokens)
     calib, heldout = tokens[: opts.calib_tokens], tokens[opts.calib_tokens :]
-
-    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    moments = {name: SecondMoments(*shape) for name in ("query", "attention_output", "key", "value")}
     seqs = list(sequences(calib, opts.seq_len))
+    if getattr(tokenizer, "add_bos", False) and tokenizer.bos_id is not None and opts.seq_len > 1:
+        # the model reads text after BOS (Gemma): every sequence starts with one, as it would in use
+        seqs = [np.concatenate([[tokenizer.bos_id], s]).astype(np.int32) for s in sequences(calib, opts.seq_len - 1)]
+        heldout = np.concatenate([[tokenizer.bos_id], heldout]).astype(np.int32)
+
+    # Only the global layers read the OSCAR cache: statistics are indexed by a layer's position
+    # among them (every layer, in order, for a model without sliding-window layers).
+    used = list(cfg.global_layers)
+    slot = {layer: i for i, layer in enumerate(used)}
+    shape = (len(used), cfg.num_kv_heads, cfg.head_dim)
+    moments = {name: SecondMoments(*shape) for name in ("query", "attention_output", "key", "value")}
     bar = tqdm(total=len(seqs) * cfg.num_layers, desc="calibration statistics", unit="layer", disable=not opts.progress)
     for seq in seqs:
         for layer, q, k, v, o in _layer_activations(params, cfg, seq, tp):
-            moments["query"].add(layer, group_queries(q, cfg.num_kv_heads))
-            moments["attention_output"].add(layer, group_queries(o, cfg.num_kv_heads))
-            moments["key"].add(layer, k)
-            moments["value"].add(layer, v)
             bar.update()
+            if layer not in slot:
+                continue
+            i = slot[layer]
+            moments["query"].add(i, group_queries(q, cfg.num_kv_heads))
+            moments["attention_output"].add(i, group_queries(o, cfg.num_kv_heads))
+            moments["key"].add(i, k)
+            moments["value"].add(i, v)
     bar.close()
     cov = {name: m.covariance() for name, m in moments.items()}
     if opts.value_target == "surrogate":  # its weights need the finished C_Q: a second pass
         surrogate = SecondMoments(*shape)
         for seq in tqdm(seqs, desc="surrogate C_S (second pass)", disable=not opts.progress):
             for layer, _, k, v, _ in _layer_activations(params, cfg, seq, tp):
-                surrogate.add(layer, v, weights=surrogate_weights(k, cov["query"][layer]))
+                if layer in slot:
+                    surrogate.add(slot[layer], v, weights=surrogate_weights(k, cov["query"][slot[layer]]))
         cov["surrogate"] = surrogate.covariance()
 
     k_rot, k_eig = rotations(cov[opts.key_target], opts.rotation_kind, opts.per_layer)
@@ -162,25 +180,31 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
                          rotations(cov[opts.value_target], kind, opts.per_layer)[0]) for kind in REPORT_KINDS}
     report_rot[opts.rotation_kind] = (k_rot, v_rot)
 
-    # Held-out errors: clip fitting (optional) and the per-layer report.
-    k_clip = np.full(cfg.num_layers, opts.k_clip_ratio)
-    v_clip = np.full(cfg.num_layers, opts.v_clip_ratio)
+    # Held-out errors: clip fitting (optional) and the per-layer report (global layers only).
+    k_clip = np.full(len(used), opts.k_clip_ratio)
+    v_clip = np.full(len(used), opts.v_clip_ratio)
     codec = dict(group_size=group_size, levels=opts.levels)
     errors = {kind: {"key_logit": [], "value_output": []} for kind in report_rot}
     clip_search = {"key_logit": [], "value_output": []}
-    heldout_layers = list(_layer_activations(params, cfg, heldout, tp))
+    heldout_layers = [acts for acts in _layer_activations(params, cfg, heldout, tp) if acts[0] in slot]
     for layer, q, k, v, _ in tqdm(heldout_layers, desc="held-out errors", disable=not opts.progress):
+        i = slot[layer]
         probs = causal_probabilities(q, k)
         if opts.fit_clip:
-            k_err = [key_logit_error(q, k, k_rot[layer], clip_ratio=c, **codec) for c in CLIP_GRID]
-            v_err = [value_output_error(probs, v, v_rot[layer], clip_ratio=c, **codec) for c in CLIP_GRID]
-            k_clip[layer], v_clip[layer] = CLIP_GRID[int(np.argmin(k_err))], CLIP_GRID[int(np.argmin(v_err))]
+            k_err = [key_logit_error(q, k, k_rot[i], clip_ratio=c, **codec) for c in CLIP_GRID]
+            v_err = [value_output_error(probs, v, v_rot[i], clip_ratio=c, **codec) for c in CLIP_GRID]
+            k_clip[i], v_clip[i] = CLIP_GRID[int(np.argmin(k_err))], CLIP_GRID[int(np.argmin(v_err))]
             clip_search["key_logit"].append(k_err)
             clip_search["value_output"].append(v_err)
         for kind, (rk, rv) in report_rot.items():
-            errors[kind]["key_logit"].append(key_logit_error(q, k, rk[layer], clip_ratio=k_clip[layer], **codec))
+            errors[kind]["key_logit"].append(key_logit_error(q, k, rk[i], clip_ratio=k_clip[i], **codec))
             errors[kind]["value_output"].append(
-                value_output_error(probs, v, rv[layer], clip_ratio=v_clip[layer], **codec))
+                value_output_error(probs, v, rv[i], clip_ratio=v_clip[i], **codec))
+    report_eigenvalues = {"key": cov_eigs(cov[opts.key_target]), "value": cov_eigs(cov[opts.value_target])}
+    if len(used) < cfg.num_layers:  # every layer in the artifact: local layers identity, clip 1
+        k_rot, v_rot, k_eig, v_eig, k_clip, v_clip = (
+            _all_layers(x, used, cfg.num_layers, fill) for x, fill in
+            ((k_rot, "eye"), (v_rot, "eye"), (k_eig, 0.0), (v_eig, 0.0), (k_clip, 1.0), (v_clip, 1.0)))
 
     provenance = {
         "command": command or "calibration.calibrate(...)",
@@ -192,6 +216,11 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
         "git_sha": _git_sha(),
         "model_path": opts.model_path,
     }
+    if len(used) < cfg.num_layers:
+        provenance["unused_layers"] = list(cfg.local_layers)
+        provenance["unused_layers_reason"] = (
+            f"sliding-window (local) layers: they keep a BF16 window of {cfg.sliding_window} tokens and "
+            "never read the OSCAR cache; identity rotations, zero eigenvalues and clip ratio 1 stand in")
     artifact = RotationArtifact(
         k_rotation=k_rot.astype(np.float32),
         v_rotation=v_rot.astype(np.float32),
@@ -213,12 +242,23 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
         "v_clip_ratio": v_clip.tolist(),
         "clip_search": clip_search if opts.fit_clip else None,
         "heldout_errors": errors,
-        "eigenvalues": {"key": cov_eigs(cov[opts.key_target]), "value": cov_eigs(cov[opts.value_target])},
+        "eigenvalues": report_eigenvalues,
     }
+    if len(used) < cfg.num_layers:  # the per-layer lists above follow these layers
+        report["calibrated_layers"] = used
     from calibration.report import write_report
 
     write_report(out, report, provenance)
     return artifact, report
+
+
+def _all_layers(values: np.ndarray, used: list[int], num_layers: int, fill) -> np.ndarray:
+    """[len(used), ...] per-global-layer values → [num_layers, ...], `fill` elsewhere ("eye":
+    identity matrices)."""
+    out = np.empty((num_layers, *values.shape[1:]), values.dtype)
+    out[...] = np.eye(values.shape[-1]) if fill == "eye" else fill
+    out[used] = values
+    return out
 
 
 def cov_eigs(cov: np.ndarray) -> list:

@@ -22,6 +22,11 @@ History sets are intervals per query (`KVMethod.history_intervals`). The quantiz
 does not depend on the query (per-token codecs; KIVI's key groups are fixed once flushed), so
 one k_lo / v_lo per layer serves every query.
 
+Sliding-window (local) layers (Gemma 3, ModelConfig.layer_types): the model hands their window to
+`attend(..., window=w)`. They keep the newest w positions in BF16 for every method — no rotation,
+no quantization (`prepare_params` folds no value rotation into them) — and attend exactly as the
+model does (q_pos − k_pos < w, `windowed_attention`). Methods apply to the global layers only.
+
 Cost: queries run in chunks of `query_chunk`, each over the keys up to its last position
 (memory O(query_chunk · T)). Within a chunk most keys have the same tier for every query (old
 history, sink); they are read once from a "base" K/V that already holds the right copy. Only the
@@ -40,17 +45,55 @@ import jax.numpy as jnp
 import numpy as np
 
 from calibration.methods import HistoryIntervals, KVMethod
-from oscar_jax.model import ModelConfig, Params, fold_value_rotation, layer_output, lm_head, qkv_projections
+from oscar_jax.cache_api import reference_attention
+from oscar_jax.model import (
+    ModelConfig,
+    Params,
+    fold_value_rotation,
+    input_embeddings,
+    layer_output,
+    lm_head,
+    qkv_projections,
+)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 DEFAULT_QUERY_CHUNK = 256
 
 
 def prepare_params(params: Params, cfg: ModelConfig, method: KVMethod) -> Params:
-    """Fold the method's value rotation into W_v / W_o (unchanged params when it has none)."""
+    """Fold the method's value rotation into W_v / W_o of the global layers (unchanged params
+    when it has none; sliding-window layers keep theirs: they store plain BF16)."""
     if method.v_rotation is None:
         return params
-    return fold_value_rotation(params, cfg, method.v_rotation)
+    rotation = method.v_rotation
+    if cfg.local_layers:
+        rotation = np.array(rotation, np.float32)
+        rotation[list(cfg.local_layers)] = np.eye(cfg.head_dim, dtype=np.float32)
+    return fold_value_rotation(params, cfg, rotation)
+
+
+@functools.partial(jax.jit, static_argnames="window")
+def _window_chunk(q, k, v, q_pos, k_pos, *, window):
+    return reference_attention(q, k, v, q_pos, k_pos, window=window)
+
+
+def windowed_attention(q, k, v, window: int, *, q_start: int = 0, query_chunk: int = DEFAULT_QUERY_CHUNK):
+    """Sliding-window causal attention, float32, as the model's local layers compute it: the
+    query at position p sees keys p − window < s ≤ p. q [B, T, Hq, D] at positions
+    q_start..q_start+T−1; k, v [B, q_start + T, Hkv, D]. Queries run in chunks, each over the
+    window + chunk keys it can see (memory O(query_chunk · (window + query_chunk)))."""
+    b, t = q.shape[:2]
+    if k.shape[1] != q_start + t:
+        raise ValueError(f"keys {k.shape} must cover {q_start=} + {t} queries")
+    outs = []
+    for start in range(0, t, query_chunk):
+        stop = min(start + query_chunk, t)
+        first = max(0, q_start + start - window + 1)
+        q_pos = jnp.broadcast_to(jnp.arange(q_start + start, q_start + stop, dtype=jnp.int32), (b, stop - start))
+        k_pos = jnp.broadcast_to(jnp.arange(first, q_start + stop, dtype=jnp.int32), (b, q_start + stop - first))
+        outs.append(_window_chunk(q[:, start:stop].astype(jnp.float32), k[:, first:q_start + stop].astype(jnp.float32),
+                                  v[:, first:q_start + stop].astype(jnp.float32), q_pos, k_pos, window=window))
+    return jnp.concatenate(outs, axis=1)
 
 
 def bf16_round(x: jax.Array) -> jax.Array:
@@ -245,7 +288,7 @@ class EmulatedCache:
             self._intervals[length] = self.method.history_intervals(length)
         return self._intervals[length]
 
-    def attend(self, layer, q, k, v, positions):
+    def attend(self, layer, q, k, v, positions, window: int | None = None):
         try:
             positions = np.asarray(positions)
         except jax.errors.TracerArrayConversionError:
@@ -254,6 +297,10 @@ class EmulatedCache:
         if not np.array_equal(positions, np.broadcast_to(np.arange(t), (b, t))):
             raise ValueError("EmulatedCache emulates one whole window: positions must be 0..T-1 in every row")
         out_dtype = q.dtype
+        if window is not None:  # a sliding-window layer: its BF16 window, whatever the method
+            out = windowed_attention(q, bf16_round(k.astype(jnp.float32)), bf16_round(v.astype(jnp.float32)),
+                                     window, query_chunk=self.query_chunk)
+            return out.astype(out_dtype), self
         if self.k_rotation is not None:
             q = _rotate_heads(q, self.k_rotation[layer])
             k = _rotate_heads(k, self.k_rotation[layer])
@@ -270,8 +317,8 @@ class EmulatedCache:
         return out.astype(out_dtype), self
 
 
-_embed_jit = jax.jit(lambda table, tokens: jnp.take(table, tokens, axis=0))
-_qkv_jit = jax.jit(qkv_projections, static_argnames="cfg")
+_embed_jit = jax.jit(lambda table, tokens, cfg: input_embeddings({"embed": table}, cfg, tokens), static_argnames="cfg")
+_qkv_jit = jax.jit(qkv_projections, static_argnames=("cfg", "local"))
 _layer_output_jit = jax.jit(layer_output, static_argnames="cfg")
 
 
@@ -290,10 +337,15 @@ def forward_with_cache(params: Params, cfg: ModelConfig, tokens, cache, *, start
         raise ValueError(f"tokens must be int [B, T] with T ≥ 1, got shape {tokens.shape}")
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (b, t))
-    x = _embed_jit(params["embed"], tokens)
+    x = _embed_jit(params["embed"], tokens, cfg)
     for index, layer in enumerate(params["layers"]):
-        q, k, v = _qkv_jit(layer, cfg, x, positions)
-        o, cache = cache.attend(index, q, k, v, positions)
+        window = cfg.layer_window(index)
+        if window is None:
+            q, k, v = _qkv_jit(layer, cfg, x, positions, local=False if cfg.local_layers else None)
+            o, cache = cache.attend(index, q, k, v, positions)
+        else:  # a sliding-window layer: the cache applies the window (as model._run_with_cache)
+            q, k, v = _qkv_jit(layer, cfg, x, positions, local=True)
+            o, cache = cache.attend(index, q, k, v, positions, window=window)
         x = _layer_output_jit(layer, cfg, x, o)
     if rows is not None:
         x = x[:, jnp.asarray(rows)]

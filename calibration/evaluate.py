@@ -29,6 +29,12 @@ Metrics over the T − 1 predicted positions of every window (pooled over window
                   metadata, BF16 tiers, residual buffers; calibration.methods) / (2·T·Hkv·D);
                   `bits_per_element_128k` is the same count at 131072 tokens.
 The BF16 reference is the `bf16` method (K/V stored in bfloat16) and is run once per window.
+
+Models with sliding-window layers (Gemma 3): every method applies to the global layers only; the
+local layers keep their BF16 window for all methods (calibration.emulation), each method's
+`config` says so, `bits_per_element*` count the global layers (what the method stores) and
+`bits_per_element_all_layers_128k` adds the local layers' BF16 windows. A tokenizer that adds BOS
+(Gemma) gets windows of BOS + `--context` − 1 text tokens.
 """
 
 from __future__ import annotations
@@ -164,7 +170,25 @@ def evaluate_methods(
             "per_window": tot.per_window,
             "config": method.describe(),
         }
+        if cfg.local_layers:
+            results[method.name]["config"] = {**method.describe(), **local_layer_note(cfg)}
+            results[method.name]["bits_per_element_all_layers_128k"] = all_layer_bits(
+                results[method.name]["bits_per_element_128k"], cfg, LONG_CONTEXT)
     return results
+
+
+def local_layer_note(cfg) -> dict[str, Any]:
+    """What a method's config says on a model with sliding-window layers."""
+    return {"applies_to_layers": list(cfg.global_layers),
+            "local_layers": {"layers": list(cfg.local_layers), "window": cfg.sliding_window,
+                             "cache": "BF16 sliding window, no rotation, no quantization, the same for every method"}}
+
+
+def all_layer_bits(global_bits: float, cfg, length: int) -> float:
+    """Bits per K/V element over all layers at `length` tokens: the global layers store
+    `global_bits`, each local layer a BF16 window of min(window, length) tokens."""
+    local = 16.0 * min(cfg.sliding_window, length) / length
+    return (len(cfg.global_layers) * global_bits + len(cfg.local_layers) * local) / cfg.num_layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,13 +362,17 @@ def run(args: argparse.Namespace, command: str, *, model=None, tokenizer=None) -
     methods = [parse_method(s, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                             artifact=artifact, load_artifact=load_other_artifact) for s in args.method_specs]
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args.model)
-    need = args.context * args.num_windows
+    bos = tokenizer.bos_id if getattr(tokenizer, "add_bos", False) else None
+    text_context = args.context - (bos is not None)  # a BOS-adding tokenizer: BOS + text per window
+    need = text_context * args.num_windows
     try:
         tokens = load_text_tokens(source, tokenizer, need)
     except ValueError as e:
-        raise ValueError(f"{source} is too short for {args.num_windows} windows × {args.context} tokens "
+        raise ValueError(f"{source} is too short for {args.num_windows} windows × {text_context} tokens "
                          f"= {need} tokens ({e})") from None
-    windows = make_windows(tokens, args.context, args.num_windows)
+    windows = make_windows(tokens, text_context, args.num_windows)
+    if bos is not None:
+        windows = np.concatenate([np.full((args.num_windows, 1), bos, np.int32), windows], axis=1)
     results = evaluate_methods(params, cfg, windows, methods, progress=not args.no_progress,
                                query_chunk=args.query_chunk)
     return {
@@ -364,6 +392,8 @@ def run(args: argparse.Namespace, command: str, *, model=None, tokenizer=None) -
             "artifact": None if artifact is None else {
                 "path": str(artifact_path), "shipped_default": args.artifact is None,
                 "codec": artifact.codec, "provenance": artifact.provenance},
+            **({"window_start": "BOS, then the text"} if bos is not None else {}),
+            **({"local_layers": local_layer_note(cfg)["local_layers"]} if cfg.local_layers else {}),
             "seconds": round(time.time() - t0, 1),
         },
         "environment": env,

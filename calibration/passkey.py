@@ -54,6 +54,7 @@ from calibration.emulation import (
     emulated_logits,
     forward_with_cache,
     mixed_attention,
+    windowed_attention,
 )
 from calibration.methods import HistoryIntervals, KVMethod, parse_method, parse_method_list
 
@@ -86,15 +87,26 @@ class Sample:
 def haystack_documents(tokenizer, source: str = "wiki") -> list[list[int]]:
     from calibration.data import documents
 
-    return [tokenizer.encode(doc) for doc in documents(source, "evaluation")]
+    enc = _plain_encode(tokenizer)
+    return [enc(doc) for doc in documents(source, "evaluation")]
+
+
+def _plain_encode(tokenizer):
+    """encode without BOS: the prompt is assembled from pieces, and a tokenizer that adds BOS
+    (Gemma) gets one BOS at the start of the prompt instead (`build_sample`)."""
+    if getattr(tokenizer, "add_bos", False):
+        return lambda text: tokenizer.encode(text, add_bos=False)
+    return tokenizer.encode
 
 
 def build_sample(tokenizer, docs: list[list[int]], length: int, depth: float, key: str, first_doc: int = 0) -> Sample:
     """A prompt + answer of exactly `length` tokens; the haystack starts at document `first_doc`."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"{depth=} must lie in [0, 1]")
-    enc = tokenizer.encode
+    enc = _plain_encode(tokenizer)
     prefix, sep, question = enc(PREFIX), enc(SEPARATOR), enc(QUESTION)
+    if getattr(tokenizer, "add_bos", False) and tokenizer.bos_id is not None:
+        prefix = [tokenizer.bos_id] + prefix
     needle, lead, digits = enc(NEEDLE.format(key=key)), enc(" "), enc(key)
     answer = lead + digits
     budget = length - len(prefix) - len(needle) - len(sep) - len(question) - len(answer)
@@ -130,9 +142,12 @@ class PrefillCapture:
         self.k, self.v = {}, {}
         self._none, self._plans = None, {}
 
-    def attend(self, layer, q, k, v, positions):
+    def attend(self, layer, q, k, v, positions, window: int | None = None):
         t = q.shape[1]
         self.k[layer], self.v[layer] = k.astype(jnp.float32), v.astype(jnp.float32)
+        if window is not None:  # a sliding-window layer attends within its window
+            out = windowed_attention(q, self.k[layer], self.v[layer], window, query_chunk=self.query_chunk)
+            return out.astype(q.dtype), self
         if self._none is None:
             self._none = HistoryIntervals(*(np.zeros(t, np.int64),) * 4)
         out = mixed_attention(q, self.k[layer], None, self.v[layer], None, self._none,
@@ -156,7 +171,7 @@ class AnswerCache:
         return jnp.einsum(spec, x.reshape(b, t, kv, h // kv, d), rotation,
                           precision=jax.lax.Precision.HIGHEST).reshape(b, t, h, d)
 
-    def attend(self, layer, q, k, v, positions):
+    def attend(self, layer, q, k, v, positions, window: int | None = None):
         start = int(np.asarray(positions)[0, 0])
         prefix = self.capture.k[layer].shape[1]
         if start != prefix:
@@ -164,6 +179,10 @@ class AnswerCache:
         keys = jnp.concatenate([self.capture.k[layer], k.astype(jnp.float32)], axis=1)
         values = jnp.concatenate([self.capture.v[layer], v.astype(jnp.float32)], axis=1)
         q = q.astype(jnp.float32)
+        if window is not None:  # a sliding-window layer: its BF16 window for every method
+            out = windowed_attention(q, bf16_round(keys), bf16_round(values), window, q_start=start,
+                                     query_chunk=self.query_chunk)
+            return out.astype(jnp.float32), self
         if self.m.k_rotation is not None:
             rot = jnp.asarray(self.m.k_rotation[layer])
             q, keys = self._rotate(q, rot), self._rotate(keys, rot)
