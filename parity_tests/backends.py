@@ -204,7 +204,7 @@ def kernel_codec(backend: str):
     return codec
 
 
-def rows_dtype(backend: str, dtype: str):
+def rows_dtype_of(backend: str, dtype: str):
     """The backend's dtype named "float32" or "bfloat16" (an argument of resolve_order_statistic)."""
     return {"jax": {"float32": jnp.float32, "bfloat16": jnp.bfloat16},
             "torch": {"float32": torch.float32, "bfloat16": torch.bfloat16}}[backend][dtype]
@@ -217,3 +217,60 @@ def encode_rows(backend: str, x: np.ndarray, **kwargs) -> tuple[np.ndarray, ...]
     if backend == "jax":
         return tuple(from_jax(a) for a in kernels.encode_rows(to_jax(x), **kwargs))
     return tuple(from_torch(a) for a in kernels.encode_rows(to_torch(x), **kwargs))
+
+
+# ------------------------------------------------------------------------------ the write kernels
+# The kernel sets' write launchers (oscar_jax.kernels.write, oscar_torch.kernels.write), below the
+# public ops' validation: rows [T, K, D] float32 or bfloat16 (uint16 bits), pools numpy, returned.
+
+
+def kernel_write(backend: str):
+    """The backend's kernel write module."""
+    if backend == "jax":
+        from oscar_jax.kernels import write
+    elif backend == "torch":
+        from oscar_torch.kernels import write
+    else:
+        raise ValueError(f"{backend!r} has no write kernels")
+    return write
+
+
+def _kernel_array(backend: str, a):
+    return None if a is None else (to_jax(a) if backend == "jax" else to_torch(a))
+
+
+def write_int2_rows(backend: str, rows: np.ndarray, rotation, **kwargs) -> tuple[np.ndarray, ...]:
+    got = kernel_write(backend).write_int2_rows(_kernel_array(backend, rows), _kernel_array(backend, rotation),
+                                                **kwargs)
+    return tuple(from_jax(a) if backend == "jax" else from_torch(a) for a in got)
+
+
+def write_pages_rows(backend: str, pools, rows, page_ids, slots, rotation, **kwargs) -> tuple[np.ndarray, ...]:
+    """The pools after the launcher wrote rows at (page_ids[t], slots[t]) (torch: in place)."""
+    arrays = [_kernel_array(backend, a) for a in (*pools, rows, page_ids, slots, rotation)]
+    got = kernel_write(backend).write_pages_rows(*arrays, **kwargs)
+    if backend == "jax":
+        return tuple(from_jax(a) for a in got)
+    return tuple(from_torch(a) for a in arrays[:3])
+
+
+def demote_pages_rows(backend: str, bf16_pool, pools, src, dst, **kwargs) -> tuple[np.ndarray, ...]:
+    """The pools [Y, P, K, L, ·] after the launcher demoted bf16_pool[y, src[n]] into [y, dst[n]]."""
+    arrays = [_kernel_array(backend, a) for a in (bf16_pool, *pools, src, dst)]
+    got = kernel_write(backend).demote_pages_rows(*arrays, **kwargs)
+    if backend == "jax":
+        return tuple(from_jax(a) for a in got)
+    return tuple(from_torch(a) for a in arrays[1:4])
+
+
+def rotation_operand(backend: str, rotation: np.ndarray, rows_dtype: str) -> np.ndarray:
+    """The rotation as the backend's write kernel reads it, for rows of `rows_dtype` ("float32" or
+    "bfloat16"): the JAX launcher's under jit on the device (bfloat16 parts come back as uint16
+    bits), the torch launcher's on the test device (int16 bits)."""
+    write = kernel_write(backend)
+    if backend == "jax":
+        dtype = rows_dtype_of(backend, rows_dtype)
+        return from_jax(jax.jit(lambda r: write._rotation_operand(r, dtype)[0])(to_jax(rotation)))
+    rows = torch.zeros((1,) + rotation.shape[:1] + rotation.shape[-1:], device=TORCH_DEVICE,
+                       dtype=rows_dtype_of(backend, rows_dtype))
+    return from_torch(write._rotation_operand(to_torch(rotation), rows))

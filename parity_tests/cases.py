@@ -81,6 +81,12 @@ def checked_max_rows(ties: bool) -> np.ndarray:
 
 
 
+def random_rotations(rng, num_heads: int, d: int) -> np.ndarray:
+    """float32 [K, D, D]: one random orthogonal matrix per kv head (QR of N(0, 1))."""
+    q, _ = np.linalg.qr(rng.standard_normal((num_heads, d, d)))
+    return q.astype(F32)
+
+
 def normal_rows(rng, shape):
     return rng.standard_normal(shape).astype(F32)
 
@@ -256,6 +262,28 @@ WRITE_CASES = (
     WriteCase("many_pages_odd", 77, 2, 64, 16, 16, 9, 0.96, num_layers=3),
     WriteCase("qwen3_8b_shape", 33, 8, 128, 128, 16, 4, 0.96),  # K=8, D=128
 )
+
+
+def sentinel_int2_pools(rng, num_pages, num_heads, page_size, d, group_size, layers=()):
+    """INT2 pools filled with random bytes (a sentinel pattern: any stray write shows)."""
+    lead = tuple(layers) + (num_pages, num_heads, page_size)
+    codes = rng.integers(0, 256, size=lead + (d // 4,), dtype=np.uint8)
+    scale = rng.integers(0, 2**15, size=lead + (d // group_size,), dtype=np.uint16).view(np.float16)
+    minimum = rng.integers(0, 2**16, size=lead + (d // group_size,), dtype=np.uint16).view(np.float16)
+    return codes, scale, minimum
+
+
+def destinations(rng, num_tokens, num_pages, page_size):
+    flat = rng.permutation(num_pages * page_size)[:num_tokens]
+    return (flat // page_size).astype(np.int32), (flat % page_size).astype(np.int32)
+
+
+def expected_pools(pools, encoded, page_ids, slots):
+    """The pools after writing encoded rows [T, K, ...] at (page_ids[t], slots[t])."""
+    out = [np.array(p, copy=True) for p in pools]
+    for pool, value in zip(out, encoded):
+        pool[page_ids, :, slots] = np.asarray(value)
+    return out
 
 
 def reference_scatter(pools, rows, page_ids, slots, *, group_size, clip_ratio, levels):

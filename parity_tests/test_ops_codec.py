@@ -250,7 +250,7 @@ def test_checked_max_fast_path_and_fallback(kernel_backend, ties):
 
 def test_default_order_statistic_choice(kernel_backend):
     kcodec = backends.kernel_codec(kernel_backend)
-    bf16, f32 = (backends.rows_dtype(kernel_backend, name) for name in ("bfloat16", "float32"))
+    bf16, f32 = (backends.rows_dtype_of(kernel_backend, name) for name in ("bfloat16", "float32"))
     assert kcodec.select_order_statistic(128, clip_index(0.96, 128), rows_bf16=False) == "checked_max"
     assert kcodec.select_order_statistic(128, clip_index(0.92, 128), rows_bf16=True) == "tagged_max"
     assert kcodec.select_order_statistic(128, clip_index(0.5, 128), rows_bf16=True) == "bisect"

@@ -2,7 +2,8 @@
 
 Every written row must have exactly the bytes of shared_math.encode of the same float32 row, land
 exactly at its (page, slot) and leave the rest of the pools untouched. Interpret mode on CPU; with
-JAX_PLATFORMS=cuda the same tests compile the kernels (see `assert_rotated_encoding`).
+JAX_PLATFORMS=cuda the same tests compile the kernels (see `assert_rotated_encoding`). The write
+kernels' rotation operand and encode by planes, both backends: parity_tests/test_ops_write.py.
 """
 
 import functools
@@ -15,28 +16,15 @@ import pytest
 from oscar_jax import ops
 from oscar_jax.kernels import write as kwrite
 from oscar_jax.kernels.codec import resolve_interpret
+from parity_tests.cases import assert_same_bits, destinations, expected_pools, random_rotations
+from parity_tests.cases import sentinel_int2_pools as int2_pools
 from shared_math import codec as ref
-from shared_math.rotation import split_bf16
 from shared_math.spec import clip_index
 
 pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
 
 F32 = np.float32
 INTERPRET = resolve_interpret(None)
-
-
-def assert_same_bits(actual, expected, what=""):
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
-        what, actual.dtype, expected.dtype, actual.shape, expected.shape,
-    )
-    a, e = actual.view(f"u{actual.itemsize}"), expected.view(f"u{expected.itemsize}")
-    if not np.array_equal(a, e):
-        bad = np.argwhere(a != e)
-        idx = tuple(bad[0])
-        raise AssertionError(
-            f"{what}: {len(bad)} of {actual.size} differ; first at {idx}: {actual[idx]!r} vs {expected[idx]!r}"
-        )
 
 
 def assert_encoding(got, want, what=""):
@@ -69,33 +57,6 @@ def assert_rotated_encoding(got, x, rotation, *, group_size, clip_ratio, levels)
         assert np.abs(np.asarray(a).view(np.int16).astype(int) - e.view(np.int16).astype(int)).max() <= 1
 
 
-def random_rotations(rng, num_heads, d):
-    q, _ = np.linalg.qr(rng.standard_normal((num_heads, d, d)))
-    return q.astype(F32)
-
-
-def int2_pools(rng, num_pages, num_heads, page_size, d, group_size, layers=()):
-    """Pools filled with random bytes (a sentinel pattern: any stray write shows)."""
-    lead = tuple(layers) + (num_pages, num_heads, page_size)
-    codes = rng.integers(0, 256, size=lead + (d // 4,), dtype=np.uint8)
-    scale = rng.integers(0, 2**15, size=lead + (d // group_size,), dtype=np.uint16).view(np.float16)
-    minimum = rng.integers(0, 2**16, size=lead + (d // group_size,), dtype=np.uint16).view(np.float16)
-    return codes, scale, minimum
-
-
-def destinations(rng, num_tokens, num_pages, page_size):
-    flat = rng.permutation(num_pages * page_size)[:num_tokens]
-    return (flat // page_size).astype(np.int32), (flat % page_size).astype(np.int32)
-
-
-def expected_pools(pools, encoded, page_ids, slots):
-    """The pools after writing encoded rows [T, K, ...] at (page_ids[t], slots[t])."""
-    out = [np.array(p, copy=True) for p in pools]
-    for pool, value in zip(out, encoded):
-        pool[page_ids, :, slots] = np.asarray(value)
-    return out
-
-
 # ------------------------------------------------------------------------------ write_int2
 
 WRITE_CASES = [  # (T, K, d, G, c, levels)
@@ -122,18 +83,6 @@ def test_write_int2_bf16_keys_rotate_their_float32_values():
     rotation = random_rotations(rng, 3, 64)
     got = ops.write_int2(x, rotation, group_size=32, clip_ratio=0.96)
     assert_rotated_encoding(got, x, rotation, group_size=32, clip_ratio=0.96, levels="minmax")
-
-
-def test_bf16_rows_take_the_rotation_split_like_shared_math():
-    """Under jit on the device, the launcher's bf16 parts of R are bit for bit shared_math's
-    split (integer rounding: no excess-precision pass can skip it); float32 rows take R itself."""
-    rotation = random_rotations(np.random.default_rng(3), 2, 64)
-    operand = jax.jit(lambda r: kwrite._rotation_operand(r, jnp.bfloat16)[0])(jnp.asarray(rotation))
-    assert operand.dtype == jnp.bfloat16 and operand.shape == (2, 3, 64, 64)
-    want = np.stack(split_bf16(rotation), axis=-3).view(np.uint32) >> 16
-    np.testing.assert_array_equal(np.asarray(operand).view(np.uint16), want.astype(np.uint16))
-    same, _ = kwrite._rotation_operand(jnp.asarray(rotation), jnp.float32)
-    np.testing.assert_array_equal(np.asarray(same), rotation)
 
 
 def test_rotation_is_float32_accurate():
@@ -415,58 +364,20 @@ def _planes_rows(rng, num_tokens, num_heads, d, dtype):
     return np.asarray(jnp.asarray(rows).astype(dtype))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32], ids=["bf16", "f32"])
-def test_write_kernels_by_planes_land_exactly(dtype):
-    """write_int2_rows, write_pages_rows and demote_pages_rows with planes=True (unrotated rows,
-    G = D): shared_math's bytes, a partial last block and a falling-back block included."""
-    rng = np.random.default_rng(41)
-    num_tokens, num_heads, d, page_size, num_pages = 37, 3, 64, 16, 4
-    kw = dict(group_size=d, clip_index=clip_index(0.92, d), levels="minmax", block_tokens=16, planes=True)
-    rows = _planes_rows(rng, num_tokens, num_heads, d, dtype)
-    want = ref.encode(rows.astype(F32), group_size=d, clip_ratio=0.92)
-    assert_encoding(kwrite.write_int2_rows(rows, None, **kw), want, "write_int2 planes")
-
-    pools = int2_pools(rng, num_pages, num_heads, page_size, d, d)
-    page_ids, slots = destinations(rng, num_tokens, num_pages, page_size)
-    got = kwrite.write_pages_rows(*pools, rows, page_ids, slots, None, **kw)
-    for name, a, e in zip(("codes", "scale", "minimum"), got, expected_pools(pools, want, page_ids, slots)):
-        assert_same_bits(a, e, f"write_pages planes {name}")
-
-    bf16_pool = np.asarray(jnp.asarray(rows[:32].reshape(2, page_size, num_heads, d).transpose(0, 2, 1, 3))
-                           .astype(jnp.bfloat16))[None]  # [1 layer, 2 pages, K, L, d]
-    pools = int2_pools(rng, 3, num_heads, page_size, d, d, (1,))
-    kw.pop("block_tokens")
-    got = kwrite.demote_pages_rows(bf16_pool, *pools, jnp.array([1, 0]), jnp.array([0, 2]), **kw)
-    source = bf16_pool[0, [1, 0]].astype(F32)
-    encoded = ref.encode(source, group_size=d, clip_ratio=0.92)
-    for name, pool, a, e in zip(("codes", "scale", "minimum"), pools, got, encoded):
-        expected = np.array(pool, copy=True)
-        expected[0, [0, 2]] = e
-        assert_same_bits(a, expected, f"demote planes {name}")
-
-
-def test_rotated_bf16_rows_by_planes_take_the_planes_products(monkeypatch):
-    """bfloat16 rows rotated in the kernel with planes=True (the split rotation's products plane by
-    plane, then encode_planes): write_int2_rows and write_pages_rows write planes=False's bytes —
-    partial last block included — in every block of ordinary rows; the block holding a NaN row and
-    only it falls back (encode_block swapped for a stand-in writing zeros, so that a decision that
-    always fell back could not pass unseen)."""
+def test_rotated_bf16_rows_by_planes_fall_back_only_where_a_row_declines(monkeypatch):
+    """Which path each block takes (encode_block swapped for a stand-in writing zeros, so that a
+    decision that always fell back could not pass unseen): bfloat16 rows rotated in the kernel
+    with planes=True write planes=False's bytes in every block of ordinary rows, and the block
+    holding a NaN row and only it falls back (the bytes of both backends by planes:
+    parity_tests/test_ops_write.py)."""
     from oscar_jax.kernels import codec as kcodec
 
     rng = np.random.default_rng(43)
-    num_tokens, num_heads, d, page_size, num_pages = 37, 3, 64, 16, 4
+    num_tokens, num_heads, d = 37, 3, 64
     rows = _planes_rows(rng, num_tokens, num_heads, d, jnp.bfloat16)  # NaN: token 18, head 2
     rotation = random_rotations(rng, num_heads, d)
     kw = dict(group_size=d, clip_index=clip_index(0.96, d), levels="minmax", block_tokens=16)
     want = [np.asarray(a) for a in kwrite.write_int2_rows(rows, rotation, planes=False, **kw)]
-    pools = int2_pools(rng, num_pages, num_heads, page_size, d, d)
-    page_ids, slots = destinations(rng, num_tokens, num_pages, page_size)
-    want_pools = [np.asarray(a) for a in kwrite.write_pages_rows(*pools, rows, page_ids, slots, rotation, planes=False,
-                                                                 **kw)]
-    assert_encoding(kwrite.write_int2_rows(rows, rotation, planes=True, **kw), want, "write_int2 rotated planes")
-    got = kwrite.write_pages_rows(*pools, rows, page_ids, slots, rotation, planes=True, **kw)
-    for name, a, e in zip(("codes", "scale", "minimum"), got, want_pools):
-        assert_same_bits(a, e, f"write_pages rotated planes {name}")
 
     def zeros_encode_block(x, *, group_size, **_):
         rows_, d_ = x.shape
@@ -482,16 +393,6 @@ def test_rotated_bf16_rows_by_planes_take_the_planes_products(monkeypatch):
         assert_same_bits(a[~fell_back], e[~fell_back], f"{name}: blocks of ordinary rows by planes")
         assert not a[fell_back].view(f"u{a.itemsize}").any(), f"{name}: the NaN block did not fall back"
     jax.clear_caches()
-
-
-def test_write_by_planes_is_refused_for_rotated_float32_rows_and_groups():
-    x = np.zeros((4, 2, 64), F32)
-    with pytest.raises(ValueError, match="with a rotation needs bfloat16 rows"):
-        kwrite.write_int2_rows(x, np.eye(64, dtype=F32)[None].repeat(2, 0), group_size=64, clip_index=58,
-                               levels="minmax", planes=True)
-    with pytest.raises(ValueError, match="group_size=32, head_dim=64"):
-        kwrite.write_int2_rows(x, None, group_size=32, clip_index=58, levels="minmax", planes=True)
-
 
 @pytest.mark.parametrize("launcher", ["write_pages_rows", "demote_pages_rows", "rotated write_pages_rows"])
 def test_write_by_planes_compiles_for_h200(launcher):

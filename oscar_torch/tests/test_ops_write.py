@@ -2,7 +2,8 @@
 
 Every written row must have exactly the bytes of shared_math.encode of the same float32 row, land
 exactly at its (page, slot), and leave the rest of the pools untouched (the pools start as random
-sentinel bytes). The pools are updated in place. Cases: parity_tests.cases.WRITE_CASES.
+sentinel bytes). The pools are updated in place. Cases: parity_tests.cases.WRITE_CASES. The write
+kernels' rotation operand and encode by planes, both backends: parity_tests/test_ops_write.py.
 """
 
 import numpy as np
@@ -16,13 +17,13 @@ from parity_tests.cases import (
     WRITE_CASES,
     assert_same_bits,
     bf16_bits,
+    random_rotations,
     reference_bf16_scatter,
     reference_demote,
     reference_scatter,
 )
 from oscar_torch.kernels import write as kwrite
 from shared_math import codec as ref
-from shared_math.rotation import split_bf16
 from shared_math.spec import clip_index
 
 F32 = np.float32
@@ -37,11 +38,6 @@ def _id(param):
 def assert_pools(got, want, what):
     for name, a, e in zip(("codes", "scale", "minimum"), got, want):
         assert_same_bits(to_numpy(a), e, f"{what} {name}")
-
-
-def random_rotations(rng, num_heads, d):
-    q, _ = np.linalg.qr(rng.standard_normal((num_heads, d, d)))
-    return q.astype(F32)
 
 
 # ------------------------------------------------------------------------------ write_int2
@@ -62,19 +58,6 @@ def test_write_int2_identity_rotation_is_exact():
     identity = np.broadcast_to(np.eye(case.head_dim, dtype=F32), (case.num_kv_heads, case.head_dim, case.head_dim))
     got = ops.write_int2(to_torch(rows), to_torch(identity), group_size=case.group_size, clip_ratio=case.clip_ratio)
     assert_pools(got, ref.encode(rows, group_size=case.group_size, clip_ratio=case.clip_ratio), "identity")
-
-
-def test_bf16_rows_take_the_rotation_split_like_shared_math():
-    """The launcher's bf16 parts of R (int16 bits for the kernel) are bit for bit shared_math's
-    split, on the test device; float32 rows take R itself."""
-    rotation = random_rotations(np.random.default_rng(3), 2, 64)
-    rows = torch.zeros((1, 2, 64), dtype=torch.bfloat16, device=DEVICE)
-    operand = kwrite._rotation_operand(to_torch(rotation), rows)
-    assert operand.dtype == torch.int16 and tuple(operand.shape) == (2, 3, 64, 64)
-    want = np.stack(split_bf16(rotation), axis=-3).view(np.uint32) >> 16
-    np.testing.assert_array_equal(to_numpy(operand).view(np.uint16), want.astype(np.uint16))
-    same = kwrite._rotation_operand(to_torch(rotation), rows.float())
-    np.testing.assert_array_equal(to_numpy(same), rotation)
 
 
 @pytest.mark.parametrize("levels", LEVELS)
@@ -489,40 +472,6 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 # ------------------------------------------------------------------------- encode by planes
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-def test_write_kernels_by_planes_land_exactly(dtype):
-    """write_int2_rows, write_pages_rows and demote_pages_rows with planes=True (unrotated rows,
-    G = D): shared_math's bytes, a partial last block and a block falling back (a NaN) included."""
-    rng = np.random.default_rng(41)
-    num_tokens, num_heads, d, page_size, num_pages = 37, 3, 64, 16, 4
-    kw = dict(group_size=d, clip_index=clip_index(0.92, d), levels="minmax")
-    rows = (rng.standard_normal((num_tokens, num_heads, d)) * 3).astype(np.float32)
-    rows[num_tokens // 2, num_heads - 1, 5] = np.nan
-    x = torch.from_numpy(rows).to(dtype).to(DEVICE)
-    values = x.float().cpu().numpy()
-    want = ref.encode(values, group_size=d, clip_ratio=0.92)
-    got = kwrite.write_int2_rows(x, None, block_tokens=16, planes=True, **kw)
-    for name, a, e in zip(("packed", "scale", "minimum"), got, want):
-        assert_same_bits(to_numpy(a), e, f"write_int2 planes {name}")
-
-    pools = [torch.zeros((num_pages, num_heads, page_size, w), dtype=t, device=DEVICE)
-             for w, t in ((d // 4, torch.uint8), (1, torch.float16), (1, torch.float16))]
-    flat = rng.permutation(num_pages * page_size)[:num_tokens]
-    page_ids, slots = (torch.from_numpy((a).astype(np.int32)).to(DEVICE) for a in (flat // page_size, flat % page_size))
-    kwrite.write_pages_rows(*pools, x, page_ids, slots, None, block_tokens=16, planes=True, **kw)
-    for name, pool, e in zip(("codes", "scale", "minimum"), pools, want):
-        assert_same_bits(to_numpy(pool)[flat // page_size, :, flat % page_size], e, f"write_pages planes {name}")
-
-    bf16_pool = x[:32].to(torch.bfloat16).reshape(2, page_size, num_heads, d).transpose(1, 2).contiguous()[None]
-    pools = [torch.zeros((1, 3, num_heads, page_size, w), dtype=t, device=DEVICE)
-             for w, t in ((d // 4, torch.uint8), (1, torch.float16), (1, torch.float16))]
-    kwrite.demote_pages_rows(bf16_pool, *pools, torch.tensor([1, 0], dtype=torch.int32, device=DEVICE),
-                             torch.tensor([0, 2], dtype=torch.int32, device=DEVICE), planes=True, **kw)
-    encoded = ref.encode(bf16_pool[0, [1, 0]].float().cpu().numpy(), group_size=d, clip_ratio=0.92)
-    for name, pool, e in zip(("codes", "scale", "minimum"), pools, encoded):
-        assert_same_bits(to_numpy(pool)[0, [0, 2]], e, f"demote planes {name}")
-
-
 def _rotated_planes_case(rng):
     num_tokens, num_heads, d = 37, 3, 64
     rows = (rng.standard_normal((num_tokens, num_heads, d)) * 3).astype(np.float32)
@@ -530,28 +479,6 @@ def _rotated_planes_case(rng):
     x = torch.from_numpy(rows).to(torch.bfloat16).to(DEVICE)
     rotation = to_torch(random_rotations(rng, num_heads, d))
     return x, rotation, dict(group_size=d, clip_index=clip_index(0.96, d), levels="minmax", block_tokens=16)
-
-
-def test_rotated_bf16_rows_by_planes_take_the_planes_products():
-    """bfloat16 rows rotated in the kernel with planes=True (the split rotation's products plane by
-    plane, then encode_planes): write_int2_rows and write_pages_rows write planes=False's bytes, a
-    partial last block and a falling-back block (a NaN row) included."""
-    rng = np.random.default_rng(43)
-    x, rotation, kw = _rotated_planes_case(rng)
-    want = [to_numpy(a) for a in kwrite.write_int2_rows(x, rotation, planes=False, **kw)]
-    for name, a, e in zip(("packed", "scale", "minimum"), kwrite.write_int2_rows(x, rotation, planes=True, **kw),
-                          want):
-        assert_same_bits(to_numpy(a), e, f"write_int2 rotated planes {name}")
-    num_tokens, num_heads, d = x.shape
-    flat = rng.permutation(4 * 16)[:num_tokens]
-    page_ids, slots = (torch.from_numpy((a).astype(np.int32)).to(DEVICE) for a in (flat // 16, flat % 16))
-    pools = {planes: [torch.zeros((4, num_heads, 16, w), dtype=t, device=DEVICE)
-                      for w, t in ((d // 4, torch.uint8), (1, torch.float16), (1, torch.float16))]
-             for planes in (False, True)}
-    for planes, p in pools.items():
-        kwrite.write_pages_rows(*p, x, page_ids, slots, rotation, planes=planes, **kw)
-    for name, a, e in zip(("codes", "scale", "minimum"), pools[True], pools[False]):
-        assert_same_bits(to_numpy(a), to_numpy(e), f"write_pages rotated planes {name}")
 
 
 @pytest.mark.skipif(ON_GPU, reason="swaps a kernel function, which only the interpreter sees")
@@ -569,12 +496,3 @@ def test_rotated_bf16_rows_by_planes_fall_back_only_where_a_row_declines(monkeyp
     for name, a, e in zip(("packed", "scale", "minimum"), got, want):
         assert_same_bits(a[~fell_back], e[~fell_back], f"{name}: blocks of ordinary rows by planes")
         assert not a[fell_back].view(f"u{a.itemsize}").any(), f"{name}: the NaN block did not fall back"
-
-
-def test_write_by_planes_is_refused_for_rotated_float32_rows_and_groups():
-    x = torch.zeros((4, 2, 64), device=DEVICE)
-    with pytest.raises(ValueError, match="with a rotation needs bfloat16 rows"):
-        kwrite.write_int2_rows(x, torch.eye(64, device=DEVICE).repeat(2, 1, 1), group_size=64, clip_index=58,
-                               levels="minmax", planes=True)
-    with pytest.raises(ValueError, match="group_size=32, head_dim=64"):
-        kwrite.write_int2_rows(x, None, group_size=32, clip_index=58, levels="minmax", planes=True)
