@@ -56,7 +56,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from calibration.emulation import DEFAULT_QUERY_CHUNK, emulated_logits, prepare_params
+from calibration.emulation import (
+    DEFAULT_QUERY_CHUNK,
+    EmulatedCache,
+    emulated_logits,
+    head_logits,
+    hidden_states,
+    prepare_params,
+)
 from calibration.methods import (
     DEFAULT_METHODS,
     KVMethod,
@@ -66,6 +73,11 @@ from calibration.methods import (
 )
 
 REFERENCE = "bf16"
+# Logits of a window are held whole up to this many floats (SmolLM2: 2047 × 49,152 fit); beyond it
+# (Gemma 3: a 262,144-token vocabulary) the metrics are summed over blocks of rows, the hidden
+# states kept instead of the reference's logits.
+LOGIT_BLOCK_ELEMENTS = 1 << 28
+LOGIT_BLOCK_ROWS_ELEMENTS = 1 << 26  # the size of one block of rows' logits then (256 MiB)
 LONG_CONTEXT = 131072
 SPLIT_NOTE = (
     "wiki: evaluation split of the Wikipedia summaries; documents are assigned by SHA-256 of the "
@@ -137,7 +149,11 @@ def evaluate_methods(
     totals = {m.name: _Totals() for m in [reference, *others]}
     bar = tqdm(total=num_windows * (1 + len(others)), desc="decode-faithful evaluation", unit="pass",
                disable=not progress)
-    for w in range(num_windows):
+    blocked = (context - 1) * cfg.vocab_size > LOGIT_BLOCK_ELEMENTS
+    if blocked:
+        block = max(1, LOGIT_BLOCK_ROWS_ELEMENTS // cfg.vocab_size)
+        _evaluate_blocked(prepared, cfg, windows, reference, others, totals, bar, block, query_chunk)
+    for w in range(0 if blocked else num_windows):
         tokens = jnp.asarray(windows[w : w + 1])
         targets = tokens[0, 1:]
         bar.set_postfix_str(f"window {w + 1}/{num_windows}: {reference.name}")
@@ -175,6 +191,32 @@ def evaluate_methods(
             results[method.name]["bits_per_element_all_layers_128k"] = all_layer_bits(
                 results[method.name]["bits_per_element_128k"], cfg, LONG_CONTEXT)
     return results
+
+
+def _evaluate_blocked(prepared, cfg, windows, reference, others, totals, bar, block, query_chunk):
+    """evaluate_methods' loop for a large vocabulary: per window, the reference's hidden states are
+    kept and every method's metrics are summed over blocks of `block` rows (logits [block, V])."""
+    num_windows, context = windows.shape
+    ref_params = prepared[reference.name]
+    for w in range(num_windows):
+        tokens = jnp.asarray(windows[w : w + 1])
+        targets = tokens[0, 1:]
+        bar.set_postfix_str(f"window {w + 1}/{num_windows}: {reference.name}")
+        ref_x = hidden_states(ref_params, cfg, tokens, EmulatedCache(reference, query_chunk=query_chunk))[:, :-1]
+        starts = range(0, context - 1, block)
+        ref_blocks = [head_logits(ref_params, cfg, ref_x[:, s : s + block])[0] for s in starts]
+        for method in [reference, *others]:
+            if method is not reference:
+                bar.set_postfix_str(f"window {w + 1}/{num_windows}: {method.name}")
+                x = hidden_states(prepared[method.name], cfg, tokens, EmulatedCache(method, query_chunk=query_chunk))[:, :-1]
+            sums = np.zeros(3)
+            for start, ref in zip(starts, ref_blocks):
+                logits = ref if method is reference else head_logits(prepared[method.name], cfg, x[:, start : start + block])[0]
+                sums += [float(v) for v in _window_sums(ref, logits, targets[start : start + block])]
+                del logits
+            totals[method.name].add(*sums, context - 1)
+            bar.update()
+        del ref_blocks
 
 
 def local_layer_note(cfg) -> dict[str, Any]:

@@ -129,12 +129,20 @@ def section(path: Path, data: dict, md_dir: Path) -> list[str]:
         path_text = str(artifact.get("path", "?"))
         shipped = path_text.find("oscar_jax/artifacts/")  # absolute paths of the machine that ran it
         lines += [f"Artifact: `{path_text[shipped:] if shipped >= 0 else path_text}` (codec {artifact.get('codec')}).", ""]
-    lines += ["| method | perplexity | ×BF16 | KL(BF16‖method) | top-1 | bits/elem @2K | bits/elem @128K |",
-              "|---|---|---|---|---|---|---|"]
+    local = config.get("local_layers")
+    if isinstance(local, dict):  # a model with sliding-window layers (calibration.evaluate's docstring)
+        lines += [f"Layers {local.get('layers')} are sliding-window layers: a BF16 window of {local.get('window')} "
+                  "tokens for every method; each method applies to the other (global) layers, and its bits "
+                  "count those; the last column adds the windows, over all layers at 128K.", ""]
+    all_layers = any("bits_per_element_all_layers_128k" in m for m in methods.values())
+    lines += ["| method | perplexity | ×BF16 | KL(BF16‖method) | top-1 | bits/elem @2K | bits/elem @128K |"
+              + (" all layers @128K |" if all_layers else ""),
+              "|---|---|---|---|---|---|---|" + ("---|" if all_layers else "")]
     for name, m in methods.items():
         lines.append(f"| {name} | {m['perplexity']:.3f} | {m['perplexity'] / bf16['perplexity']:.4f} | "
                      f"{m['kl_vs_bf16']:.4f} | {m['top1_agreement']:.4f} | {m['bits_per_element']:.3f} | "
-                     f"{_f(m.get('bits_per_element_128k'), '.3f')} |")
+                     f"{_f(m.get('bits_per_element_128k'), '.3f')} |"
+                     + (f" {_f(m.get('bits_per_element_all_layers_128k'), '.3f')} |" if all_layers else ""))
     reference = [w["perplexity"] for w in bf16.get("per_window", [])]
     if reference:
         lines += ["", "Per window, perplexity × BF16 of that window:", "",

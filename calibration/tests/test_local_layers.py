@@ -150,3 +150,17 @@ def test_passkey_runs_with_local_layers(params, artifact):
         assert pre[m.name].shape == dec[m.name].shape == (len(sample.answer), CFG.vocab_size)
         # float32 prompt (prefill) against BF16 K/V (decode): the same logits but for that rounding
         assert np.abs(pre[m.name] - dec[m.name]).max() < 2e-2 * np.abs(dec[m.name]).max()
+
+
+def test_blocked_metrics_equal_whole_window_metrics(params, artifact, monkeypatch):
+    """A large vocabulary's logits are summed a block of rows at a time: the same metrics."""
+    windows = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, 30)).astype(np.int32)
+    methods = [_method("bf16"), _method("oscar:windows=0/0", artifact[0]), _method("kivi2:group=16:residual=16")]
+    whole = evaluate.evaluate_methods(params, CFG, windows, methods, progress=False, query_chunk=8)
+    monkeypatch.setattr(evaluate, "LOGIT_BLOCK_ELEMENTS", 10 * CFG.vocab_size)
+    monkeypatch.setattr(evaluate, "LOGIT_BLOCK_ROWS_ELEMENTS", 7 * CFG.vocab_size)
+    blocked = evaluate.evaluate_methods(params, CFG, windows, methods, progress=False, query_chunk=8)
+    for name, r in whole.items():
+        for key in ("perplexity", "kl_vs_bf16", "top1_agreement"):
+            assert blocked[name][key] == pytest.approx(r[key], rel=1e-5, abs=1e-7), (name, key)
+    assert whole["oscar:windows=0/0"]["kl_vs_bf16"] > 0

@@ -1,7 +1,7 @@
-"""The SmolLM2 artifacts that ship in the package — the product default (U from the key / value
+"""The artifacts that ship in the package: SmolLM2's — the product default (U from the key / value
 second moments of 32K calibration tokens, min/max levels, clip ratios fitted per layer: calibration/HISTORY.md
-run 12) and the paper's configuration kept as the reference — valid, and each reproduced by the
-command recorded in it."""
+run 12) and the paper's configuration kept as the reference — and Gemma 3 270M's (the default's
+recipe on its global layers), valid, and each reproduced by the command recorded in it."""
 
 import shlex
 
@@ -67,15 +67,41 @@ def _covariances(rotation, eigenvalues):
     return out
 
 
+# Gemma 3 270M (calibration/tests/test_local_layers.py: how local layers are calibrated): the
+# default's recipe on the 3 global layers of 18; the 15 sliding-window layers keep BF16 windows.
+GEMMA3 = ModelFingerprint(num_layers=18, num_q_heads=4, num_kv_heads=1, head_dim=256)
+GEMMA3_LOCAL = [i for i in range(18) if i % 6 != 5]
+GEMMA3_COMMAND = ("python -m calibration --model-path gemma3-270m --calib-data wiki --calib-tokens 32768 "
+                  "--output-dir oscar_jax/artifacts/gemma3-270m --levels minmax --fit-clip --key-target key "
+                  "--value-target value")
+
+
+def test_gemma3_shipped_artifact_is_valid_and_documented():
+    path = shipped_artifact("gemma3-270m")
+    assert path is not None
+    art = read_artifact(path, expected_model=GEMMA3)
+    assert art.provenance["command"].replace(" --no-progress", "") == GEMMA3_COMMAND
+    assert art.provenance["unused_layers"] == GEMMA3_LOCAL
+    assert art.codec == {"group_size": 128, "levels": "minmax"}
+    eye = np.eye(256, dtype=np.float32)
+    for layer in range(18):
+        for kv in ("k", "v"):
+            rotation, clip = getattr(art, f"{kv}_rotation")[layer, 0], getattr(art, f"{kv}_clip_ratio")[layer]
+            if layer in GEMMA3_LOCAL:
+                assert np.array_equal(rotation, eye) and clip == 1.0
+            else:
+                assert np.abs(rotation - eye).max() > 0.05 and 0.5 < clip <= 1.0
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(SHIPPED))
+@pytest.mark.parametrize("name", sorted(SHIPPED) + ["gemma3-270m"])
 def test_documented_command_reproduces_the_shipped_artifact(name, tmp_path):
     shipped = read_artifact(shipped_artifact(name))
     argv = shlex.split(shipped.provenance["command"])[3:]  # drop "python -m calibration"
     out = argv.index("--output-dir") + 1
     argv[out] = str(tmp_path)
     assert main([*argv, "--no-progress"]) == 0
-    again = read_artifact(tmp_path, expected_model=SMOLLM2)
+    again = read_artifact(tmp_path, expected_model=GEMMA3 if name == "gemma3-270m" else SMOLLM2)
     for kv in ("k", "v"):
         lam_a, lam_b = getattr(shipped, f"{kv}_eigenvalues"), getattr(again, f"{kv}_eigenvalues")
         assert np.allclose(lam_a, lam_b, rtol=1e-4, atol=1e-6 * lam_a.max())
