@@ -67,10 +67,15 @@ def from_torch(t: torch.Tensor) -> np.ndarray:
 
 
 def _query_jax(q: np.ndarray, dtype: str):
+    """float32 q in the case's dtype; any other q as given (an error path's)."""
+    if q.dtype != np.float32:
+        return to_jax(q)
     return to_jax(q).astype(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
 
 
 def _query_torch(q: np.ndarray, dtype: str):
+    if q.dtype != np.float32:
+        return to_torch(q)
     return to_torch(q).to(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
 
 
@@ -156,9 +161,11 @@ def write_cache(backend: str, case: cases.AttentionCase, cache: cases.PagedCache
     return k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min
 
 
-def decode_attention(backend: str, case: cases.AttentionCase, pools, tables, q: np.ndarray) -> np.ndarray:
-    kwargs = dict(sink_slots=case.sink_slots, group_size=case.group_size, softmax_scale=case.softmax_scale,
-                  pages_per_split=case.pages_per_split, pages_per_block=case.pages_per_block)
+def decode_attention(backend: str, case: cases.AttentionCase, pools, tables, q: np.ndarray,
+                     **overrides) -> np.ndarray:
+    """The case's launch arguments, `overrides` replacing any (an error path's)."""
+    kwargs = {**dict(sink_slots=case.sink_slots, group_size=case.group_size, softmax_scale=case.softmax_scale,
+                     pages_per_split=case.pages_per_split, pages_per_block=case.pages_per_block), **overrides}
     if backend in JAX_KERNELS:
         with use_kernels(JAX_KERNELS[backend]):
             out = jax_attention.decode_attention(_query_jax(q, case.q_dtype), *(to_jax(a) for a in pools + tables),

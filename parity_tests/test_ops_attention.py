@@ -8,6 +8,7 @@ case lists, launch policy, layouts and compile checks.
 """
 
 import numpy as np
+import pytest
 
 from parity_tests import backends, cases
 
@@ -24,3 +25,104 @@ def test_long_split_keeps_the_code_bias_from_accumulating(backend):
     relative = np.linalg.norm(out.astype(np.float64) - expected) / np.linalg.norm(expected)
     print(f"{backend}: relative error {relative:.2e}")
     assert relative < cases.BIAS_CANCELLATION_TOLERANCE
+
+
+# ------------------------------------------------------------------------------- bad inputs
+# The errors numpy inputs can make, every backend (torch's devices and strides, and each backend's
+# launch knobs beyond these, stay in its own tests). A message that differs between the frameworks
+# is a {"jax": ..., "torch": ...} pair ("jax" also for the XLA path).
+
+SMALL = cases.AttentionCase("small", 64, 32, 2, 2, (70, 5), pages_per_split=2, pages_per_block=1)
+
+
+@pytest.fixture(scope="module")
+def small():
+    cache = cases.build_cache(SMALL)
+    return SMALL.query(), list(cache.pools()), list(cache.tables())
+
+
+def _message(match, backend):
+    return match["torch" if backend == "torch" else "jax"] if isinstance(match, dict) else match
+
+
+def _decode(backend, q, pools, tables, **overrides):
+    return backends.decode_attention(backend, SMALL, pools, tables, q, **overrides)
+
+
+NAMES = cases.PagedCache.POOLS + cases.PagedCache.TABLES
+
+
+@pytest.mark.parametrize(
+    "name,transform,message",
+    [
+        ("k_bf16", cases.bf16_values, "k_bf16 must have dtype bfloat16"),
+        ("k_bf16", lambda a: a[..., :32], r"k_bf16 must have shape \[\*, \*, \*, 64\]"),
+        ("k_bf16", lambda a: a[:, :, :12], r"v_bf16 must have shape|page size 12"),
+        ("v_bf16", lambda a: a[..., :32], "v_bf16 must have shape"),
+        ("v_bf16", lambda a: a[:-1], r"v_bf16 must have shape \["),
+        ("k_codes", lambda a: a.astype(np.int32), "k_codes must have dtype uint8"),
+        ("k_codes", lambda a: a.astype(np.int8), "k_codes must have dtype uint8"),
+        ("k_codes", lambda a: a[..., :8], r"k_codes must have shape \[\*, 2, 16, 16\]"),
+        ("k_scale", lambda a: a.astype(np.float32), "k_scale must have dtype float16"),
+        ("k_min", lambda a: a[:-1], "k_min must have shape"),
+        ("v_codes", lambda a: a[:-1], "v_codes must have shape"),
+        ("v_min", lambda a: a[..., :1], "v_min must have shape"),
+        ("bf16_page_table", lambda a: a.astype(np.uint32), "bf16_page_table must have dtype int32"),
+        ("bf16_page_table", lambda a: a[:1], r"bf16_page_table must have shape \[2, \*\]"),
+        ("bf16_page_table", lambda a: a[:, :2], "sink_slots=4 exceeds the BF16 page table's 2 slots"),
+        ("sink_tokens", lambda a: a[:1], r"sink_tokens must have shape \[2\]"),
+        ("recent_tokens", lambda a: a.astype(np.float32), "recent_tokens must have dtype int32"),
+        ("history_tokens", lambda a: a.astype(np.float32), "history_tokens must have dtype int32"),
+    ],
+)
+def test_bad_cache_arrays_raise(backend, small, name, transform, message):
+    q, pools, tables = small
+    arrays = pools + tables
+    i = NAMES.index(name)
+    arrays[i] = transform(arrays[i])
+    with pytest.raises(ValueError, match=_message(message, backend)):
+        _decode(backend, q, arrays[:8], arrays[8:])
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(group_size=24), "group_size=24"),
+        (dict(group_size=48), "group_size=48"),
+        (dict(group_size=128), "group_size=128"),
+        (dict(group_size=16), {"jax": r"k_scale must have shape \[\d+, 2, 16, 4\], got \(\d+, 2, 16, 2\)",
+                               "torch": r"k_scale must have shape \[\d+, 2, 16, 4\], got shape \(\d+, 2, 16, 2\)"}),
+        (dict(softmax_scale=0.0), "softmax_scale=0.0 must be a finite positive number"),
+        (dict(softmax_scale=float("nan")), "softmax_scale=nan"),
+        (dict(pages_per_split=3, pages_per_block=2), "pages_per_split=3 must be a multiple of pages_per_block=2"),
+        (dict(pages_per_split=6, pages_per_block=4), "pages_per_split=6 must be a multiple of pages_per_block=4"),
+        (dict(pages_per_block=4, pages_per_split=2), "pages_per_block=4 must not exceed pages_per_split=2"),
+        (dict(pages_per_block=8, pages_per_split=4), "pages_per_block=8"),
+        (dict(pages_per_block=0), "pages_per_block=0 must be an integer >= 1"),
+        (dict(sink_slots=99), "sink_slots=99"),
+        (dict(sink_slots=-1), "sink_slots=-1 must be an integer >= 0"),
+        (dict(sink_slots=1.5), "sink_slots=1.5 must be an integer"),
+        (dict(num_warps=3), "num_warps=3 must be a power of two"),
+        (dict(num_warps=0), "num_warps=0 must be an integer >= 1"),
+        (dict(num_stages=0), "num_stages=0 must be an integer >= 1"),
+        (dict(num_stages=2.0), "num_stages=2.0 must be an integer >= 1"),
+    ],
+)
+def test_bad_static_arguments_raise(backend, small, overrides, message):
+    q, pools, tables = small
+    with pytest.raises(ValueError, match=_message(message, backend)):
+        _decode(backend, q, pools, tables, **overrides)
+
+
+def test_bad_query_raises(backend, small):
+    q, pools, tables = small
+    for bad, message in [
+        (q.astype(np.float16), "q must have dtype float32 or bfloat16"),
+        (q[0], r"q must have shape \[\*, \*, \*\]"),
+        (q[:, :3], "query heads Hq=3 must be a multiple of KV heads Hkv=2"),
+        (np.zeros((2, 4, 128), np.float32), r"k_bf16 must have shape \[\*, \*, \*, 128\]"),
+        (q[1:], r"bf16_page_table must have shape \[1, \*\]"),
+        (q[:1], r"bf16_page_table must have shape \[1, \*\]"),
+    ]:
+        with pytest.raises(ValueError, match=_message(message, backend)):
+            _decode(backend, q=bad, pools=pools, tables=tables)

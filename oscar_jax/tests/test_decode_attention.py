@@ -273,66 +273,8 @@ def _call(q, arrays, **overrides):
     return decode_attention(q, *arrays, **kwargs)
 
 
-def _replace(arrays, index, value):
-    arrays = list(arrays)
-    arrays[index] = value
-    return arrays
-
-
-BAD_ARRAYS = [
-    # (index into the 13 cache arrays, transform, message fragment)
-    (0, lambda x: x.astype(jnp.float32), "k_bf16 must have dtype bfloat16"),
-    (1, lambda x: x[:, :, :, :32], "v_bf16 must have shape"),
-    (2, lambda x: x.astype(jnp.int32), "k_codes must have dtype uint8"),
-    (2, lambda x: x[..., :8], "k_codes must have shape"),
-    (3, lambda x: x.astype(jnp.float32), "k_scale must have dtype float16"),
-    (7, lambda x: x[..., :1], "v_min must have shape"),
-    (8, lambda x: x.astype(jnp.uint32), "bf16_page_table must have dtype int32"),
-    (9, lambda x: x[:1], "sink_tokens must have shape"),
-    (12, lambda x: x.astype(jnp.float32), "history_tokens must have dtype int32"),
-]
-
-
-@pytest.mark.parametrize("index,transform,message", BAD_ARRAYS, ids=[m for _, _, m in BAD_ARRAYS])
-def test_bad_cache_arrays_raise(small_cache, index, transform, message):
-    q, cache = small_cache
-    with pytest.raises(ValueError, match=message):
-        _call(q, _replace(cache.arrays, index, transform(cache.arrays[index])))
-
-
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        (dict(group_size=48), "group_size=48"),
-        (dict(group_size=128), "group_size=128"),
-        (dict(sink_slots=99), "sink_slots=99"),
-        (dict(sink_slots=-1), "sink_slots=-1"),
-        (dict(softmax_scale=float("nan")), "softmax_scale=nan"),
-        (dict(softmax_scale=0.0), "softmax_scale=0.0"),
-        (dict(pages_per_split=6, pages_per_block=4), "pages_per_split=6 must be a multiple of pages_per_block=4"),
-        (dict(pages_per_block=8, pages_per_split=4), "pages_per_block=8"),
-        (dict(num_warps=3), "num_warps=3"),
-        (dict(num_stages=0), "num_stages=0"),
-    ],
-)
-def test_bad_static_arguments_raise(small_cache, overrides, message):
-    q, cache = small_cache
-    with pytest.raises(ValueError, match=message):
-        _call(q, cache.arrays, **overrides)
-
-
-def test_bad_query_raises(small_cache):
-    q, cache = small_cache
-    with pytest.raises(ValueError, match=r"query heads Hq=3 must be a multiple of KV heads Hkv=2"):
-        _call(q[:, :3], cache.arrays)
-    with pytest.raises(ValueError, match="q must have dtype"):
-        _call(q.astype(jnp.float16), cache.arrays)
-    with pytest.raises(ValueError, match="q must have shape"):
-        _call(q[0], cache.arrays)
-    with pytest.raises(ValueError, match="k_bf16 must have shape"):
-        _call(jnp.zeros((2, 4, 128), jnp.float32), cache.arrays)  # head_dim mismatch
-    with pytest.raises(ValueError, match="bf16_page_table must have shape"):
-        _call(q[:1], cache.arrays)  # batch mismatch
+# The errors of bad cache arrays, static arguments and queries, every backend:
+# parity_tests/test_ops_attention.py.
 
 
 def test_small_head_dim_is_not_implemented():
