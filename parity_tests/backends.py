@@ -175,6 +175,15 @@ def decode_attention(backend: str, case: cases.AttentionCase, pools, tables, q: 
     return from_torch(out)
 
 
+def merge_partials(backend: str, outputs: np.ndarray, lses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """attention_ops.merge_partials of oscar_jax or oscar_torch over float32 partials."""
+    if backend in JAX_KERNELS:
+        return tuple(from_jax(a) for a in jax_attention.merge_partials(to_jax(outputs), to_jax(lses)))
+    import oscar_torch.attention_ops as torch_attention
+
+    return tuple(from_torch(a) for a in torch_attention.merge_partials(to_torch(outputs), to_torch(lses)))
+
+
 def prefill_attention(backend: str, case: cases.PrefillCase, pools, tables, q, k_new, v_new) -> np.ndarray:
     p = case.prefix
     kwargs = dict(sink_slots=p.sink_slots, group_size=p.group_size, softmax_scale=p.softmax_scale,

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from parity_tests import backends, cases
+from shared_math import attention as reference_attention
 
 
 def test_long_split_keeps_the_code_bias_from_accumulating(backend):
@@ -25,6 +26,27 @@ def test_long_split_keeps_the_code_bias_from_accumulating(backend):
     relative = np.linalg.norm(out.astype(np.float64) - expected) / np.linalg.norm(expected)
     print(f"{backend}: relative error {relative:.2e}")
     assert relative < cases.BIAS_CANCELLATION_TOLERANCE
+
+
+@pytest.mark.parametrize("merge", ["jax", "torch"])
+def test_merge_partials_weighs_empty_splits_zero(merge):
+    """The split merge of each framework (plain array code: the XLA path's is the JAX one): random
+    partials with empty splits equal shared_math's merge, a hand-computed merge (weights 1 : 3 : 0),
+    and rows with no token anywhere give o = 0, lse = −inf."""
+    rng = np.random.default_rng(3)
+    outputs = rng.standard_normal((3, 2, 4))
+    lses = np.array([[0.5, -np.inf], [-np.inf, -np.inf], [1.5, 2.0]])
+    o, lse = backends.merge_partials(merge, outputs.astype(np.float32), lses.astype(np.float32))
+    expected_o, expected_lse = reference_attention.merge_partials(outputs, lses)
+    np.testing.assert_allclose(o, expected_o, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-6)
+    o, lse = backends.merge_partials(merge, np.array([[[1.0, 2.0]], [[5.0, 5.0]], [[0.0, 0.0]]], np.float32),
+                                     np.array([[0.0], [np.log(3.0)], [-np.inf]], np.float32))
+    np.testing.assert_allclose(o, [[4.0, 4.25]], rtol=1e-6)
+    np.testing.assert_allclose(lse, [np.log(4.0)], rtol=1e-6)
+    for d in (2, 4):
+        o, lse = backends.merge_partials(merge, np.zeros((2, 1, d), np.float32), np.full((2, 1), -np.inf, np.float32))
+        assert np.all(o == 0) and np.all(np.isneginf(lse))
 
 
 # ------------------------------------------------------------------------------- bad inputs

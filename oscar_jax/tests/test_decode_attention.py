@@ -212,18 +212,6 @@ def test_decode_under_jit_and_unused_table_entries_ignored():
     assert_close(out, reference_decode(q, cache, 0.125), jnp.float32)
 
 
-def test_merge_partials_weighs_empty_splits_zero():
-    rng = np.random.default_rng(3)
-    outputs = rng.standard_normal((3, 2, 4))
-    lses = np.array([[0.5, -np.inf], [-np.inf, -np.inf], [1.5, 2.0]])
-    o, lse = merge_partials(jnp.asarray(outputs, jnp.float32), jnp.asarray(lses, jnp.float32))
-    expected_o, expected_lse = reference.merge_partials(outputs, lses)
-    np.testing.assert_allclose(np.asarray(o), expected_o, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(lse), expected_lse, rtol=1e-6)
-    o, lse = merge_partials(jnp.zeros((2, 1, 4)), jnp.full((2, 1), -jnp.inf))  # nothing cached
-    assert np.all(np.asarray(o) == 0) and np.all(np.isneginf(np.asarray(lse)))
-
-
 @pytest.mark.parametrize("tier_splits,block_splits,block_d", [
     ((1, 37), 8, 16), ((3,), 32, 32), ((2, 5), 32, 64), ((1, 64, 3), 16, 32)])
 def test_merge_kernel_equals_merge_partials_over_the_tiers(tier_splits, block_splits, block_d):

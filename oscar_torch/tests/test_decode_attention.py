@@ -139,16 +139,6 @@ def test_merge_kernel_equals_merge_partials_over_both_tiers(splits_a, splits_b, 
     assert np.all(got[0, 1, 2] == 0.0)
 
 
-def test_merge_partials_weighs_empty_splits_zero():
-    o = torch.tensor([[[1.0, 2.0]], [[5.0, 5.0]], [[0.0, 0.0]]])  # [S=3, M=1, D=2]
-    lse = torch.tensor([[0.0], [np.log(3.0)], [-np.inf]])
-    merged, total = merge_partials(o, lse)
-    np.testing.assert_allclose(merged.numpy(), [[4.0, 4.25]], rtol=1e-6)
-    np.testing.assert_allclose(total.numpy(), [np.log(4.0)], rtol=1e-6)
-    merged, total = merge_partials(torch.zeros((2, 1, 2)), torch.full((2, 1), -np.inf))
-    assert torch.all(merged == 0) and torch.isneginf(total).all()
-
-
 # ------------------------------------------------------------------------------- bad inputs
 
 SMALL = AttentionCase("small", 64, 32, 2, 2, (70, 5), pages_per_split=2, pages_per_block=1)
