@@ -356,6 +356,20 @@ def test_gemma3_270m_logits_match_transformers(gemma3_270m):
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.slow
+def test_gemma3_270m_with_its_own_tokenizer_completes_a_fact(gemma3_270m):
+    """shared_math.tokenizer's SentencePiece kind: BOS first, whole words as single pieces, and the
+    model continues the prompt with the right word."""
+    from shared_math.tokenizer import load_tokenizer
+
+    cfg, params = gemma3_270m
+    tok = load_tokenizer("gemma3-270m")
+    ids = tok.encode("The capital of France is Paris. The capital of Germany is")
+    assert ids[0] == tok.bos_id == 2 and len(ids) == 13  # BOS + one piece per word and "."
+    logits = np.asarray(M.forward(params, cfg, jnp.asarray([ids], jnp.int32)))[0, -1]
+    assert tok.decode([int(logits.argmax())]) == " Berlin"
+
+
 # ---------------------------------------------------------------------------------------------
 # Sliding-window ring for local layers + a separate cache for global layers
 
