@@ -294,6 +294,10 @@ def run_passkey(params, cfg, tokenizer, methods: list[KVMethod], *, lengths, dep
             "token_accuracy": float(np.mean([r["methods"][m.name]["token_accuracy"] for r in records])),
             "config": m.describe(),
         }
+        if cfg.local_layers:  # sliding-window layers: BF16 windows for every method
+            from calibration.evaluate import local_layer_note
+
+            summary[m.name]["config"] = {**m.describe(), **local_layer_note(cfg)}
     return {"methods": summary, "samples": records}
 
 
@@ -363,6 +367,10 @@ def main(argv=None) -> int:
                         "depths": depths, "samples": args.samples, "seed": args.seed,
                         "haystack": "wiki evaluation split (never used for calibration)",
                         "artifact": None if artifact_path is None else str(artifact_path), "seconds": round(time.time() - t0, 1)}
+    if cfg.local_layers:
+        from calibration.evaluate import local_layer_note
+
+        result["config"]["local_layers"] = local_layer_note(cfg)["local_layers"]
     result["environment"] = env
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -144,6 +144,8 @@ def test_passkey_runs_with_local_layers(params, artifact):
     sample = passkey.build_sample(tok, docs, 400, 0.5, "12345")
     assert sample.prompt[0] == tok.bos_id and tok.bos_id not in sample.prompt[1:].tolist()
     methods = [_method("bf16"), _method("oscar", artifact[0])]
+    run = passkey.run_passkey(params, CFG, tok, methods, lengths=[300], depths=[0.5], docs=docs, progress=False)
+    assert run["methods"]["oscar"]["config"]["applies_to_layers"] == [1]
     pre = passkey.answer_logits(params, CFG, sample, methods)
     dec = passkey.answer_logits(params, CFG, sample, methods, mode="decode")
     for m in methods:
