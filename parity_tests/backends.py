@@ -100,6 +100,16 @@ def decode(backend: str, packed: np.ndarray, scale: np.ndarray, minimum: np.ndar
     return from_torch(torch_ops.decode(to_torch(packed), to_torch(scale), to_torch(minimum), group_size=group_size))
 
 
+def write_int2(backend: str, x: np.ndarray, rotation, **kwargs) -> tuple[np.ndarray, ...]:
+    """The public write_int2 of oscar_jax or oscar_torch (no shared_math counterpart: it rotates)."""
+    if backend in JAX_KERNELS:
+        with use_kernels(JAX_KERNELS[backend]):
+            out = jax_ops.write_int2(to_jax(x), None if rotation is None else to_jax(rotation), **kwargs)
+        return tuple(from_jax(a) for a in out)
+    out = torch_ops.write_int2(to_torch(x), None if rotation is None else to_torch(rotation), **kwargs)
+    return tuple(from_torch(a) for a in out)
+
+
 def write_pages(backend: str, pools, rows, page_ids, slots, rotation=None, **kwargs):
     """Rows float32 or bfloat16 bits (uint16); `rotation` (float32 [K, D, D]) is fused into the
     backends' write (shared_math takes rows already rotated)."""
