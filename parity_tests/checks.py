@@ -145,21 +145,12 @@ def cross_backend(case: cases.AttentionCase, writer: str) -> dict:
     want = cases.reference_decode(case, cache, q)
     errors = {}
     for reader in readers:
-        decoded = _decode(reader, k_codes, k_scale, k_min, case.group_size)
+        decoded = backends.decode(reader, k_codes, k_scale, k_min, group_size=case.group_size)
         np.testing.assert_array_equal(decoded,
                                       reference_decode_rows(k_codes, k_scale, k_min, group_size=case.group_size))
         out = backends.decode_attention(reader, case, pools, cache.tables(), q)
         errors[reader] = assert_close(out, want, case.q_dtype)
     return dict(writer=writer, readers=readers, max_abs_error=errors, tolerance=cases.ATTENTION_TOLERANCES[case.q_dtype])
-
-
-def _decode(backend: str, codes, scale, minimum, group_size: int) -> np.ndarray:
-    if backend in backends.JAX_KERNELS:
-        with backends.use_kernels(backends.JAX_KERNELS[backend]):
-            return np.asarray(backends.jax_ops.decode(backends.to_jax(codes), backends.to_jax(scale),
-                                                      backends.to_jax(minimum), group_size=group_size))
-    return backends.from_torch(backends.torch_ops.decode(backends.to_torch(codes), backends.to_torch(scale),
-                                                         backends.to_torch(minimum), group_size=group_size))
 
 
 def prefill_attention(case: cases.PrefillCase) -> dict:
