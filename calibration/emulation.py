@@ -332,6 +332,21 @@ def forward_with_cache(params: Params, cfg: ModelConfig, tokens, cache, *, start
     """The model over tokens int [B, T] at positions start..start+T−1 through `cache.attend`
     (prefill's computation with the per-layer pieces jitted); the output projection only for
     `rows` (indices into the T tokens; all when None). Returns float32 [B, T or len(rows), V]."""
+    x = hidden_states(params, cfg, tokens, cache, start=start)
+    if rows is not None:
+        x = x[:, jnp.asarray(rows)]
+    return head_logits(params, cfg, x)
+
+
+def head_logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Final norm + output projection of hidden states [B, N, H] → float32 logits [B, N, V]."""
+    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    return _lm_head_jit(params["final_norm"], head, cfg, x)
+
+
+def hidden_states(params: Params, cfg: ModelConfig, tokens, cache, *, start: int = 0) -> jax.Array:
+    """`forward_with_cache` before the final norm: [B, T, H] (so a large vocabulary's logits can
+    be computed a block of rows at a time)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2 or tokens.shape[1] < 1:
         raise ValueError(f"tokens must be int [B, T] with T ≥ 1, got shape {tokens.shape}")
@@ -347,10 +362,7 @@ def forward_with_cache(params: Params, cfg: ModelConfig, tokens, cache, *, start
             q, k, v = _qkv_jit(layer, cfg, x, positions, local=True)
             o, cache = cache.attend(index, q, k, v, positions, window=window)
         x = _layer_output_jit(layer, cfg, x, o)
-    if rows is not None:
-        x = x[:, jnp.asarray(rows)]
-    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
-    return _lm_head_jit(params["final_norm"], head, cfg, x)
+    return x
 
 
 def emulated_logits(
