@@ -128,7 +128,8 @@ def _exact_qkv(global_cfg: ModelConfig):
     whose accumulation order depends on its width."""
     import jax.numpy as jnp
 
-    def qkv(layer, cfg, x, positions):
+    def qkv(layer, cfg, x, positions, *, local=None):
+        del local  # these models have no sliding-window layers
         h, d = x.shape[-1], cfg.head_dim
         tp = global_cfg.num_q_heads // cfg.num_q_heads
         shard = jax.lax.axis_index("tp") if tp > 1 else 0
