@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a benchmark's plumbing (as bench_serve's and bench_e2e's): the full suite
 def test_bench_tp_tiny_on_two_cpu_devices(tmp_path):
     out = tmp_path / "tp.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

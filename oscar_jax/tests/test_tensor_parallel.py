@@ -256,6 +256,7 @@ def test_mirrored_engine_calls_survive_their_json_round_trip():
     assert engine.calls == [("add", [5, 6, 7], seeded, "r1", "tenant"), ("abort", "r0")]
 
 
+@pytest.mark.slow  # ~35 s: the serving layer over a mesh; the decode equivalences above stay in make test
 def test_serving_engine_over_tp_2_answers_like_one_device(tmp_path):
     """oscar_jax.serving's Engine (what `python -m oscar_jax.serve --tensor-parallel-size 2`
     runs): chunked prefill, batched decode and seeded sampling give the one-device tokens."""
