@@ -52,6 +52,15 @@ _REGEX_ONLY_PRE = ("gpt2", "default")
 _DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system\n([^'\"{}]*?)<\|im_end\|>")
 
 
+def _gguf_special_tokens(reader, path) -> dict:
+    """bos_id, eos_id (None where the GGUF names none) and add_bos, as the GGUF's metadata states."""
+    bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    eos = reader.fields.get("tokenizer.ggml.eos_token_id")
+    return dict(bos_id=int(bos.contents()) if bos is not None else None,
+                eos_id=int(eos.contents()) if eos is not None else None,
+                add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False, path=path)))
+
+
 class Tokenizer:
     """encode / decode / apply_chat_template over a `tokenizers.Tokenizer`."""
 
@@ -131,15 +140,8 @@ class Tokenizer:
             for i, kind_id in enumerate(types) if kind_id in (_CONTROL, _USER_DEFINED)
         ])
         template = gguf_field(reader, "tokenizer.chat_template", "", path=path)
-        bos = reader.fields.get("tokenizer.ggml.bos_token_id")
-        eos = reader.fields.get("tokenizer.ggml.eos_token_id")
-        return cls(
-            backend,
-            bos_id=int(bos.contents()) if bos is not None else None,
-            eos_id=int(eos.contents()) if eos is not None else None,
-            add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False, path=path)),
-            default_system_prompt=_default_system_prompt(template),
-        )
+        return cls(backend, **_gguf_special_tokens(reader, path),
+                   default_system_prompt=_default_system_prompt(template))
 
     @classmethod
     def _from_gguf_sentencepiece(cls, reader, path) -> "Tokenizer":
@@ -166,14 +168,7 @@ class Tokenizer:
                             for i, t in enumerate(types) if t == _USER_DEFINED])
         backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                     for i, t in enumerate(types) if t == _CONTROL])
-        bos = reader.fields.get("tokenizer.ggml.bos_token_id")
-        eos = reader.fields.get("tokenizer.ggml.eos_token_id")
-        return cls(
-            backend,
-            bos_id=int(bos.contents()) if bos is not None else None,
-            eos_id=int(eos.contents()) if eos is not None else None,
-            add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False, path=path)),
-        )
+        return cls(backend, **_gguf_special_tokens(reader, path))
 
     @classmethod
     def from_hf_dir(cls, directory: str | os.PathLike) -> "Tokenizer":
