@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from oscar_jax.kernels.decode_attention.common import (
-    MASK_VALUE, cdiv, dot_nn, dot_nt, finalize_rows, online_softmax_step,
+    MASK_VALUE, cdiv, partials_outputs, dot_nn, dot_nt, finalize_rows, online_softmax_step,
 )
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.tiling import base2_score_scale, num_splits
@@ -128,14 +127,7 @@ def bf16_tier_partials(
             pool_spec,  # K pool of KV head h
             pool_spec,  # V pool
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_m, head_dim), lambda b, h, r, s: (b, h, s, r, 0)),  # o
-            pl.BlockSpec((None, None, None, block_m), lambda b, h, r, s: (b, h, s, r)),  # lse
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows), jnp.float32),
-        ],
+        **partials_outputs(batch, num_kv_heads, splits, rows, head_dim, block_m),
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"oscar_bf16_tier_attention_{block_m=}_{pages_per_split=}_{pages_per_block=}",

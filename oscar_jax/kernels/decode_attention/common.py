@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from shared_math.tiling import LN2
@@ -89,3 +90,18 @@ def finalize_rows(l, m):
     lse = jnp.where(nonempty, (m + jnp.log2(jnp.where(nonempty, l, 1.0))) * LN2, -jnp.inf)
     return inv_l, lse
 
+
+
+def partials_outputs(batch, num_kv_heads, splits, rows, head_dim, block_m) -> dict:
+    """pallas_call's out_specs / out_shape of a tier's split-K partials on the (b, h, r, s) grid:
+    o float32 [B, K, S, rows, D] and lse float32 [B, K, S, rows], one block_m-row block per program."""
+    return dict(
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_m, head_dim), lambda b, h, r, s: (b, h, s, r, 0)),  # o
+            pl.BlockSpec((None, None, None, block_m), lambda b, h, r, s: (b, h, s, r)),  # lse
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows), jnp.float32),
+        ],
+    )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -15,6 +14,7 @@ from jax.experimental.pallas import triton as pl_triton
 from oscar_jax.kernels import register_cap
 from oscar_jax.kernels.decode_attention.common import (
     MASK_VALUE, MIN_DOT_DIM, cdiv, dot_nn, dot_nt, dot_tn, finalize_rows, multiply_add, online_softmax_step,
+    partials_outputs,
 )
 from oscar_jax.kernels.decode_attention.int2_planes import (
     _code_pairs, _code_planes, _int2_query_terms, _pair_plane_operand, code_offset, int2_pieces, operand_factors,
@@ -375,14 +375,7 @@ def int2_tier_partials(
             meta_spec,  # V scale
             meta_spec,  # V minimum
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_m, head_dim), lambda b, h, r, s: (b, h, s, r, 0)),  # o
-            pl.BlockSpec((None, None, None, block_m), lambda b, h, r, s: (b, h, s, r)),  # lse
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, splits, rows), jnp.float32),
-        ],
+        **partials_outputs(batch, num_kv_heads, splits, rows, head_dim, block_m),
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=register_cap.capped_name(
