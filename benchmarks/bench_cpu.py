@@ -207,6 +207,54 @@ def bench_bf16(model, prompts, decode_steps: int) -> dict:
     return result
 
 
+# ------------------------------------------------------------------------------------------ plot
+
+
+def plot(results: dict, path: Path) -> None:
+    """Tokens/s of both caches (prefill and decode, each batch) and of the interpreted kernels, on a
+    log axis, the issue's targets drawn where they apply."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharey=True)
+    for ax, phase in zip(axes, ("prefill", "decode")):
+        batches = list(results["int2"])
+        bars = {"INT2 (OSCAR, XLA path)": [results["int2"][b][f"{phase}_tokens_per_s"] for b in batches],
+                "BF16 cache (bf16 weights)": [results["bf16"][b][f"{phase}_tokens_per_s"] for b in batches],
+                "BF16 cache, f32 weights (decode)": [float("nan") if phase == "prefill" else
+                                                     results["bf16"][b]["f32_weights"]["decode_tokens_per_s"]
+                                                     for b in batches]}
+        interpreted = (results["prefill_interpret"]["interpret"]["prefill_tokens_per_s"] if phase == "prefill"
+                       else results["int2"]["b1"]["interpret"]["decode_tokens_per_s"])
+        short = results["prefill_interpret"]["prompt_tokens"]
+        bars[f"INT2, Pallas interpret (prefill: {short}-token prompt)"] = \
+            [interpreted] + [float("nan")] * (len(batches) - 1)
+        width = 0.8 / len(bars)
+        for i, (name, values) in enumerate(bars.items()):
+            xs = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(batches))]
+            ax.bar(xs, values, width, label=name)
+            for x, v in zip(xs, values):
+                if v == v:
+                    ax.annotate(f"{v:.0f}" if v >= 10 else f"{v:.1f}", (x, v), ha="center", va="bottom", fontsize=8)
+        target = TARGETS[f"int2_{phase}_tokens_per_s" if phase == "prefill" else "int2_decode_b1_tokens_per_s"]
+        ax.axhline(target, color="gray", ls="--", lw=1)
+        ax.annotate(f"issue 38 target, batch 1: {target:.0f}", (-0.45, target), fontsize=8, color="gray",
+                    va="bottom", ha="left")
+        ax.set_xticks(range(len(batches)), [f"batch {b[1:]}" for b in batches])
+        ax.set_yscale("log")
+        ax.set_title(f"{phase} ({results['int2'][batches[0]]['prompt_tokens']}-token prompts)")
+    axes[0].set_ylabel("tokens / s")
+    fig.legend(*axes[1].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8)
+    env = results["environment"]
+    fig.suptitle(f"{MODEL} on {env['cores']} cores of {env['cpu']} (jax {env['jax']}, git {env['git_sha'][:7]})",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -239,7 +287,12 @@ def main(argv=None) -> int:
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--interpret-steps", type=int, default=3)
     p.add_argument("--interpret-prompt-tokens", type=int, default=512)
+    p.add_argument("--plot-only", action="store_true", help="re-render the plot of an existing --out JSON")
     args = p.parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        print(f"wrote {args.out.with_suffix('.png')}")
+        return 0
     if jax.default_backend() != "cpu":
         print(f"error: this is the CPU benchmark; JAX runs on {jax.default_backend()} (set JAX_PLATFORMS=cpu)",
               file=sys.stderr)
@@ -276,6 +329,8 @@ def main(argv=None) -> int:
     results["load_average_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if results["targets"]:
+        plot(results, args.out.with_suffix(".png"))
     for name, ok in results["targets"].items():
         print(f"{'met   ' if ok else 'MISSED'} {name}")
     print(f"wrote {args.out}")
