@@ -277,6 +277,9 @@ class EmulatedCache:
     def __init__(self, method: KVMethod, *, query_chunk: int = DEFAULT_QUERY_CHUNK):
         if query_chunk < 1:
             raise ValueError(f"{query_chunk=} must be positive")
+        if getattr(method, "salient", 0):
+            raise ValueError(f"{method.name}: salient tokens are chosen at the end of a prompt; a teacher-forced "
+                             "window has none (calibration.passkey emulates them, with --prefill-chunk 0)")
         self.method = method
         self.query_chunk = query_chunk
         self.k_rotation = None if method.k_rotation is None else jnp.asarray(method.k_rotation, jnp.float32)

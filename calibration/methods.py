@@ -55,6 +55,14 @@ The methods and their source configurations (`parse_method` builds them from a s
               compare artifacts on the same windows or samples. `levels=K/V` (e.g.
               `minmax/moments`) gives keys and values their own levels: an experiment, since
               format v1 stores one codec per artifact.
+              `salient=N` (`observe=W`, default 32): an experiment — N history tokens per (layer,
+              KV head) kept in BF16 for the answer, chosen at the end of the prompt SnapKV-style
+              from the attention mass of the prompt's last W queries (`salient_positions`);
+              emulated only by `calibration.passkey` in prefill mode with the whole prompt at once
+              (the selection exists only once the prompt has ended: the prompt reads history as
+              today, the answer steps read the salient tokens in BF16). Counted in the bytes as
+              BF16 rows *on top of* their INT2 codes (the pages keep their layout) plus a
+              SALIENT_INDEX_BITS position index per token and (layer, KV head).
   int4        Reference point: per-token asymmetric INT4 (16 uniform levels between the group's
               min and max, round to nearest, fp16 scale and minimum per group; G = head_dim by
               default, i.e. 4 + 32/64 = 4.5 bits at D = 64), no rotation, OSCAR's windows.
@@ -145,6 +153,8 @@ DEFAULT_METHODS = ("bf16", "naive-int2", "quarot-int2", "kivi2", "oscar", "int4"
 KIVI_GROUP_SIZE = 32  # KIVI's published group size (tokens per key group, channels per value group)
 KIVI_RESIDUAL = 128  # KIVI's published full-precision residual length
 BF16_BITS = 8 * BF16_BYTES
+DEFAULT_SALIENT_WINDOW = 32  # observation window of `salient=N`: the prompt's last W queries (the question)
+SALIENT_INDEX_BITS = 32  # position index stored per salient token and (layer, KV head): a conservative cost
 
 
 class HistoryIntervals(NamedTuple):
@@ -330,6 +340,14 @@ class TieredMethod:
     v_rotation: np.ndarray | None = None
     rotation: str = "none"
     source: str = ""
+    salient: int = 0  # history tokens per (layer, KV head) kept in BF16 for the answer (0: none)
+    salient_window: int = DEFAULT_SALIENT_WINDOW  # W: the prompt's last W queries choose them
+
+    def __post_init__(self):
+        if self.salient < 0 or self.salient_window < 1:
+            raise ValueError(f"salient={self.salient} must be ≥ 0 and observe={self.salient_window} ≥ 1")
+        if self.salient and self.quantizer is None:
+            raise ValueError("salient tokens need a quantized history")
 
     def quantize_keys(self, layer: int, x: np.ndarray) -> np.ndarray:
         return self.quantizer.quantize_keys(layer, x)
@@ -361,6 +379,9 @@ class TieredMethod:
         else:
             _, history = self.windows.history_counts(length)
             per_side = (length - history) * head_dim * BF16_BYTES + history * self.quantizer.row_bytes(head_dim)
+            # salient tokens: a BF16 K and V row each on top of the codes, and one position index
+            # (shared by K and V: half its bytes counted on each side)
+            per_side += min(self.salient, history) * (head_dim * BF16_BYTES + SALIENT_INDEX_BITS // 16)
         return per_side * num_kv_heads, per_side * num_kv_heads
 
     def describe(self) -> dict[str, Any]:
@@ -371,6 +392,12 @@ class TieredMethod:
             out.update(self.quantizer.describe())
             out["windows"] = {"sink": self.windows.sink, "recent": self.windows.recent,
                               "page_size": self.windows.page_size}
+        if self.salient:
+            out["salient"] = {"tokens": self.salient, "observe": self.salient_window,
+                              "index_bits": SALIENT_INDEX_BITS,
+                              "selection": "per (layer, KV head) at the end of the prompt: top tokens of the "
+                                           "history by the attention mass of the prompt's last `observe` queries "
+                                           "(summed over the KV head's query heads), kept in BF16 for the answer"}
         return out
 
 
@@ -634,7 +661,7 @@ _OPTIONS = {
     "naive-int2": {"windows", "page", "group"},
     "int4": {"windows", "page", "group"},
     "quarot-int2": {"windows", "page", "group", "clip", "levels"},
-    "oscar": {"windows", "page", "group", "clip", "levels", "artifact"},
+    "oscar": {"windows", "page", "group", "clip", "levels", "artifact", "salient", "observe"},
     "kivi2": {"group", "residual"},
     "turboquant": {"preset", "skip", "rotation", "seed"},
 }
@@ -783,6 +810,41 @@ def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int
                             source="QuaRot-style Hadamard rotation; codec and windows of the oscar method")
     if artifact is None:
         raise ValueError(f"method {spec!r} needs a calibration artifact (--artifact DIR)")
+    salient = _int(options.get("salient", "0"), "salient")
+    observe = _int(options.get("observe", str(DEFAULT_SALIENT_WINDOW)), "observe")
+    if "observe" in options and not salient:
+        raise ValueError(f"method {spec!r}: observe= applies only with salient=N > 0")
     return TieredMethod(spec, name, codec, windows, np.asarray(artifact.k_rotation, np.float32),
                         np.asarray(artifact.v_rotation, np.float32), rotation="artifact (R_K, R_V per layer and KV head)",
-                        source="OSCAR: artifact rotations, clip ratios and codec")
+                        source="OSCAR: artifact rotations, clip ratios and codec", salient=salient,
+                        salient_window=observe)
+
+
+def salient_positions(q_window: np.ndarray, keys: np.ndarray, candidates: tuple[int, int], n: int) -> np.ndarray:
+    """The `salient=N` selection of one layer: int64 [B, Hkv, min(n, end − start)] positions, each
+    row ascending.
+
+    q_window float32 [B, W, Hq, D]: the queries of the prompt's last W positions P − W..P − 1
+    (rotated like the keys); keys [B, P, Hkv, D]: the prompt's keys as the cache holds them (BF16).
+    Float32 math: each window row's causal softmax over keys 0..its position, summed over the
+    rows and the Hq / Hkv query heads of each KV head; the top n positions of [start, end) by
+    that mass (ties: the earlier position)."""
+    b, w, hq, d = q_window.shape
+    p, kv = keys.shape[1], keys.shape[2]
+    start, end = candidates
+    if not 0 <= start <= end <= p or w > p:
+        raise ValueError(f"candidates {candidates} / window {w} must lie within the prompt's {p} tokens")
+    n = min(n, end - start)
+    if n <= 0:
+        return np.zeros((b, kv, 0), np.int64)
+    import jax
+    import jax.numpy as jnp
+
+    q = jnp.asarray(q_window, jnp.float32).reshape(b, w, kv, hq // kv, d)
+    scores = jnp.einsum("bwkgd,bskd->bkgws", q, jnp.asarray(keys, jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST) * np.float32(d**-0.5)
+    causal = np.arange(p)[None, :] <= np.arange(p - w, p)[:, None]  # [W, P]
+    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    mass = np.asarray(probs.sum(axis=(2, 3)))[:, :, start:end]  # [B, Hkv, end − start]
+    order = np.argsort(-mass, axis=-1, kind="stable")[:, :, :n]
+    return np.sort(order, axis=-1).astype(np.int64) + start

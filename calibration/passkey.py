@@ -29,6 +29,16 @@ Modes (how the prompt enters the cache):
     float32); a chunk reads its own K/V in float32, as the runtime does.
   decode: every prompt token is emulated as if decoded one at a time (calibration.emulation) —
     stricter; one full pass per method.
+
+Salient tokens (`oscar:salient=N[:observe=W]`, an experiment): at the end of the prompt, per
+(layer, KV head), the N history positions (neither sink nor recent window) with the most attention
+mass from the prompt's last W queries (the question) are kept in BF16 for the answer tokens
+(`calibration.methods.salient_positions`: BF16 keys as the cache holds them, float32 math). The
+selection is known only once the prompt has ended, so the prompt's own attention reads history as
+today (with `--prefill-chunk 0`, the only mode that emulates it, the prompt attends to itself in
+float32 anyway) and only the answer steps change: AnswerCache replaces the quantized copy of the
+selected rows with their BF16 rows. Tokens demoted into history after the prompt are not
+candidates.
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ from calibration.emulation import (
     mixed_attention,
     windowed_attention,
 )
-from calibration.methods import HistoryIntervals, KVMethod, parse_method, parse_method_list
+from calibration.methods import HistoryIntervals, KVMethod, parse_method, parse_method_list, salient_positions
 
 PREFIX = ("There is an important piece of information hidden inside a lot of irrelevant text. "
           "Find it and memorize it. I will quiz you about the important information there.\n\n")
@@ -137,14 +147,18 @@ class PrefillCapture:
     """The prompt attends to itself in float32 (the runtime's prefill attention); its K and V are
     kept per layer for the answer steps."""
 
-    def __init__(self, query_chunk: int = DEFAULT_QUERY_CHUNK):
+    def __init__(self, query_chunk: int = DEFAULT_QUERY_CHUNK, keep_queries: int = 0):
         self.query_chunk = query_chunk
         self.k, self.v = {}, {}
+        self.keep_queries = keep_queries  # the prompt's last queries kept per layer (salient selection)
+        self.q: dict[int, jax.Array] = {}
         self._none, self._plans = None, {}
 
     def attend(self, layer, q, k, v, positions, window: int | None = None):
         t = q.shape[1]
         self.k[layer], self.v[layer] = k.astype(jnp.float32), v.astype(jnp.float32)
+        if self.keep_queries:
+            self.q[layer] = q[:, max(0, t - self.keep_queries):].astype(jnp.float32)
         if window is not None:  # a sliding-window layer attends within its window
             out = windowed_attention(q, self.k[layer], self.v[layer], window, query_chunk=self.query_chunk)
             return out.astype(q.dtype), self
@@ -162,6 +176,11 @@ class AnswerCache:
     def __init__(self, method: KVMethod, capture: PrefillCapture, query_chunk: int = DEFAULT_QUERY_CHUNK):
         self.m, self.capture, self.query_chunk = method, capture, query_chunk
         self._intervals, self._plans = None, {}  # the same for every layer
+        self.salient = getattr(method, "salient", 0)
+        self.selected: dict[int, np.ndarray] = {}  # layer → salient positions [B, Hkv, N]
+        if self.salient and capture.keep_queries < method.salient_window:
+            raise ValueError(f"{method.name}: the prefill kept {capture.keep_queries} queries, the selection "
+                             f"needs the last {method.salient_window}")
 
     @staticmethod
     def _rotate(x, rotation, inverse=False):  # x [B, T, H, D], rotation [Hkv, D, D]
@@ -194,11 +213,36 @@ class AnswerCache:
         iv = self._intervals
         k_lo = jnp.asarray(self.m.quantize_keys(layer, np.asarray(k_hi))) if np.any(iv.k_end > iv.k_start) else None
         v_lo = jnp.asarray(self.m.quantize_values(layer, np.asarray(v_hi))) if np.any(iv.v_end > iv.v_start) else None
+        if self.salient:
+            k_lo, v_lo = self._keep_salient(layer, start, k_hi, k_lo, v_hi, v_lo)
         out = mixed_attention(q, k_hi, k_lo, v_hi, v_lo, iv, query_chunk=self.query_chunk, q_start=start,
                               plan_cache=self._plans)
         if self.m.v_rotation is not None:
             out = self._rotate(out, jnp.asarray(self.m.v_rotation[layer]), inverse=True)
         return out.astype(jnp.float32), self
+
+
+    def _keep_salient(self, layer, prompt_length, k_hi, k_lo, v_hi, v_lo):
+        """The quantized copies with the layer's salient rows replaced by their BF16 rows."""
+        w = self.m.salient_window
+        q_window = self.capture.q[layer][:, -w:]
+        if self.m.k_rotation is not None:
+            q_window = self._rotate(q_window, jnp.asarray(self.m.k_rotation[layer]))
+        k_start, k_end, v_start, v_end = self.m.at_rest_history(prompt_length)
+        if (k_start, k_end) != (v_start, v_end):
+            raise ValueError(f"{self.m.name}: salient tokens need one history for keys and values")
+        sel = salient_positions(np.asarray(q_window), np.asarray(k_hi[:, :prompt_length]), (k_start, k_end),
+                                self.salient)
+        self.selected[layer] = sel
+        if sel.shape[-1] == 0:
+            return k_lo, v_lo
+        b, kv = sel.shape[:2]
+        rows = (np.arange(b)[:, None, None], sel, np.arange(kv)[None, :, None])  # → [B, Hkv, N, D]
+        if k_lo is not None:
+            k_lo = k_lo.at[rows].set(k_hi[rows])
+        if v_lo is not None:
+            v_lo = v_lo.at[rows].set(v_hi[rows])
+        return k_lo, v_lo
 
 
 class ServingTiers:
@@ -242,14 +286,18 @@ def answer_logits(params, cfg, sample: Sample, methods: list[KVMethod], *, mode:
     prompt, answer = sample.prompt[None], sample.answer[None]
     p, a = prompt.shape[1], answer.shape[1]
     out = {}
+    keep = max((m.salient_window for m in methods if getattr(m, "salient", 0)), default=0)
     if mode == "decode" or 0 < prefill_chunk < p:
+        if keep:
+            raise ValueError("salient tokens are emulated only in prefill mode with the whole prompt at once "
+                             "(--prefill-chunk 0)")
         tokens = np.concatenate([prompt, answer[:, :-1]], axis=1)
         rows = np.arange(p - 1, p + a - 1)
         for m in methods:
             view = m if mode == "decode" else ServingTiers(m, p, prefill_chunk)
             out[m.name] = np.asarray(emulated_logits(params, cfg, tokens, view, rows=rows, query_chunk=query_chunk)[0])
         return out
-    capture = PrefillCapture(query_chunk)
+    capture = PrefillCapture(query_chunk, keep_queries=keep)
     first = np.asarray(forward_with_cache(params, cfg, prompt, capture, rows=[p - 1])[0])  # [1, V]
     for m in methods:
         rest = forward_with_cache(params, cfg, answer[:, :-1], AnswerCache(m, capture, query_chunk), start=p)
@@ -263,14 +311,26 @@ def answer_logits(params, cfg, sample: Sample, methods: list[KVMethod], *, mode:
 
 def run_passkey(params, cfg, tokenizer, methods: list[KVMethod], *, lengths, depths, samples: int = 1,
                 mode: str = "prefill", prefill_chunk: int = 0, seed: int = 0, docs=None, progress: bool = True,
-                query_chunk: int = DEFAULT_QUERY_CHUNK) -> dict[str, Any]:
+                query_chunk: int = DEFAULT_QUERY_CHUNK, only_lengths=None) -> dict[str, Any]:
+    """only_lengths: evaluate only the samples of these lengths, drawn exactly as the full run over
+    `lengths` draws them (the same keys and haystacks: a fixed subset of that run)."""
     docs = haystack_documents(tokenizer) if docs is None else docs
     rng = np.random.default_rng(seed)
     records = []
     cases = [(length, depth, s) for length in lengths for depth in depths for s in range(samples)]
-    for length, depth, s in tqdm(cases, desc=f"passkey ({mode})", disable=not progress):
+    if only_lengths is not None:
+        if not only_lengths or not set(only_lengths) <= set(lengths):
+            raise ValueError(f"only_lengths {list(only_lengths)} must be a non-empty subset of {list(lengths)}")
+    evaluated = [n for n in lengths if only_lengths is None or n in only_lengths]
+    todo = sum(n in evaluated for n, _, _ in cases)
+    bar = tqdm(total=todo, desc=f"passkey ({mode})", disable=not progress)
+    for length, depth, s in cases:
         key = str(rng.integers(10000, 100000))
-        sample = build_sample(tokenizer, docs, length, depth, key, first_doc=int(rng.integers(len(docs))))
+        first_doc = int(rng.integers(len(docs)))
+        if length not in evaluated:
+            continue
+        bar.update()
+        sample = build_sample(tokenizer, docs, length, depth, key, first_doc=first_doc)
         logits = answer_logits(params, cfg, sample, methods, mode=mode, prefill_chunk=prefill_chunk,
                                query_chunk=query_chunk)
         rec = {"length": length, "depth": depth, "sample": s, "key": key, "needle_position": sample.needle_position,
@@ -281,6 +341,8 @@ def run_passkey(params, cfg, tokenizer, methods: list[KVMethod], *, lengths, dep
                                     "token_accuracy": float(np.mean(pred == sample.key_tokens)),
                                     "predicted": pred.tolist()}
         records.append(rec)
+    bar.close()
+    lengths = evaluated
     summary = {}
     for m in methods:
         def acc(rows):
@@ -320,12 +382,18 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill chunk in tokens (default: oscar_jax.runtime's); 0 = the whole prompt at once")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only-lengths", default=None,
+                   help="evaluate only the samples of these lengths (comma-separated), drawn as the full run over "
+                        "--lengths draws them: a fixed subset of that run")
     p.add_argument("--json", required=True)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
         lengths = [int(x) for x in _floats(args.lengths, "lengths")]
         depths = _floats(args.depths, "depths")
+        only_lengths = None if args.only_lengths is None else [int(x) for x in _floats(args.only_lengths, "only-lengths")]
+        if only_lengths is not None and (not only_lengths or not set(only_lengths) <= set(lengths)):
+            raise ValueError(f"--only-lengths {only_lengths} must be a non-empty subset of --lengths {lengths}")
         specs = parse_method_list(args.methods)
         if args.samples < 1 or not lengths or not depths:
             raise ValueError("--samples, --lengths and --depths must be non-empty / positive")
@@ -358,13 +426,14 @@ def main(argv=None) -> int:
                    for s in specs]
         result = run_passkey(params, cfg, load_tokenizer(args.model), methods, lengths=lengths, depths=depths,
                              samples=args.samples, mode=args.mode, prefill_chunk=args.prefill_chunk, seed=args.seed,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, only_lengths=only_lengths)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result["config"] = {"command": command, "model": args.model, "mode": args.mode,
                         "prefill_chunk": args.prefill_chunk if args.mode == "prefill" else None, "lengths": lengths,
                         "depths": depths, "samples": args.samples, "seed": args.seed,
+                        "only_lengths": only_lengths,
                         "haystack": "wiki evaluation split (never used for calibration)",
                         "artifact": None if artifact_path is None else str(artifact_path), "seconds": round(time.time() - t0, 1)}
     if cfg.local_layers:
