@@ -13,6 +13,9 @@ Cases:
   ATTENTION_CASES  decode over the paged mixed-tier cache: real GQA shapes (Qwen3-8B Gq=4,
                    SmolLM2 Gq=3) and edge lengths (1 token, page − 1, page + 1, odd, one page,
                    S0 + 1 with empty history, many INT2 pages).
+  DECODE_CASES     ATTENTION_CASES and more shapes (D = 128 with G < D, bfloat16 q at D = 128,
+                   a recent window of 256, blocks of 4 and 8 pages): the float64 decode test's.
+  PREFILL_CASES    a chunk over a prefix cache (ragged chunks, chunks longer than a block).
   ATTENTION_TOLERANCES  THE tolerance table of attention outputs vs the float64 reference over
                    the dequantized cache (one table for both backends, keyed by the q dtype).
 """
@@ -385,6 +388,25 @@ ATTENTION_CASES = (
     AttentionCase("gqa8_moments_g16", 64, 16, 1, 8, (129, 63), levels="moments", pages_per_split=2),
 )
 
+# The decode attention test of every backend against the float64 reference (test_ops_attention.py):
+# ATTENTION_CASES and the shapes they lack (oscar_jax's former decode list): D = 128 with G = 64,
+# 32 and 16 (G < D/4: a byte's four codes in four groups), bfloat16 q at D = 128 and at G = D, a
+# batch of 5, lengths shorter than S0 (63), exactly S0 (64) and past 400, a recent window of
+# 256, splits of 16 pages in blocks of 4, blocks of 8, a split of 3 pages. That list's (D 64, G 32,
+# Hkv 3, Gq 3, lengths 337, 5, 65, 200, blocks of 2) is not here: each of its shapes is one of
+# ATTENTION_CASES' (D 64 with G 32 and a sequence shorter than a page: edges_bf16; Gq 3, blocks
+# of 2 and 337 tokens: smollm2; float32 q with G < D: gqa8_moments_g16).
+DECODE_CASES = ATTENTION_CASES + (
+    AttentionCase("d128_blocks_batch5", 128, 128, 2, 4, (1, 63, 65, 321, 337), pages_per_split=16,
+                  pages_per_block=4),
+    AttentionCase("d128_g32_split3", 128, 32, 1, 1, (321, 64, 1), pages_per_split=3),
+    AttentionCase("d128_g64_bf16_blocks", 128, 64, 2, 3, (337, 1, 100), q_dtype="bfloat16", pages_per_split=16,
+                  pages_per_block=4),
+    AttentionCase("recent256_bf16_blocks8", 64, 64, 1, 4, (63, 337), q_dtype="bfloat16", recent=256,
+                  pages_per_split=8, pages_per_block=8),
+    AttentionCase("d128_g16_blocks", 128, 16, 3, 4, (129, 401), pages_per_split=16, pages_per_block=4),
+)
+
 
 @dataclasses.dataclass
 class SequenceTiers:
@@ -664,8 +686,14 @@ class PrefillCase:
         return q, k, v
 
 
+# Prefix lengths 0, 1, S0 − 1 (63), S0 + 1, past 300; ragged chunks (a row of 1 token); chunks longer
+# than a block (block_m 32, 16); bfloat16 q with float32 and with bfloat16 K/V; D = 128 with G = D
+# and G = D/2; blocks of 1 and 2 pages: oscar_jax's former prefill list folded into these (its
+# ragged D 128 chunk into qwen3_8b_prefill, its D 128 G 64 chunk of 70 into d128_g64_blocks_prefill;
+# its bfloat16 D 64 chunks' shapes are smollm2_bf16_prefill's, blocks_prefill's and one_token_prefill's).
 PREFILL_CASES = (
-    PrefillCase("qwen3_8b_prefill", AttentionCase("qwen3_8b_prefix", 128, 128, 8, 4, (0, 273)), 19, (19, 7)),
+    PrefillCase("qwen3_8b_prefill",
+                AttentionCase("qwen3_8b_prefix", 128, 128, 8, 4, (0, 63, 337), pages_per_block=2), 19, (19, 7, 1)),
     PrefillCase("smollm2_bf16_prefill",
                 AttentionCase("smollm2_prefix", 64, 64, 3, 3, (65, 150), q_dtype="bfloat16"), 16, (16, 16),
                 kv_dtype="float32"),
@@ -673,6 +701,9 @@ PREFILL_CASES = (
                 block_m=16, block_n=16),
     PrefillCase("blocks_prefill", AttentionCase("blocks_prefix", 64, 16, 1, 4, (100,), q_dtype="bfloat16"),
                 37, (37,), kv_dtype="bfloat16", block_m=32, block_n=16),
+    PrefillCase("d128_g64_blocks_prefill",
+                AttentionCase("d128_g64_prefix", 128, 64, 1, 1, (1, 200), pages_per_block=2), 70, (70, 9),
+                block_m=32, block_n=16),
 )
 
 

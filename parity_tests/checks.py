@@ -117,13 +117,10 @@ def _within_tolerance(outputs: dict, want: np.ndarray, q_dtype: str) -> dict:
     return errors
 
 
-def decode_attention(case: cases.AttentionCase, cut_history_tokens: int = 0) -> dict:
-    """Every backend's decode attention on the same pools vs the float64 reference (one table);
-    cut_history_tokens > 0: with the last INT2 page of each sequence partly valid
-    (`cases.cut_history`)."""
+def decode_attention(case: cases.AttentionCase) -> dict:
+    """Every backend's decode attention on the same pools vs the float64 reference (one table): the
+    GPU run's record (on CPU, test_ops_attention.py checks each backend)."""
     cache = cases.build_cache(case)
-    if cut_history_tokens:
-        cache = cases.cut_history(cache, cut_history_tokens, case.page_size)
     q = case.query()
     want = cases.reference_decode(case, cache, q)
     outputs = {b: backends.decode_attention(b, case, cache.pools(), cache.tables(), q) for b in KERNEL_BACKENDS}
@@ -155,7 +152,8 @@ def cross_backend(case: cases.AttentionCase, writer: str) -> dict:
 
 def prefill_attention(case: cases.PrefillCase) -> dict:
     """Every backend's prefill (chunk causal in full precision + prefix through the tiers) vs the
-    float64 reference, within the tolerance table (keyed by q's dtype)."""
+    float64 reference, within the tolerance table (keyed by q's dtype): the GPU run's record (on
+    CPU, test_ops_attention.py checks each backend)."""
     cache = cases.build_cache(case.prefix)
     q, k_new, v_new = case.chunk_arrays()
     want = cases.reference_prefill(case, cache, q, k_new, v_new)

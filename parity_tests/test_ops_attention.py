@@ -2,16 +2,116 @@
 (Pallas kernels, XLA path) and oscar_torch (Triton kernels) on the `backend` fixture, numpy in and
 out through parity_tests.backends, the named cases and tolerances of parity_tests.cases.
 
-Decode over ATTENTION_CASES, a partly valid last history page, pools written by one backend and
-read by another, and prefill are test_parity.py's; each backend's own attention tests keep their
-case lists, launch policy, layouts and compile checks.
+Decode over DECODE_CASES (the kernel backends in both INT2 layouts), a partly valid last history
+page, prefill over PREFILL_CASES, the code bias over a long split, the split merge and the errors
+numpy inputs can make; pools written by one backend and read by another are test_parity.py's;
+each backend's own attention tests keep their launch policy, tiling defaults and compile checks.
 """
+
+import functools
 
 import numpy as np
 import pytest
 
 from parity_tests import backends, cases
+from parity_tests.conftest import OP_BACKENDS
 from shared_math import attention as reference_attention
+
+INT2_LAYOUTS = ("rows_on_m", "tokens_on_m")
+
+
+def layout_params(case_list) -> list:
+    """(backend, int2_layout, case) of every case: the kernel backends in both INT2 layouts of the
+    default launch (the root conftest's `int2_layout` fixture, indirect), the XLA path once (it has
+    no layouts). oscar_torch keeps rows on M where G < D, so its tokens-on-M run of such a case
+    would be its rows-on-M run again and is left out."""
+    params = []
+    for case in case_list:
+        for backend in OP_BACKENDS:
+            for layout in INT2_LAYOUTS:
+                if layout == "tokens_on_m" and (backend == "xla" or (
+                        backend == "torch" and case.group_size < case.head_dim)):
+                    continue
+                name = f"{case.name}-{backend}" + ("" if backend == "xla" else f"-{layout}")
+                params.append(pytest.param(backend, layout, case, id=name))
+    return params
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_inputs(case: cases.AttentionCase, cut_history_tokens: int = 0):
+    """The case's poisoned cache (its last INT2 pages cut short by `cut_history_tokens`), q and the
+    float64 reference, built once per worker for all backends and layouts."""
+    cache = cases.build_cache(case)
+    if cut_history_tokens:
+        cache = cases.cut_history(cache, cut_history_tokens, case.page_size)
+    q = case.query()
+    return cache, q, cases.reference_decode(case, cache, q)
+
+
+def _decode_within_tolerance(backend, case, cut_history_tokens=0) -> float:
+    cache, q, want = _decode_inputs(case, cut_history_tokens)
+    out = backends.decode_attention(backend, case, cache.pools(), cache.tables(), q)
+    assert out.dtype == np.float32 and out.shape == q.shape
+    return cases.assert_close(out, want, case.q_dtype)
+
+
+@pytest.mark.parametrize("backend,int2_layout,case", layout_params(cases.DECODE_CASES), indirect=["int2_layout"])
+def test_decode_attention_within_tolerance_of_reference(backend, int2_layout, case):
+    """Decode over a poisoned, shuffled cache (a read of an invalid token gives NaN) vs the split-K
+    float64 reference over the dequantized cache, within ATTENTION_TOLERANCES[q dtype]. One case of
+    oscar_jax's former list is redundant and left out (cases.DECODE_CASES says why), as is oscar_torch's
+    tokens-on-M run where G < D (layout_params)."""
+    error = _decode_within_tolerance(backend, case)
+    print(f"{case.name} {backend} {int2_layout}: max abs error {error:.2e}")
+
+
+@pytest.mark.parametrize("case", cases.DECODE_CASES, ids=lambda c: c.name)
+def test_split_k_reference_is_the_one_pass_softmax(case):
+    """The reference the decode test uses (split-K over tiers and pages, merged) equals a one-pass
+    softmax over the concatenated dequantized cache, to 1e-12."""
+    cache, q, want = _decode_inputs(case)
+    for b, tiers in enumerate(cache.sequences):
+        k, v = cases.dequantized_cache(case, tiers)
+        one_pass = reference_attention.softmax_attention(q[b].astype(np.float64), k, v,
+                                                         softmax_scale=case.softmax_scale)
+        np.testing.assert_allclose(want[b], one_pass, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend,int2_layout,case",
+                         layout_params(cases.ATTENTION_CASES[:2] + cases.ATTENTION_CASES[3:]),
+                         indirect=["int2_layout"])
+def test_decode_attention_masks_a_partly_valid_last_history_page(backend, int2_layout, case):
+    """With history_tokens 5 short of whole pages (and those 5 rows holding real codes), the output
+    matches the reference over the shorter history. The Triton INT2 tier with tokens on M runs whole
+    pages unmasked and only the block holding the partial page masked (DECISIONS.md D15). Cases: one
+    page a block (both score layouts), two pages a block (a full page and the partial one in the
+    masked block), G < D; edges_bf16 adds none of these (its one history sequence is G < D, one page
+    a block)."""
+    error = _decode_within_tolerance(backend, case, cut_history_tokens=5)
+    print(f"{case.name} {backend} {int2_layout}: max abs error {error:.2e}")
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_inputs(case: cases.PrefillCase):
+    cache = cases.build_cache(case.prefix)
+    q, k_new, v_new = case.chunk_arrays()
+    return cache, q, k_new, v_new, cases.reference_prefill(case, cache, q, k_new, v_new)
+
+
+@pytest.mark.parametrize("case", cases.PREFILL_CASES, ids=lambda c: c.name)
+def test_prefill_attention_within_tolerance_of_reference(backend, case):
+    """The chunk causal over itself in full precision plus its prefix through the tiers vs the
+    float64 reference, within ATTENTION_TOLERANCES[q dtype] (float32 q: every dot float32). The
+    padding rows of a ragged chunk hold NaN in k_new and v_new: they leak neither into valid rows
+    nor out (their output rows are exactly 0)."""
+    cache, q, k_new, v_new, want = _prefill_inputs(case)
+    pad = np.arange(case.chunk)[None, :] >= np.asarray(case.new_tokens)[:, None]  # [B, T]
+    k_pad, v_pad = (np.where(pad[:, :, None, None], np.float32(np.nan), x) for x in (k_new, v_new))
+    out = backends.prefill_attention(backend, case, cache.pools(), cache.tables(), q, k_pad, v_pad)
+    assert out.dtype == np.float32 and out.shape == q.shape
+    assert np.all(out[pad] == 0)
+    error = cases.assert_close(out, want, case.prefix.q_dtype)
+    print(f"{case.name} {backend}: max abs error {error:.2e}")
 
 
 def test_long_split_keeps_the_code_bias_from_accumulating(backend):

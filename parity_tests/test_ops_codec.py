@@ -148,8 +148,11 @@ def test_encode_is_deterministic_and_handles_empty_rows(backend):
 # ------------------------------------------------------------------------------------ decode
 
 
-@pytest.mark.parametrize("d,group_size,lead", [(16, 16, (1,)), (64, 32, (3, 5)), (128, 64, (17,)), (128, 128, (40,))])
+@pytest.mark.parametrize("d,group_size,lead", [(16, 16, (1,)), (64, 32, (3, 5)), (64, 64, (21, 3)), (128, 32, (5,)),
+                                                (128, 64, (17,)), (128, 128, (40,))])
 def test_decode_bit_identical(backend, d, group_size, lead):
+    """Random codes and float16 metadata of every kind, bytes of shared_math's decode; (d, G) of
+    the codec cases and more."""
     rng = np.random.default_rng(d + group_size)
     packed = rng.integers(0, 256, size=lead + (d // 4,), dtype=np.uint8)
     meta_shape = lead + (d // group_size,)

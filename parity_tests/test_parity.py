@@ -10,11 +10,11 @@ test_parity_gpu.py records a result file). What is claimed, per test:
     write_bf16_pages, from identical rotated inputs: bit-identical across the four;
   * write_pages with the key rotation fused (float32 and bfloat16 rows): within rare one-level
     flips of shared_math's encoding of the float64-rotated rows; on the GPU, jax ≡ torch;
-  * decode attention of the three kernel implementations vs the float64 reference over the
-    dequantized cache, within THE tolerance table (cases.ATTENTION_TOLERANCES);
   * a pool written by one implementation is the format's bytes and another decodes and attends
-    over it (jax → torch, torch → jax and xla, xla → torch);
-  * prefill attention of the three vs the float64 reference.
+    over it (jax → torch, torch → jax and xla, xla → torch), within THE tolerance table
+    (cases.ATTENTION_TOLERANCES).
+Decode and prefill attention of each implementation vs the float64 reference are
+test_ops_attention.py's (checks.decode_attention and checks.prefill_attention serve the GPU run).
 """
 
 import pytest
@@ -44,31 +44,8 @@ def test_fused_rotation_writes_the_rotated_encoding(case, rows_dtype):
           f"xla wrote jax's bytes: {result['xla_equals_jax']}")
 
 
-@pytest.mark.parametrize("case", cases.ATTENTION_CASES, ids=lambda c: c.name)
-def test_decode_attention_within_tolerance_of_reference(case):
-    result = checks.decode_attention(case)
-    print(f"{case.name}: {result['max_abs_error']}")
-
-
-@pytest.mark.parametrize("case", cases.ATTENTION_CASES[:2] + cases.ATTENTION_CASES[3:], ids=lambda c: c.name)
-def test_decode_attention_masks_a_partly_valid_last_history_page(case, int2_layout):
-    """With history_tokens 5 short of whole pages (and those 5 rows holding real codes), both
-    backends match the reference over the shorter history. The Triton INT2 tier with tokens on M
-    runs whole pages unmasked and only the block holding the partial page masked (DECISIONS.md D15). Cases:
-    one page a block (both score layouts), two pages a block (a full page and the partial one in
-    the masked block), G < D."""
-    result = checks.decode_attention(case, cut_history_tokens=5)
-    print(f"{case.name}: {result['max_abs_error']}")
-
-
 @pytest.mark.parametrize("writer", ["jax", "torch", "xla"])
 @pytest.mark.parametrize("case", CROSS_CASES, ids=lambda c: c.name)
 def test_pool_written_by_one_backend_is_read_by_the_other(case, writer):
     result = checks.cross_backend(case, writer)
     print(f"{case.name} {writer}→{result['readers']}: {result['max_abs_error']}")
-
-
-@pytest.mark.parametrize("case", cases.PREFILL_CASES[1:3], ids=lambda c: c.name)
-def test_prefill_attention_within_tolerance_of_reference(case):
-    result = checks.prefill_attention(case)
-    print(f"{case.name}: {result['max_abs_error']}")

@@ -1,10 +1,11 @@
-"""Decode attention over the paged mixed-tier cache vs the float64 reference of shared_math.
+"""Decode attention of the Pallas kernels over the paged mixed-tier cache: the Pallas-only claims
+(page sizes, random lengths, jit, launch policy, compile checks). Decode vs the float64 reference,
+every backend over parity_tests.cases.DECODE_CASES, is parity_tests/test_ops_attention.py's.
 
 Caches come from parity_tests.cases.build_paged_cache, the generator both backends' attention tests
 share (shared_math's codec.encode for the INT2 pages, tiers.tier_split for the tier boundaries),
 with the data drawn from each test's rng; the kernels' output is compared with attention over the *dequantized* cache in
-float64 (shared_math.attention.mixed_tier_decode_attention, and a one-pass softmax over the
-concatenated tiers), so quantization error is never mistaken for kernel error. The pools are
+float64 (shared_math.attention.mixed_tier_decode_attention), so quantization error is never mistaken for kernel error. The pools are
 poisoned: page 0, spare pages and the unused rows of partially filled pages hold NaN (codes hold
 random bytes), and unused page-table entries point at page 0, so any read of a token that is not
 valid turns the output into NaN. Page ids are shuffled.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import zlib
 
 import hypothesis
 import hypothesis.strategies as st
@@ -67,22 +67,16 @@ def build_cache(
     return MixedCache(tuple(to_jax(a) for a in paged.pools() + paged.tables()), paged.sequences, group_size)
 
 
-def reference_decode(q, cache: MixedCache, softmax_scale: float, *, one_pass: bool = False) -> np.ndarray:
-    """float64 [B, Hq, D]: attention over the dequantized cache (split-K merge, or one-pass softmax)."""
+def reference_decode(q, cache: MixedCache, softmax_scale: float) -> np.ndarray:
+    """float64 [B, Hq, D]: split-K attention over the dequantized cache."""
     q = np.asarray(jnp.asarray(q).astype(jnp.float32), np.float64)
-    out = []
-    for b, tiers in enumerate(cache.sequences):
-        if one_pass:
-            k, v = cases.dequantized_tiers(tiers, cache.group_size)
-            out.append(reference.softmax_attention(q[b], k, v, softmax_scale=softmax_scale))
-        else:
-            out.append(
-                reference.mixed_tier_decode_attention(
-                    q[b], sink=tiers.sink, history=tiers.history, recent=tiers.recent,
-                    group_size=cache.group_size, softmax_scale=softmax_scale,
-                )
-            )
-    return np.stack(out)
+    return np.stack([
+        reference.mixed_tier_decode_attention(
+            q[b], sink=tiers.sink, history=tiers.history, recent=tiers.recent,
+            group_size=cache.group_size, softmax_scale=softmax_scale,
+        )
+        for b, tiers in enumerate(cache.sequences)
+    ])
 
 
 def assert_close(actual, expected, dtype) -> float:
@@ -96,46 +90,6 @@ def assert_close(actual, expected, dtype) -> float:
 def random_query(rng, batch, q_heads, head_dim, dtype, *, spread=3.0):
     """Rotated queries; `spread` sharpens the softmax so a few tokens dominate (as in real models)."""
     return jnp.asarray(spread * rng.standard_normal((batch, q_heads, head_dim)), dtype)
-
-
-# (head_dim, group_size, Hkv, Gq, lengths, recent window, q dtype, pages_per_split, pages_per_block)
-# Lengths: 1, a sequence shorter than S0 (63), S0 + 1 (empty history), and long ones with INT2
-# history (recent window 32 so a few hundred tokens reach the INT2 tier; 256 is the default).
-DECODE_CASES = [
-    (128, 128, 2, 4, (1, 63, 65, 321, 337), 32, jnp.float32, 16, 4),
-    (64, 32, 3, 3, (337, 5, 65, 200), 32, jnp.float32, 4, 2),
-    (128, 32, 1, 1, (321, 64, 1), 32, jnp.float32, 3, 1),  # a split of 3 pages: not a power of two
-    (128, 64, 2, 3, (337, 1, 100), 32, jnp.bfloat16, 16, 4),
-    (64, 64, 1, 4, (63, 337), 256, jnp.bfloat16, 8, 8),
-    (128, 16, 3, 4, (129, 401), 32, jnp.float32, 16, 4),
-]
-
-
-def _case_id(case):
-    d, g, hkv, gq, lengths, recent, dtype, pps, ppb = case
-    lengths = "_".join(map(str, lengths))
-    return f"D{d}-G{g}-Hkv{hkv}-Gq{gq}-L{lengths}-W{recent}-{jnp.dtype(dtype).name}-s{pps}b{ppb}"
-
-
-@pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
-def test_decode_matches_float64_reference_over_dequantized_cache(case, int2_layout):
-    head_dim, group_size, num_kv_heads, heads_per_kv, lengths, recent, dtype, pps, ppb = case
-    rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()))
-    cache = build_cache(
-        rng, lengths, num_kv_heads=num_kv_heads, head_dim=head_dim, group_size=group_size, recent=recent
-    )
-    q = random_query(rng, len(lengths), num_kv_heads * heads_per_kv, head_dim, dtype)
-    scale = 1.0 / math.sqrt(head_dim)
-    out = decode_attention(
-        q, *cache.arrays, sink_slots=SINK_SLOTS, group_size=group_size, softmax_scale=scale,
-        pages_per_split=pps, pages_per_block=ppb,
-    )
-    assert out.shape == q.shape and out.dtype == jnp.float32
-    split_k = reference_decode(q, cache, scale)
-    one_pass = reference_decode(q, cache, scale, one_pass=True)
-    np.testing.assert_allclose(split_k, one_pass, rtol=1e-12, atol=1e-12)  # the two references agree
-    error = assert_close(out, split_k, dtype)
-    print(f"{_case_id(case)}: max abs error {error:.2e}")
 
 
 # Page sizes other than 16: 8 (< the dot tile: the token-gather kernel) and 32 (whole-page kernel).

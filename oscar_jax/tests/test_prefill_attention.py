@@ -1,14 +1,10 @@
-"""Prefill attention (a chunk over itself in full precision + its cached prefix through the tiers).
-
-Reference: float64 NumPy — the prefix dequantized from the very pages the kernels read (the INT2
-history through shared_math.codec.decode) concatenated with the chunk's own K/V, causal over the
-chunk. Caches come from test_decode_attention.build_cache (poisoned pools, shuffled pages).
+"""Prefill attention (a chunk over itself in full precision + its cached prefix through the tiers):
+the Pallas-only claims. Prefill vs the float64 reference, every backend over
+parity_tests.cases.PREFILL_CASES, is parity_tests/test_ops_attention.py's. Caches come from
+test_decode_attention.build_cache (poisoned pools, shuffled pages).
 """
 
 from __future__ import annotations
-
-import math
-import zlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,83 +18,14 @@ from oscar_jax.tests.test_decode_attention import (
     build_cache,
     compile_triton_kernels_for_h200,
 )
-from parity_tests import cases
-from shared_math.attention import softmax_attention
 
 pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
-
-# Tolerances: the one table of test_decode_attention (keyed by the dtype of the dots). The prefix
-# path computes in q's dtype, the chunk path in promote(q, k_new); float32 q → every dot float32.
-# The chunk adds one more partial to the merge (O(ulp)).
-
-
-def reference_prefill(q, k_new, v_new, cache, new_tokens, softmax_scale) -> np.ndarray:
-    """float64 [B, T, Hq, D]; rows t ≥ new_tokens[b] are 0 (as the op promises)."""
-    as64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)  # noqa: E731
-    q, k_new, v_new = as64(q), as64(k_new), as64(v_new)
-    out = np.zeros(q.shape)
-    for b, tiers in enumerate(cache.sequences):
-        k_prefix, v_prefix = cases.dequantized_tiers(tiers, cache.group_size)
-        for t in range(int(new_tokens[b])):
-            k = np.concatenate([k_prefix, k_new[b, : t + 1]])
-            v = np.concatenate([v_prefix, v_new[b, : t + 1]])
-            out[b, t] = softmax_attention(q[b, t], k, v, softmax_scale=softmax_scale)
-    return out
-
-
-def _assert_close(actual, expected, dtype) -> float:
-    actual = np.asarray(actual, np.float64)
-    assert np.all(np.isfinite(actual)), "non-finite output: a masked (poisoned) token was read"
-    np.testing.assert_allclose(actual, expected, **TOLERANCES[dtype])
-    return float(np.max(np.abs(actual - expected)))
-
-
-# (D, G, Hkv, Gq, prefix lengths, chunk T, new_tokens, q dtype, k_new dtype, block_m, block_n)
-PREFILL_CASES = [
-    (128, 128, 2, 4, (0, 63, 337), 37, (37, 20, 1), jnp.float32, jnp.float32, 64, 64),
-    (64, 32, 3, 3, (65, 321), 16, (16, 16), jnp.bfloat16, jnp.float32, 64, 64),
-    (128, 64, 1, 1, (200,), 70, (70,), jnp.float32, jnp.float32, 32, 16),
-    (64, 64, 2, 4, (1, 100), 9, (9, 4), jnp.bfloat16, jnp.bfloat16, 16, 16),
-]
-
-
-def _case_id(case):
-    d, g, hkv, gq, prefix, t, new, qd, kd, bm, bn = case
-    return (
-        f"D{d}-G{g}-Hkv{hkv}-Gq{gq}-P{'_'.join(map(str, prefix))}-T{t}-N{'_'.join(map(str, new))}"
-        f"-q{jnp.dtype(qd).name}-kv{jnp.dtype(kd).name}-m{bm}n{bn}"
-    )
-
 
 def _random_chunk(rng, batch, chunk, num_kv_heads, heads_per_kv, head_dim, q_dtype, kv_dtype):
     q = jnp.asarray(3.0 * rng.standard_normal((batch, chunk, num_kv_heads * heads_per_kv, head_dim)), q_dtype)
     k_new = jnp.asarray(rng.standard_normal((batch, chunk, num_kv_heads, head_dim)), kv_dtype)
     v_new = jnp.asarray(rng.standard_normal((batch, chunk, num_kv_heads, head_dim)), kv_dtype)
     return q, k_new, v_new
-
-
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=_case_id)
-def test_prefill_matches_float64_reference(case):
-    head_dim, group_size, num_kv_heads, heads_per_kv, prefix, chunk, new, q_dtype, kv_dtype, bm, bn = case
-    rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()))
-    cache = build_cache(rng, prefix, num_kv_heads=num_kv_heads, head_dim=head_dim, group_size=group_size)
-    q, k_new, v_new = _random_chunk(
-        rng, len(prefix), chunk, num_kv_heads, heads_per_kv, head_dim, q_dtype, kv_dtype
-    )
-    # Padding rows of a ragged chunk hold NaN: they must neither leak into valid rows nor out.
-    pad = np.arange(chunk)[None, :] >= np.asarray(new)[:, None]
-    k_new, v_new = (jnp.where(pad[:, :, None, None], jnp.nan, x).astype(kv_dtype) for x in (k_new, v_new))
-    new_tokens = jnp.asarray(new, jnp.int32)
-    scale = 1.0 / math.sqrt(head_dim)
-    out = prefill_attention(
-        q, k_new, v_new, *cache.arrays, new_tokens, sink_slots=SINK_SLOTS, group_size=group_size,
-        softmax_scale=scale, pages_per_split=4, pages_per_block=2, block_m=bm, block_n=bn,
-    )
-    assert out.shape == q.shape and out.dtype == jnp.float32
-    dot_dtype = jnp.float32 if (q_dtype == jnp.float32) else jnp.bfloat16
-    error = _assert_close(out, reference_prefill(q, k_new, v_new, cache, new, scale), dot_dtype)
-    assert np.all(np.asarray(out)[pad] == 0)
-    print(f"{_case_id(case)}: max abs error {error:.2e}")
 
 
 def test_prefill_of_one_token_equals_decode_after_appending_it():

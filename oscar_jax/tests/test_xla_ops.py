@@ -1,11 +1,14 @@
-"""The native XLA path of oscar_jax.ops (oscar_jax/xla) against shared_math and float64 references.
+"""The native XLA path of oscar_jax.ops (oscar_jax/xla): what only it does (the kernel choice, jit and
+donation, stacked pools, traced destinations, the key rotation, per-layer clip ratios, validation,
+the runtime end to end), against shared_math and float64 references.
 
-Integer results (packed codes, float16 metadata, bfloat16 pages) are compared bit for bit with
-shared_math; attention outputs against the float64 reference over the dequantized cache, within
-THE tolerance table (parity_tests.cases.ATTENTION_TOLERANCES); the float32 key rotation against a
-float64 product (ROTATION_RTOL). Cases come from parity_tests.cases (real model shapes, several
-pages, GQA 1/3/4/8, odd lengths). Every test here runs the XLA path (the `kernels("xla")` marker),
-on any backend.
+Integer results (packed codes, float16 metadata) are compared bit for bit with shared_math;
+attention outputs against the float64 reference over the dequantized cache, within THE tolerance
+table (parity_tests.cases.ATTENTION_TOLERANCES); the float32 key rotation against a float64
+product (ROTATION_RTOL). The ops' parity with shared_math and the float64 reference over the
+named cases (encode, decode, page writes, demotions, decode and prefill attention) is the parity
+suite's, whose `backend` fixture runs this path as "xla" (parity_tests/test_parity.py,
+test_ops_*.py). Every test here runs the XLA path (the `kernels("xla")` marker), on any backend.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import numpy as np
 import pytest
 
 from oscar_jax import attention_ops, ops, xla
-from oscar_jax.kernels import codec as kcodec
 from oscar_jax.xla import codec as xla_codec
 from oscar_jax.xla.write import rotate_rows
 from parity_tests import cases
@@ -76,30 +78,6 @@ def test_an_unknown_choice_is_named(monkeypatch):
 # --------------------------------------------------------------------------------------- codec
 
 
-@pytest.mark.parametrize("levels", cases.LEVELS)
-@pytest.mark.parametrize("case", cases.CODEC_CASES, ids=lambda c: c.name)
-def test_encode_bit_identical_to_shared_math(case, levels):
-    """Every data kind (normal, heavy-tailed, ties, NaN/±Inf/huge/subnormal, tiny) in one call."""
-    x = np.stack([case.rows(kind) for kind in sorted(cases.DATA)])
-    kwargs = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
-    assert_encoding(ops.encode(x, **kwargs), ref.encode(x, **kwargs), f"{case.name} {levels}")
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_encode_of_narrow_dtypes_encodes_their_float32_values(dtype):
-    rows = cases.CODEC_CASES[1].rows("heavy")
-    narrow = jnp.asarray(rows).astype(dtype)
-    want = ref.encode(np.asarray(narrow.astype(jnp.float32)), group_size=64, clip_ratio=0.92)
-    assert_encoding(ops.encode(narrow, group_size=64, clip_ratio=0.92), want, dtype)
-
-
-@pytest.mark.parametrize("case", cases.CODEC_CASES[:3], ids=lambda c: c.name)
-def test_decode_bit_identical_to_shared_math(case):
-    encoded = ref.encode(case.rows("heavy"), group_size=case.group_size, clip_ratio=case.clip_ratio)
-    got = ops.decode(*encoded, group_size=case.group_size)
-    assert_same_bits(np.asarray(got), ref.decode(*encoded, group_size=case.group_size), case.name)
-
-
 def test_encode_is_deterministic_and_jittable():
     x = cases.CODEC_CASES[0].rows("ties")
     encode = jax.jit(lambda a: ops.encode(a, group_size=128, clip_ratio=0.96, levels="moments"))
@@ -129,19 +107,17 @@ def test_rotated_write_is_the_encoding_of_a_float32_accurate_rotation(rows_dtype
     assert_encoding(got, ref.encode(rotated, group_size=case.group_size, clip_ratio=case.clip_ratio), rows_dtype)
 
 
-@pytest.mark.parametrize("levels", cases.LEVELS)
-@pytest.mark.parametrize("case", cases.WRITE_CASES, ids=lambda c: c.name)
-def test_write_pages_and_bf16_pages_land_exactly(case, levels):
+@pytest.mark.parametrize("case,levels", [(c, cases.LEVELS[(i + 1) % 2]) for i, c in enumerate(cases.WRITE_CASES)],
+                         ids=lambda p: p if isinstance(p, str) else p.name)
+def test_write_pages_land_exactly_with_the_other_encoder(case, levels):
     """Rows land at their (page, slot) with shared_math's bytes; every other byte of the (random)
-    pools is unchanged (reference_scatter copies the pools and writes only the destinations)."""
+    pools is unchanged. test_parity.py's write check runs each case with one encoder on every
+    backend (test_written_and_demoted_pages_identical); this is the other, on the XLA path."""
     kwargs = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels=levels)
     pools, rows = case.int2_pools(), case.rows()
     page_ids, slots = case.destinations()
     got = ops.write_pages(*pools, rows, page_ids, slots, **kwargs)
     assert_encoding(got, cases.reference_scatter(pools, rows, page_ids, slots, **kwargs), case.name)
-    pool = case.bf16_pool()
-    got = ops.write_bf16_pages(to_jax(pool), rows, page_ids, slots)
-    assert_same_bits(from_jax(got), cases.reference_bf16_scatter(pool, rows, page_ids, slots), case.name)
 
 
 @pytest.mark.parametrize("case", [c for c in cases.WRITE_CASES if c.num_layers > 1], ids=lambda c: c.name)
@@ -195,15 +171,6 @@ def test_cache_demotes_layers_with_different_clip_ratios_by_group(levels):
             assert_encoding(have, want, f"{prefix} layer {layer} (clip ratio {ratio})")
 
 
-def test_demote_pages_of_one_layer_pools():
-    case = cases.WRITE_CASES[1]  # SmolLM2 K, D; one page
-    kwargs = dict(group_size=case.group_size, clip_ratio=case.clip_ratio, levels="moments")
-    bf16_pool, pools = case.bf16_pool(), case.int2_pools()
-    src, dst = case.demotions()
-    got = ops.demote_pages(to_jax(bf16_pool), *pools, src, dst, **kwargs)
-    assert_encoding(got, cases.reference_demote(bf16_pool, pools, src, dst, **kwargs), case.name)
-
-
 def test_traced_out_of_range_destinations_are_skipped():
     """Under jit the ids are not checked on the host: a page or slot outside the pool (negative ones
     included, which indexing would wrap) is never written; the valid rows are."""
@@ -244,26 +211,6 @@ def _decode(case, cache, **kwargs):
     return np.asarray(out)
 
 
-@pytest.mark.parametrize("cut", [0, 5])
-@pytest.mark.parametrize("case", cases.ATTENTION_CASES, ids=lambda c: c.name)
-def test_decode_attention_within_tolerance_of_float64(case, cut):
-    """Poisoned (NaN) pages behind every unused table entry; cut > 0: the last INT2 page of each
-    sequence holds 5 tokens fewer than a page."""
-    cache = cases.build_cache(case)
-    if cut:
-        cache = cases.cut_history(cache, cut, case.page_size)
-    out = _decode(case, cache)
-    cases.assert_close(out, cases.reference_decode(case, cache, case.query()), case.q_dtype)
-
-
-def test_decode_attention_where_a_byte_spans_groups():
-    """G < D/4 (D 128, G 16: the four codes of a byte lie in four groups); every tier's keys in one
-    softmax, INT2 pages dequantized group by group."""
-    case = cases.AttentionCase("byte_spans_groups", 128, 16, 2, 2, (40, 300))
-    cache = cases.build_cache(case)
-    cases.assert_close(_decode(case, cache), cases.reference_decode(case, cache, case.query()), case.q_dtype)
-
-
 def test_a_sequence_with_no_cached_token_gets_zeros():
     case = cases.AttentionCase("empty_and_full", 64, 64, 3, 3, (0, 100))
     cache = cases.build_cache(case)
@@ -284,21 +231,6 @@ def test_stacked_pools_read_one_layer_in_place():
     got = attention_ops.decode_attention(q, *(to_jax(a) for a in stacked), *tables, layer=1, **common)
     want = attention_ops.decode_attention(q, *(to_jax(a) for a in cache.pools()), *tables, **common)
     assert_same_bits(np.asarray(got), np.asarray(want), "layer 1 of the stack")
-
-
-@pytest.mark.parametrize("case", cases.PREFILL_CASES, ids=lambda c: c.name)
-def test_prefill_attention_within_tolerance_of_float64(case):
-    p = case.prefix
-    cache = cases.build_cache(p)
-    q, k_new, v_new = case.chunk_arrays()
-    out = attention_ops.prefill_attention(
-        to_jax(q).astype(p.q_dtype), to_jax(k_new).astype(case.kv_dtype), to_jax(v_new).astype(case.kv_dtype),
-        *(to_jax(a) for a in cache.pools() + cache.tables()), jnp.asarray(case.new_tokens, jnp.int32),
-        sink_slots=p.sink_slots, group_size=p.group_size, softmax_scale=p.softmax_scale)
-    want = cases.reference_prefill(case, cache, q, k_new, v_new)
-    cases.assert_close(np.asarray(out), want, p.q_dtype)
-    for b, n in enumerate(case.new_tokens):  # ragged chunk: padding rows are exactly 0
-        assert np.all(np.asarray(out)[b, n:] == 0)
 
 
 # --------------------------------------------------------------------------------- error paths

@@ -1,4 +1,6 @@
-"""Decode attention over the paged mixed-tier cache vs the float64 reference of shared_math.
+"""Decode attention of the Triton kernels over the paged mixed-tier cache: the Triton-only claims
+(launched kernels, tiling defaults, merge kernel, layouts, compile checks). Decode vs the float64
+reference, every backend over parity_tests.cases.DECODE_CASES, is parity_tests/test_ops_attention.py's.
 
 Caches come from parity_tests.cases.build_cache (poisoned pools: page 0, spare pages and unused
 rows hold NaN; unused table entries point at page 0; shuffled page ids), so any read of a token
@@ -30,20 +32,6 @@ from parity_tests.cases import (
     reference_decode,
 )
 from shared_math.attention import softmax_attention
-
-MEASURED = {}  # case → max abs error, printed by -s (the report quotes them)
-
-
-@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: c.name)
-def test_decode_matches_float64_reference_over_dequantized_cache(case, int2_layout):
-    cache = build_cache(case)
-    out = ops.decode_attention(query(case), *cache_arrays(cache), **attention_kwargs(case))
-    assert out.dtype == torch.float32 and out.shape == (len(case.lengths), case.num_kv_heads * case.heads_per_kv,
-                                                        case.head_dim)
-    if int2_layout == "tokens_on_m" and case.group_size < case.head_dim:
-        return  # G < D keeps rows on M in this backend: the run above is the rows-on-M one again
-    MEASURED[case.name] = assert_close(out.cpu().numpy(), reference_decode(case, cache, case.query()), case.q_dtype)
-    print(f"{case.name}: max |out − ref| = {MEASURED[case.name]:.3g}")
 
 
 class _RecordOps(TorchDispatchMode):

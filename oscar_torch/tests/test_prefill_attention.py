@@ -1,4 +1,6 @@
-"""Prefill attention (a chunk over itself in full precision + its cached prefix through the tiers).
+"""Prefill attention (a chunk over itself in full precision + its cached prefix through the tiers):
+the Triton-only claims. Prefill vs the float64 reference, every backend over
+parity_tests.cases.PREFILL_CASES, is parity_tests/test_ops_attention.py's.
 
 Reference: float64 NumPy (parity_tests.cases.reference_prefill) — the prefix dequantized from the
 very pages the kernels read, concatenated with the chunk's own K/V, causal over the chunk; the
@@ -27,18 +29,6 @@ def run_prefill(case, cache, **overrides):
     new_tokens = to_torch(np.asarray(case.new_tokens, np.int32))
     kwargs = {**attention_kwargs(case.prefix), "block_m": case.block_m, "block_n": case.block_n, **overrides}
     return ops.prefill_attention(q, k_new, v_new, *cache_arrays(cache), new_tokens, **kwargs)
-
-
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: c.name)
-def test_prefill_matches_float64_reference(case):
-    cache = build_cache(case.prefix)
-    out = run_prefill(case, cache)
-    assert out.dtype == torch.float32 and out.shape == (len(case.new_tokens), case.chunk,
-                                                        case.prefix.num_kv_heads * case.prefix.heads_per_kv,
-                                                        case.prefix.head_dim)
-    want = reference_prefill(case, cache, *case.chunk_arrays())
-    error = assert_close(out.cpu().numpy(), want, case.prefix.q_dtype)  # keyed by q's dtype
-    print(f"{case.name}: max |out − ref| = {error:.3g}")
 
 
 def test_prefill_of_one_token_equals_decode_over_the_cache_plus_that_token():
