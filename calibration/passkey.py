@@ -342,25 +342,65 @@ def run_passkey(params, cfg, tokenizer, methods: list[KVMethod], *, lengths, dep
                                     "predicted": pred.tolist()}
         records.append(rec)
     bar.close()
-    lengths = evaluated
+    configs = {m.name: m.describe() for m in methods}
+    if cfg.local_layers:  # sliding-window layers: BF16 windows for every method
+        from calibration.evaluate import local_layer_note
+
+        configs = {name: {**c, **local_layer_note(cfg)} for name, c in configs.items()}
+    return {"methods": summarize(records, configs, evaluated, depths), "samples": records}
+
+
+def summarize(records: list[dict], configs: dict[str, dict], lengths, depths) -> dict[str, Any]:
+    """Accuracy per method (overall, by length, by depth, per cell) of the sample records."""
     summary = {}
-    for m in methods:
+    for name, config in configs.items():
         def acc(rows):
-            return float(np.mean([r["methods"][m.name]["correct"] for r in rows])) if rows else None
-        summary[m.name] = {
+            return float(np.mean([r["methods"][name]["correct"] for r in rows])) if rows else None
+        summary[name] = {
             "accuracy": acc(records),
             "by_length": {str(n): acc([r for r in records if r["length"] == n]) for n in lengths},
             "by_depth": {str(d): acc([r for r in records if r["depth"] == d]) for d in depths},
             "grid": {str(n): {str(d): acc([r for r in records if r["length"] == n and r["depth"] == d])
                               for d in depths} for n in lengths},
-            "token_accuracy": float(np.mean([r["methods"][m.name]["token_accuracy"] for r in records])),
-            "config": m.describe(),
+            "token_accuracy": float(np.mean([r["methods"][name]["token_accuracy"] for r in records])),
+            "config": config,
         }
-        if cfg.local_layers:  # sliding-window layers: BF16 windows for every method
-            from calibration.evaluate import local_layer_note
+    return summary
 
-            summary[m.name]["config"] = {**m.describe(), **local_layer_note(cfg)}
-    return {"methods": summary, "samples": records}
+
+MERGE_KEYS = ("model", "mode", "prefill_chunk", "lengths", "depths", "samples", "seed", "haystack", "artifact")
+
+
+def merge_results(parts: list[dict], command: str) -> dict[str, Any]:
+    """One result from runs of the same samples (same seed, lengths, depths, methods) that evaluated
+    disjoint `--only-lengths`: the records in the full run's order, the summary recomputed."""
+    first = parts[0]["config"]
+    names = list(parts[0]["methods"])
+    seen: set[int] = set()
+    for part in parts:
+        c = part["config"]
+        if any(c.get(k) != first.get(k) for k in MERGE_KEYS) or list(part["methods"]) != names:
+            raise ValueError("the parts differ in their samples or methods: " + ", ".join(
+                k for k in MERGE_KEYS if c.get(k) != first.get(k)) or "methods")
+        if any(part["methods"][n]["config"] != parts[0]["methods"][n]["config"] for n in names):
+            raise ValueError("the parts' methods are configured differently")
+        own = set(c.get("only_lengths") or c["lengths"])
+        if own & seen:
+            raise ValueError(f"the parts overlap in lengths {sorted(own & seen)}")
+        seen |= own
+    order = {n: i for i, n in enumerate(first["lengths"])}
+    depth = {d: i for i, d in enumerate(first["depths"])}
+    records = sorted((r for part in parts for r in part["samples"]),
+                     key=lambda r: (order[r["length"]], depth[r["depth"]], r["sample"]))
+    lengths = [n for n in first["lengths"] if n in seen]
+    configs = {n: parts[0]["methods"][n]["config"] for n in names}
+    config = {**{k: first.get(k) for k in MERGE_KEYS}, "command": command,
+              "only_lengths": None if len(lengths) == len(first["lengths"]) else lengths,
+              "seconds": round(sum(p["config"]["seconds"] for p in parts), 1),
+              "parts": [{k: p["config"].get(k) for k in ("command", "only_lengths", "seconds")}
+                        | {"git_sha": p.get("environment", {}).get("git_sha")} for p in parts]}
+    return {"methods": summarize(records, configs, lengths, first["depths"]), "samples": records,
+            "config": config, "environment": parts[0].get("environment", {})}
 
 
 def _floats(text, name):
@@ -386,8 +426,23 @@ def main(argv=None) -> int:
                    help="evaluate only the samples of these lengths (comma-separated), drawn as the full run over "
                         "--lengths draws them: a fixed subset of that run")
     p.add_argument("--json", required=True)
+    p.add_argument("--merge", nargs="+", metavar="PART",
+                   help="write one result from these result files (the same samples and methods, disjoint "
+                        "--only-lengths) instead of running")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    command = "python -m calibration.passkey " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    if args.merge:
+        try:
+            result = merge_results([json.loads(Path(f).read_text()) for f in args.merge], command)
+        except (ValueError, OSError, KeyError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        for name, r in result["methods"].items():
+            print(f"{name:<24} accuracy {r['accuracy']:.3f}  by length {r['by_length']}")
+        print(f"wrote {args.json}")
+        return 0
     try:
         lengths = [int(x) for x in _floats(args.lengths, "lengths")]
         depths = _floats(args.depths, "depths")
@@ -405,7 +460,6 @@ def main(argv=None) -> int:
             raise ValueError(f"--prefill-chunk {args.prefill_chunk} must be ≥ 0")
     except ValueError as e:
         p.error(str(e))
-    command = "python -m calibration.passkey " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     try:
         from calibration.evaluate import environment, shipped_artifact
         from oscar_jax.loaders import load_model

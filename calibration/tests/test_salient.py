@@ -127,3 +127,24 @@ def test_salient_is_refused_where_it_is_not_emulated(params, artifact, sample):
         build("oscar:observe=8", artifact)
     with pytest.raises(ValueError, match="salient"):
         build("oscar:salient=-1", artifact)
+
+
+def test_only_lengths_draws_a_fixed_subset_and_parts_merge_into_the_full_run(params, artifact):
+    methods = [build("bf16"), build(f"oscar:{WINDOWS}", artifact)]
+    kw = dict(lengths=[100, 120], depths=[0.2, 0.8], samples=1, docs=_haystack_docs(), progress=False, seed=5,
+              query_chunk=16)
+    full = passkey.run_passkey(params, CFG, WordTokenizer(), methods, **kw)
+    parts = [passkey.run_passkey(params, CFG, WordTokenizer(), methods, only_lengths=[n], **kw) for n in (120, 100)]
+    assert [r["length"] for r in parts[0]["samples"]] == [120, 120]
+    assert parts[0]["samples"] == full["samples"][2:] and list(parts[0]["methods"]["bf16"]["by_length"]) == ["120"]
+    config = {"model": "tiny", "mode": "prefill", "prefill_chunk": 0, "lengths": [100, 120], "depths": [0.2, 0.8],
+              "samples": 1, "seed": 5, "haystack": "docs", "artifact": None, "seconds": 1.0}
+    for part, n in zip(parts, (120, 100)):
+        part["config"] = {**config, "only_lengths": [n], "command": f"part {n}"}
+    merged = passkey.merge_results(parts, "merge")
+    assert merged["samples"] == full["samples"] and merged["methods"] == full["methods"]
+    assert merged["config"]["only_lengths"] is None and merged["config"]["seconds"] == 2.0
+    with pytest.raises(ValueError, match="overlap"):
+        passkey.merge_results([parts[0], parts[0]], "merge")
+    with pytest.raises(ValueError, match="subset"):
+        passkey.run_passkey(params, CFG, WordTokenizer(), methods, only_lengths=[64], **kw)
