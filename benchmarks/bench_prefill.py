@@ -9,7 +9,10 @@ work). A first pass compiles; a second is timed chunk by chunk (each blocked on 
 third runs the first and the last chunk under the JAX profiler and sums the device's kernel time
 by kernel name (the `--top` largest), so a slow chunk shows which kernels take it. Beside it, the
 reference a chunk cannot beat: the same model over the chunk alone with a dense BF16 cache (XLA
-attention, no prefix, no tiers), timed the same way.
+attention, no prefix, no tiers), timed the same way. `--splits` repeats the three passes for each
+split of the chunk's cache partials (OscarKVCache.prefill_pages_per_split): the tiling policy's
+default against one split over the whole history table — a chunk's row blocks already fill the
+grid, while the default's splits size the partials by the table, not by the tokens it holds.
 
 `--tiny` runs the same plumbing on a 2-layer model at toy sizes (the CPU test does).
 """
@@ -94,7 +97,30 @@ def dense_chunk_s(params, cfg, chunk: int, repeats: int = 3) -> float:
     return float(np.median([once() for _ in range(repeats)]))
 
 
-def run(cfg, *, prompt_len: int, chunk: int, sink: int, recent: int, page_size: int, top: int, log=print) -> dict:
+SPLIT_POLICIES = ("default", "whole")
+
+
+def split_pages(policy: str, runtime) -> int | None:
+    """pages_per_split of a prefill chunk's cache partials under `policy`: "default" (None, the
+    tiling policy of shared_math.tiling), "whole" (one split over the whole history table), or a
+    number of pages."""
+    from shared_math.tiling import default_pages_per_block
+
+    if policy == "default":
+        return None
+    if policy == "whole":
+        block = default_pages_per_block(runtime.config.page_size)
+        return -(-runtime.history_slots // block) * block
+    try:
+        return int(policy)
+    except ValueError:
+        raise ValueError(f"split policy {policy!r} must be one of {SPLIT_POLICIES} or a number of pages") from None
+
+
+def run(cfg, *, prompt_len: int, chunk: int, sink: int, recent: int, page_size: int, top: int,
+        splits=SPLIT_POLICIES, log=print) -> dict:
+    import dataclasses
+
     import jax
 
     from oscar_jax.model import init_params
@@ -106,27 +132,33 @@ def run(cfg, *, prompt_len: int, chunk: int, sink: int, recent: int, page_size: 
     runtime = OscarRuntime(params, cfg, identity_artifact(cfg), max_batch=1, max_seq_len=max_seq_len, sink=sink,
                            recent=recent, page_size=page_size, prefill_chunk=chunk)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len).tolist()
-    t = time.perf_counter()
-    prefill_pass(runtime, tokens, chunk)
-    compile_pass_s = time.perf_counter() - t
-    log(f"[prefill] compiling pass {compile_pass_s:.1f} s")
-    timed = prefill_pass(runtime, tokens, chunk)
-    chunks = len(timed["chunk_s"])
-    log(f"[prefill] chunks (s): {' '.join(f'{s:.3f}' for s in timed['chunk_s'])}")
-    profiled = prefill_pass(runtime, tokens, chunk, profile_chunks=(0, chunks - 1), top=top)
-    for index, p in profiled["profiles"].items():
-        log(f"[prefill] chunk {index} (prefix {p['prefix_tokens']}): device {p['total_ns'] / 1e6:.1f} ms; top: "
-            + "; ".join(f"{name[:60]} {ns / 1e6:.1f} ms ×{n}" for name, ns, n in p["kernels"][:5]))
+    policies = {}
+    for policy in splits:
+        pages = split_pages(policy, runtime)
+        runtime.cache = dataclasses.replace(runtime.cache, prefill_pages_per_split=pages)
+        t = time.perf_counter()
+        prefill_pass(runtime, tokens, chunk)
+        compile_pass_s = time.perf_counter() - t
+        log(f"[prefill] split {policy} ({pages} pages): compiling pass {compile_pass_s:.1f} s")
+        timed = prefill_pass(runtime, tokens, chunk)
+        chunks = len(timed["chunk_s"])
+        log(f"[prefill] split {policy}: chunks (s): {' '.join(f'{s:.3f}' for s in timed['chunk_s'])}")
+        profiled = prefill_pass(runtime, tokens, chunk, profile_chunks=(0, chunks - 1), top=top)
+        for index, p in profiled["profiles"].items():
+            log(f"[prefill] split {policy}: chunk {index} (prefix {p['prefix_tokens']}): device "
+                f"{p['total_ns'] / 1e6:.1f} ms; top: "
+                + "; ".join(f"{name[:60]} {ns / 1e6:.1f} ms ×{n}" for name, ns, n in p["kernels"][:5]))
+        policies[policy] = {
+            "pages_per_split": pages, "compile_pass_s": compile_pass_s,
+            "chunks": [{"prefix_tokens": i * chunk, "seconds": s} for i, s in enumerate(timed["chunk_s"])],
+            "tokens_per_s": prompt_len / sum(timed["chunk_s"]), "profiles": profiled["profiles"],
+        }
     dense = dense_chunk_s(params, cfg, chunk)
     log(f"[prefill] dense BF16 cache, the chunk alone: {dense:.3f} s")
     return {
         "model": {k: v for k, v in vars(cfg).items()}, "prompt_len": prompt_len, "prefill_chunk": chunk,
         "max_seq_len": max_seq_len, "history_slots": runtime.history_slots, "sink": sink, "recent": recent,
-        "page_size": page_size, "compile_pass_s": compile_pass_s,
-        "chunks": [{"prefix_tokens": i * chunk, "seconds": s} for i, s in enumerate(timed["chunk_s"])],
-        "tokens_per_s": prompt_len / sum(timed["chunk_s"]),
-        "profiles": profiled["profiles"],
-        "dense_chunk_alone_s": dense,
+        "page_size": page_size, "splits": policies, "dense_chunk_alone_s": dense,
     }
 
 
@@ -137,6 +169,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=32768)
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--top", type=int, default=25, help="kernels kept per profiled chunk (default: %(default)s)")
+    p.add_argument("--splits", default=",".join(SPLIT_POLICIES),
+                   help="comma-separated split policies of the chunk's cache partials, each timed: "
+                        "default, whole (one split over the history table) or a page count (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model at toy sizes (the plumbing only)")
     args = p.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -154,10 +189,12 @@ def main(argv=None) -> int:
     from benchmarks.harness import environment
 
     result = {"environment": environment(),
-              **run(cfg, prompt_len=prompt_len, chunk=chunk, top=args.top, log=log, **windows)}
+              **run(cfg, prompt_len=prompt_len, chunk=chunk, top=args.top, splits=args.splits.split(","), log=log,
+                    **windows)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
-    log(f"[prefill] wrote {args.out}: {result['tokens_per_s']:.0f} tokens/s")
+    log(f"[prefill] wrote {args.out}: tokens/s " + ", ".join(f"{name} {r['tokens_per_s']:.0f}"
+                                                         for name, r in result["splits"].items()))
     return 0
 
 

@@ -81,6 +81,9 @@ class OscarKVCache:
     # The implementation the ops run when interpret is None ("xla" or "pallas"), fixed when the cache
     # is created: a static field, so a jit traced for one never serves the other.
     kernels: str | None = _static(default=None)
+    # Pages per split of a prefill chunk's cache partials (both tiers; None: the tiling policy of
+    # shared_math.tiling.resolve_splits). A chunk's row blocks already give the grid its programs.
+    prefill_pages_per_split: int | None = _static(default=None)
 
     @classmethod
     def create(
@@ -169,7 +172,8 @@ class OscarKVCache:
             # The rotated query in the model's dtype: bf16 models take the tensor-core path.
             o = ops.decode_attention(q_rot[:, 0].astype(q.dtype), *pools, *tables, **common)[:, None]
         else:
-            o = ops.prefill_attention(q_rot, k_rot, v32, *pools, *tables, plan.new_tokens, **common)
+            o = ops.prefill_attention(q_rot, k_rot, v32, *pools, *tables, plan.new_tokens,
+                                      pages_per_split=self.prefill_pages_per_split, **common)
         updates = dict(zip(POOL_NAMES, pools))
         return o.astype(q.dtype), dataclasses.replace(self, **updates)
 

@@ -69,11 +69,14 @@ class OscarRuntime:
         num_int2_pages: int | None = None,
         interpret: bool | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        prefill_pages_per_split: int | None = None,
     ):
         """Pools default to room for `max_batch` sequences of `max_seq_len` tokens (+ extra_pages
         each); num_bf16_pages / num_int2_pages size them explicitly (page 0 of each is scratch).
         mesh: a mesh with axis "tp" (oscar_jax.parallel.make_mesh) runs the model and the cache
-        tensor-parallel over its devices; the page counts are per KV head, as on one device."""
+        tensor-parallel over its devices; the page counts are per KV head, as on one device.
+        prefill_pages_per_split: the split of a prefill chunk's cache partials (OscarKVCache's field;
+        None: the tiling policy's)."""
         if artifact.model != fingerprint(cfg):
             raise ValueError(f"the rotation artifact was calibrated for {artifact.model}, not {fingerprint(cfg)}")
         self.config = OscarConfig.from_artifact(artifact, group_size=group_size, sink=sink, recent=recent,
@@ -105,6 +108,8 @@ class OscarRuntime:
         self.cache = (self.tp.create_cache(self.config, **pools) if self.tp is not None else
                       OscarKVCache.create(self.config, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                           **pools))
+        if prefill_pages_per_split is not None:
+            self.cache = dataclasses.replace(self.cache, prefill_pages_per_split=prefill_pages_per_split)
 
     # ------------------------------------------------------------------ planning
 

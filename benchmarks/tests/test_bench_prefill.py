@@ -7,7 +7,7 @@ import pytest
 from benchmarks import bench_prefill
 from benchmarks.bench_serve import tiny_setup
 
-pytestmark = pytest.mark.slow  # a 2-layer model compiled and run three times: ~20 s
+pytestmark = pytest.mark.slow  # a 2-layer model compiled and run three times: ~40 s (two split policies)
 
 
 def test_tiny_run_times_every_chunk_and_profiles_the_first_and_last(tmp_path, monkeypatch):
@@ -19,14 +19,23 @@ def test_tiny_run_times_every_chunk_and_profiles_the_first_and_last(tmp_path, mo
     result = json.loads(out.read_text())
     setup = tiny_setup()
     assert result["prompt_len"] == 3 * setup.prefill_chunk + setup.page_size
-    assert [c["prefix_tokens"] for c in result["chunks"]] == [0, 32, 64, 96]
-    assert all(c["seconds"] > 0 for c in result["chunks"]) and result["tokens_per_s"] > 0
-    assert set(result["profiles"]) == {"0", "3"}
-    for index, profile in result["profiles"].items():
-        assert profile["prefix_tokens"] == int(index) * setup.prefill_chunk
-        assert profile["total_ns"] > 0 and 0 < len(profile["kernels"]) <= 3
-        assert all(ns > 0 and count >= 1 for _, ns, count in profile["kernels"])
-    assert result["profiles"]["3"]["tokens"] == setup.page_size  # the last chunk is the remainder
-    assert result["dense_chunk_alone_s"] > 0
     # the history table holds what a sequence of max_seq_len tokens can demote, no less
     assert result["history_slots"] * setup.page_size >= result["max_seq_len"] - setup.sink - setup.recent
+    assert result["dense_chunk_alone_s"] > 0
+    assert list(result["splits"]) == list(bench_prefill.SPLIT_POLICIES)
+    assert result["splits"]["default"]["pages_per_split"] is None
+    assert result["splits"]["whole"]["pages_per_split"] >= result["history_slots"]
+    for run in result["splits"].values():
+        assert [c["prefix_tokens"] for c in run["chunks"]] == [0, 32, 64, 96]
+        assert all(c["seconds"] > 0 for c in run["chunks"]) and run["tokens_per_s"] > 0
+        assert set(run["profiles"]) == {"0", "3"}
+        for index, profile in run["profiles"].items():
+            assert profile["prefix_tokens"] == int(index) * setup.prefill_chunk
+            assert profile["total_ns"] > 0 and 0 < len(profile["kernels"]) <= 3
+            assert all(ns > 0 and count >= 1 for _, ns, count in profile["kernels"])
+        assert run["profiles"]["3"]["tokens"] == setup.page_size  # the last chunk is the remainder
+
+
+def test_a_bad_split_policy_is_named():
+    with pytest.raises(ValueError, match="'halves' must be one of"):
+        bench_prefill.split_pages("halves", runtime=None)

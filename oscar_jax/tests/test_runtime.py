@@ -98,8 +98,9 @@ class TieredReference:
                 self.v[layer][p] = self._q(self.v[layer][p], layer, "v")
 
 
-def _run_both(params, art, prompt, steps, windows=WINDOWS, max_seq_len=256, prefill_chunk=512):
-    rt = OscarRuntime(params, CFG, art, max_batch=1, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, **windows)
+def _run_both(params, art, prompt, steps, windows=WINDOWS, max_seq_len=256, prefill_chunk=512, **runtime_options):
+    rt = OscarRuntime(params, CFG, art, max_batch=1, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, **windows,
+                      **runtime_options)
     ref = TieredReference(art, rt.config)
     ref.prompt_length = len(prompt)
     folded = fold_value_rotation(params, CFG, art.v_rotation)
@@ -135,12 +136,15 @@ def test_prefill_and_decode_across_demotions_match_tier_reference(model, prompt_
     assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
 
 
-@pytest.mark.parametrize("prompt_len", [47, 100])
-def test_chunked_prefill_matches_tier_reference(model, prompt_len):
-    """Chunks of 32: later chunks read earlier ones through the tiers (INT2 history included)."""
+@pytest.mark.parametrize("prompt_len,prefill_pages_per_split", [(47, None), (100, 1)])
+def test_chunked_prefill_matches_tier_reference(model, prompt_len, prefill_pages_per_split):
+    """Chunks of 32: later chunks read earlier ones through the tiers (INT2 history included); with
+    prefill_pages_per_split=1 a chunk's cache partials come in one split per page, merged."""
     params, art = model
     prompt = (np.arange(prompt_len) * 5 + 2) % CFG.vocab_size
-    rt, got, want = _run_both(params, art, prompt, steps=8, prefill_chunk=32)
+    rt, got, want = _run_both(params, art, prompt, steps=8, prefill_chunk=32,
+                              prefill_pages_per_split=prefill_pages_per_split)
+    assert rt.cache.prefill_pages_per_split == prefill_pages_per_split
     err = np.abs(got - want).max(axis=-1)
     assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
 
