@@ -23,6 +23,12 @@ from oscar_jax.cache_api import DenseKVCache
 from oscar_jax.loaders import gguf_config, load_gguf, load_model, resolve_model_path
 from shared_math.models import open_gguf
 
+# The model under jit, as the runtime and generate run it: eager dispatch compiles every primitive
+# of every layer on its own, several times slower here.
+forward = jax.jit(M.forward, static_argnames=("cfg", "collect"))
+prefill = jax.jit(M.prefill, static_argnames=("cfg", "all_logits"))
+decode_step = jax.jit(M.decode_step, static_argnames="cfg")
+
 # max |logits_ours − logits_ref| / max |logits_ref|, float32 against float64 NumPy or float32
 # transformers. Measured: tiny ~1e-7; Gemma 3 270M (18 layers, 26 tokens) 3.4e-6.
 LOGIT_TOL = 2e-5
@@ -157,7 +163,7 @@ def test_init_params_norms_scale_by_one():
 def test_tiny_logits_match_numpy_reference(tiny):
     cfg, params = tiny
     tokens = _tokens(cfg)
-    err = _rel_err(M.forward(params, cfg, jnp.asarray(tokens)), numpy_reference(params, cfg, tokens))
+    err = _rel_err(forward(params, cfg, jnp.asarray(tokens)), numpy_reference(params, cfg, tokens))
     print(f"tiny gemma3 vs float64 numpy: {err:.2e}")
     assert err < LOGIT_TOL
 
@@ -167,7 +173,7 @@ def test_window_changes_the_logits(tiny):
     cfg, params = tiny
     tokens = jnp.asarray(_tokens(cfg))
     wide = M.ModelConfig(**{**cfg.__dict__, "sliding_window": T})
-    a, b = M.forward(params, cfg, tokens), M.forward(params, wide, tokens)
+    a, b = forward(params, cfg, tokens), forward(params, wide, tokens)
     np.testing.assert_array_equal(a[:, : cfg.sliding_window], b[:, : cfg.sliding_window])
     assert _rel_err(a[:, cfg.sliding_window:], np.asarray(b[:, cfg.sliding_window:])) > 1e-2
 
@@ -213,7 +219,7 @@ def test_tiny_logits_match_transformers(tiny):
     hf = _hf_gemma3(params, cfg)
     with torch.no_grad():
         ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    err = _rel_err(M.forward(params, cfg, jnp.asarray(tokens)), ref)
+    err = _rel_err(forward(params, cfg, jnp.asarray(tokens)), ref)
     print(f"tiny gemma3 vs transformers: {err:.2e}")
     assert err < LOGIT_TOL
 
@@ -223,14 +229,14 @@ def test_prefill_and_decode_with_windowed_dense_cache_equal_forward(tiny):
     mask: every step's logits equal the uncached forward's at that position."""
     cfg, params = tiny
     tokens = jnp.asarray(_tokens(cfg))
-    full = np.asarray(M.forward(params, cfg, tokens))
+    full = np.asarray(forward(params, cfg, tokens))
     cache = DenseKVCache.create(num_layers=cfg.num_layers, batch=2, num_kv_heads=cfg.num_kv_heads,
                                 max_seq_len=16, head_dim=cfg.head_dim, dtype=jnp.float32)
     prompt = 5
-    logits, cache = M.prefill(params, cfg, tokens[:, :prompt], cache, all_logits=True)
+    logits, cache = prefill(params, cfg, tokens[:, :prompt], cache, all_logits=True)
     steps = [np.asarray(logits)]
     for t in range(prompt, T):
-        logits, cache = M.decode_step(params, cfg, tokens[:, t], cache, jnp.full((2,), t, jnp.int32))
+        logits, cache = decode_step(params, cfg, tokens[:, t], cache, jnp.full((2,), t, jnp.int32))
         steps.append(np.asarray(logits)[:, None])
     assert _rel_err(np.concatenate(steps, axis=1), full) < LOGIT_TOL
 
@@ -238,7 +244,7 @@ def test_prefill_and_decode_with_windowed_dense_cache_equal_forward(tiny):
 def test_iter_layer_activations_match_collect(tiny):
     cfg, params = tiny
     tokens = jnp.asarray(_tokens(cfg))
-    _, collected = M.forward(params, cfg, tokens, collect=True)
+    _, collected = forward(params, cfg, tokens, collect=True)
     for (index, streamed), whole in zip(M.iter_layer_activations(params, cfg, tokens), collected):
         for a, b in zip(streamed, whole):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"layer {index}")
@@ -312,7 +318,7 @@ def test_gguf_loader_reads_gemma3(tmp_path):
     for a, b in zip(flat_a, flat_b):  # norms went through (w + 1) − 1 in float32
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     tokens = jnp.asarray(_tokens(cfg))
-    assert _rel_err(M.forward(loaded, loaded_cfg, tokens), np.asarray(M.forward(params, cfg, tokens))) < 1e-5
+    assert _rel_err(forward(loaded, loaded_cfg, tokens), np.asarray(forward(params, cfg, tokens))) < 1e-5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +355,7 @@ def test_gemma3_270m_logits_match_transformers(gemma3_270m):
     tokens = np.array([PROMPT])
     with torch.no_grad():
         ref = hf(torch.tensor(tokens)).logits.numpy()
-    ours = np.asarray(M.forward(params, cfg, jnp.asarray(tokens, jnp.int32)))
+    ours = np.asarray(forward(params, cfg, jnp.asarray(tokens, jnp.int32)))
     err = _rel_err(ours, ref)
     print(f"gemma3-270m vs transformers: max|Δlogit|/max|logit| = {err:.2e}")
     assert err < LOGIT_TOL
@@ -366,7 +372,7 @@ def test_gemma3_270m_with_its_own_tokenizer_completes_a_fact(gemma3_270m):
     tok = load_tokenizer("gemma3-270m")
     ids = tok.encode("The capital of France is Paris. The capital of Germany is")
     assert ids[0] == tok.bos_id == 2 and len(ids) == 13  # BOS + one piece per word and "."
-    logits = np.asarray(M.forward(params, cfg, jnp.asarray([ids], jnp.int32)))[0, -1]
+    logits = np.asarray(forward(params, cfg, jnp.asarray([ids], jnp.int32)))[0, -1]
     assert tok.decode([int(logits.argmax())]) == " Berlin"
 
 
@@ -391,16 +397,16 @@ def test_routed_cache_chunked_prefill_and_decode_equal_forward(tiny):
     cfg, params = tiny
     length = 16
     tokens = jnp.asarray(_tokens(cfg, length=length))
-    full = np.asarray(M.forward(params, cfg, tokens))
+    full = np.asarray(forward(params, cfg, tokens))
     cache = _routed(cfg, batch=2, max_chunk=6)
     assert cache.local_cache.slots == 9 and cache.route == (("local", 0), ("global", 0), ("local", 1))
     steps = []
     for start, stop in ((0, 6), (6, 9)):
         pos = jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (2, stop - start))
-        logits, cache = M.prefill(params, cfg, tokens[:, start:stop], cache, positions=pos, all_logits=True)
+        logits, cache = prefill(params, cfg, tokens[:, start:stop], cache, positions=pos, all_logits=True)
         steps.append(np.asarray(logits))
     for t in range(9, length):
-        logits, cache = M.decode_step(params, cfg, tokens[:, t], cache, jnp.full((2,), t, jnp.int32))
+        logits, cache = decode_step(params, cfg, tokens[:, t], cache, jnp.full((2,), t, jnp.int32))
         steps.append(np.asarray(logits)[:, None])
     err = _rel_err(np.concatenate(steps, axis=1), full)
     print(f"routed ring cache vs forward: {err:.2e}")
@@ -414,15 +420,15 @@ def test_routed_cache_right_padded_batch_decodes_each_row_like_alone(tiny):
     prompt = jnp.asarray(_tokens(cfg, length=9))
     lengths = jnp.asarray([9, 5], jnp.int32)
     cache = _routed(cfg, batch=2, max_chunk=9)
-    logits, cache = M.prefill(params, cfg, prompt, cache, lengths=lengths)
+    logits, cache = prefill(params, cfg, prompt, cache, lengths=lengths)
     token, position, out = jnp.argmax(logits, -1).astype(jnp.int32), lengths, []
     for _ in range(7):  # row 1 decodes through positions 5..11, over its own padding
         out.append((token, position, logits))
-        logits, cache = M.decode_step(params, cfg, token, cache, position)
+        logits, cache = decode_step(params, cfg, token, cache, position)
         token, position = jnp.argmax(logits, -1).astype(jnp.int32), position + 1
     for row in range(2):
         seq = list(np.asarray(prompt[row, : int(lengths[row])])) + [int(t[row]) for t, _, _ in out]
-        ref = np.asarray(M.forward(params, cfg, jnp.asarray([seq], jnp.int32)))[0]
+        ref = np.asarray(forward(params, cfg, jnp.asarray([seq], jnp.int32)))[0]
         ours = np.stack([np.asarray(l[row]) for _, _, l in out])
         first = int(lengths[row]) - 1
         assert _rel_err(ours, ref[first: first + len(out)]) < LOGIT_TOL, row
