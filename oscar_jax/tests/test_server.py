@@ -211,6 +211,7 @@ def test_concurrent_greedy_requests_match_each_alone_through_the_runtime(server,
     assert m['oscar:kv_pages_used{tier="bf16"}'] == 0 and m['oscar:kv_pages_used{tier="int2"}'] == 0
 
 
+@pytest.mark.slow  # a second server process; the engine's preemption test is in the fast suite
 def test_a_pool_too_small_preempts_and_every_request_completes_unchanged(small_pool_server, alone):
     srv = small_pool_server
     before = srv.metrics()["oscar:num_preemptions_total"]
