@@ -329,7 +329,6 @@ def run_passkey(params, cfg, tokenizer, methods: list[KVMethod], *, lengths, dep
         first_doc = int(rng.integers(len(docs)))
         if length not in evaluated:
             continue
-        bar.update()
         sample = build_sample(tokenizer, docs, length, depth, key, first_doc=first_doc)
         logits = answer_logits(params, cfg, sample, methods, mode=mode, prefill_chunk=prefill_chunk,
                                query_chunk=query_chunk)
@@ -341,6 +340,7 @@ def run_passkey(params, cfg, tokenizer, methods: list[KVMethod], *, lengths, dep
                                     "token_accuracy": float(np.mean(pred == sample.key_tokens)),
                                     "predicted": pred.tolist()}
         records.append(rec)
+        bar.update()
     bar.close()
     configs = {m.name: m.describe() for m in methods}
     if cfg.local_layers:  # sliding-window layers: BF16 windows for every method
