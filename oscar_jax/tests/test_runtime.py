@@ -136,15 +136,12 @@ def test_prefill_and_decode_across_demotions_match_tier_reference(model, prompt_
     assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
 
 
-@pytest.mark.parametrize("prompt_len,prefill_pages_per_split", [(47, None), (100, 1)])
-def test_chunked_prefill_matches_tier_reference(model, prompt_len, prefill_pages_per_split):
-    """Chunks of 32: later chunks read earlier ones through the tiers (INT2 history included); with
-    prefill_pages_per_split=1 a chunk's cache partials come in one split per page, merged."""
+@pytest.mark.parametrize("prompt_len", [47, 100])
+def test_chunked_prefill_matches_tier_reference(model, prompt_len):
+    """Chunks of 32: later chunks read earlier ones through the tiers (INT2 history included)."""
     params, art = model
     prompt = (np.arange(prompt_len) * 5 + 2) % CFG.vocab_size
-    rt, got, want = _run_both(params, art, prompt, steps=8, prefill_chunk=32,
-                              prefill_pages_per_split=prefill_pages_per_split)
-    assert rt.cache.prefill_pages_per_split == prefill_pages_per_split
+    rt, got, want = _run_both(params, art, prompt, steps=8, prefill_chunk=32)
     err = np.abs(got - want).max(axis=-1)
     assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
 

@@ -282,19 +282,29 @@ def test_attention_validation_is_the_same_on_the_xla_path():
 # ------------------------------------------------------------------------------------- runtime
 
 
-def test_runtime_on_the_xla_path_matches_the_tier_reference():
+def test_runtime_on_the_xla_path_matches_the_tier_reference(monkeypatch):
     """OscarRuntime end to end (prefill, decode, demotions) on the XLA path, against the float
-    reference that emulates the tiers (oscar_jax/tests/test_runtime.py), with its tolerance."""
+    reference that emulates the tiers (oscar_jax/tests/test_runtime.py), with its tolerance; the
+    runtime's prefill_pages_per_split reaches every prefill attention call (validated there)."""
+    from oscar_jax import ops
     from oscar_jax.model import init_params
     from oscar_jax.tests.test_runtime import CFG, LOGIT_TOL, _run_both
     from shared_math.artifact import ModelFingerprint
     from shared_math.tests.test_artifact import make_artifact
 
+    splits, prefill_attention = [], ops.prefill_attention
+
+    def spy(*args, **kwargs):
+        splits.append(kwargs["pages_per_split"])
+        return prefill_attention(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "prefill_attention", spy)
     params = init_params(CFG, jax.random.PRNGKey(1), std=0.08)
     art = make_artifact(ModelFingerprint(2, 6, 2, 64))
     prompt = (np.arange(81) * 7 + 3) % CFG.vocab_size
-    rt, got, want = _run_both(params, art, prompt, steps=40, prefill_chunk=32)
-    assert rt.cache.kernels == "xla"
+    rt, got, want = _run_both(params, art, prompt, steps=40, prefill_chunk=32, prefill_pages_per_split=2)
+    assert rt.cache.kernels == "xla" and rt.cache.prefill_pages_per_split == 2
+    assert splits and set(splits) == {2}, splits  # traced once per layer of the prefill program
     assert rt.allocator.sequences[0].history_pages  # the INT2 tier was written and demoted into
     err = np.abs(got - want).max(axis=-1)
     assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
