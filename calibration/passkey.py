@@ -221,7 +221,6 @@ class AnswerCache:
             out = self._rotate(out, jnp.asarray(self.m.v_rotation[layer]), inverse=True)
         return out.astype(jnp.float32), self
 
-
     def _keep_salient(self, layer, prompt_length, k_hi, k_lo, v_hi, v_lo):
         """The quantized copies with the layer's salient rows replaced by their BF16 rows."""
         w = self.m.salient_window

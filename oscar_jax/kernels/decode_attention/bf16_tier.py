@@ -10,7 +10,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from oscar_jax.kernels.decode_attention.common import (
-    MASK_VALUE, cdiv, partials_outputs, dot_nn, dot_nt, finalize_rows, online_softmax_step,
+    MASK_VALUE, cdiv, dot_nn, dot_nt, finalize_rows, online_softmax_step, partials_outputs,
 )
 from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
 from shared_math.tiling import base2_score_scale, num_splits

@@ -91,7 +91,6 @@ def finalize_rows(l, m):
     return inv_l, lse
 
 
-
 def partials_outputs(batch, num_kv_heads, splits, rows, head_dim, block_m) -> dict:
     """pallas_call's out_specs / out_shape of a tier's split-K partials on the (b, h, r, s) grid:
     o float32 [B, K, S, rows, D] and lse float32 [B, K, S, rows], one block_m-row block per program."""
