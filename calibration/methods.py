@@ -63,6 +63,18 @@ The methods and their source configurations (`parse_method` builds them from a s
               today, the answer steps read the salient tokens in BF16). Counted in the bytes as
               BF16 rows *on top of* their INT2 codes (the pages keep their layout) plus a
               SALIENT_INDEX_BITS position index per token and (layer, KV head).
+              `keys=channel` (`kgroup=G`, default 64; `krot=artifact|none`, default artifact): an
+              experiment — keys quantized per channel over groups of G consecutive history tokens
+              (KIVI's key codec, `quantize_key_channels`: min/max INT2, clip 1, fp16 scale and
+              minimum per (group, channel)), groups aligned on the history's start (the sink's
+              end) and made of whole pages (G a multiple of the page size); values exactly as the
+              default (R_V, per-token codec, fitted clip); the same BF16 windows. krot=artifact
+              rotates keys (and queries) by the artifact's R_K first, krot=none not at all.
+              Causality: a history key is read quantized only once its whole group is in the
+              history (query t: keys [S0, S0 + G·⌊H_t/G⌋)); the history's trailing partial group
+              (0–3 pages at G = 64) is read and counted as BF16 keys. Bytes: per whole group and
+              channel G/4 code bytes + 4 (the same 2.5 bits per quantized key element as a
+              per-token row at G = D = 64), every other key as a BF16 row.
   int4        Reference point: per-token asymmetric INT4 (16 uniform levels between the group's
               min and max, round to nearest, fp16 scale and minimum per group; G = head_dim by
               default, i.e. 4 + 32/64 = 4.5 bits at D = 64), no rotation, OSCAR's windows.
@@ -140,6 +152,7 @@ from shared_math.spec import (
     FP16_MAX,
     LEVELS,
     METADATA_BYTES,
+    MIN_GROUP_SIZE,
     OscarConfig,
     clip_index,
     default_group_size,
@@ -155,6 +168,9 @@ KIVI_RESIDUAL = 128  # KIVI's published full-precision residual length
 BF16_BITS = 8 * BF16_BYTES
 DEFAULT_SALIENT_WINDOW = 32  # observation window of `salient=N`: the prompt's last W queries (the question)
 SALIENT_INDEX_BITS = 32  # position index stored per salient token and (layer, KV head): a conservative cost
+KEY_LAYOUTS = ("token", "channel")  # `oscar:keys=`: the format's per-token key rows, or KIVI's per-channel groups
+KEY_ROTATIONS = ("artifact", "none")  # `oscar:krot=` (keys=channel only): the artifact's R_K, or no key rotation
+DEFAULT_KEY_GROUP = 64  # `oscar:kgroup=`: tokens per per-channel key group (4 pages of 16)
 
 
 class HistoryIntervals(NamedTuple):
@@ -302,6 +318,39 @@ class AsymmetricInt:
                 "clip": None}
 
 
+def _minmax_rows(x: np.ndarray, group_size: int) -> np.ndarray:
+    """Format v1's min/max INT2 codec with clip ratio 1 on groups of G values of each row (KIVI's
+    asymmetric 2-bit: fp16 scale and minimum per group, nearest of 4 uniform levels)."""
+    return decode(*encode(x, group_size=group_size, clip_ratio=1.0, levels="minmax"), group_size=group_size)
+
+
+def quantize_key_channels(x: np.ndarray, group_size: int, start: int = 0) -> np.ndarray:
+    """KIVI's key codec: per channel over consecutive groups of G tokens from position `start`.
+
+    x float32 [B, T, Hkv, D] → the dequantized keys [B, T, Hkv, D]: each (group, KV head, channel)
+    is one row of G token values through `_minmax_rows` (one fp16 scale and minimum per row).
+    Positions before `start` and those of a trailing partial group are returned unchanged."""
+    x = np.asarray(x, np.float32)
+    b, t, h, d = x.shape
+    start = min(start, t)
+    full = ((t - start) // group_size) * group_size
+    out = x.copy()
+    if full:
+        blocks = x[:, start:start + full].reshape(b, full // group_size, group_size, h, d)
+        rows = blocks.transpose(0, 1, 3, 4, 2)  # [B, T/G, Hkv, D, G]: one row per channel
+        out[:, start:start + full] = _minmax_rows(rows, group_size).transpose(0, 1, 4, 2, 3).reshape(b, full, h, d)
+    return out
+
+
+def key_channel_bytes(length: int, quantized: int, group_size: int, head_dim: int) -> int:
+    """Key bytes of one KV head for `length` tokens of which `quantized` (a multiple of G) are stored
+    per channel in groups of G tokens — per group and channel G/4 code bytes and an fp16 scale and
+    minimum — and the rest as BF16 rows."""
+    assert quantized % group_size == 0 and 0 <= quantized <= length
+    group_bytes = group_size // CODES_PER_BYTE + 2 * METADATA_BYTES
+    return (quantized // group_size) * head_dim * group_bytes + (length - quantized) * head_dim * BF16_BYTES
+
+
 # ---------------------------------------------------------------------------------------------
 # Methods
 
@@ -342,14 +391,31 @@ class TieredMethod:
     source: str = ""
     salient: int = 0  # history tokens per (layer, KV head) kept in BF16 for the answer (0: none)
     salient_window: int = DEFAULT_SALIENT_WINDOW  # W: the prompt's last W queries choose them
+    key_group: int = 0  # > 0: keys per channel over groups of this many history tokens (`keys=channel`)
 
     def __post_init__(self):
         if self.salient < 0 or self.salient_window < 1:
             raise ValueError(f"salient={self.salient} must be ≥ 0 and observe={self.salient_window} ≥ 1")
         if self.salient and self.quantizer is None:
             raise ValueError("salient tokens need a quantized history")
+        if self.key_group:
+            g, page = self.key_group, self.windows.page_size
+            if not is_power_of_two(g) or g < MIN_GROUP_SIZE or g % page:
+                raise ValueError(f"kgroup={g} must be a power of two ≥ {MIN_GROUP_SIZE} and a multiple of "
+                                 f"page={page} (key groups are whole history pages)")
+            if self.quantizer is None or self.salient:
+                raise ValueError("keys=channel needs a quantized history and no salient tokens")
+
+    def _key_history(self, first: int, count: int) -> tuple[int, int]:
+        """[start, end) of the keys read quantized when the history is [first, first + count):
+        with `key_group`, only whole groups (aligned on the history's start) are quantized."""
+        if not self.key_group:
+            return first, first + count
+        return first, first + (count // self.key_group) * self.key_group
 
     def quantize_keys(self, layer: int, x: np.ndarray) -> np.ndarray:
+        if self.key_group:  # KIVI's per-channel codec on groups that start where the history starts
+            return quantize_key_channels(x, self.key_group, start=self.windows.sink)
         return self.quantizer.quantize_keys(layer, x)
 
     def quantize_values(self, layer: int, x: np.ndarray) -> np.ndarray:
@@ -358,31 +424,39 @@ class TieredMethod:
     def history_intervals(self, length: int) -> HistoryIntervals:
         start = np.zeros(length, np.int64)
         end = np.zeros(length, np.int64)
+        k_end = np.zeros(length, np.int64)
         if self.quantizer is not None:
             for t in range(length):
                 # Decoding t appends token t and attends before the page this append makes due is
                 # demoted (the runtime's order), so query t reads the history of the first t tokens.
                 first, count = self.windows.history_counts(t)
                 start[t], end[t] = first, first + count
-        return HistoryIntervals(start, end, start.copy(), end.copy())
+                k_end[t] = self._key_history(first, count)[1]
+        return HistoryIntervals(start, k_end, start.copy(), end)
 
     def at_rest_history(self, length: int) -> tuple[int, int, int, int]:
         """(K start, K end, V start, V end) of the history a sequence of `length` tokens stores."""
         if self.quantizer is None:
             return 0, 0, 0, 0
         first, count = self.windows.history_counts(length)
-        return first, first + count, first, first + count
+        return (*self._key_history(first, count), first, first + count)
 
     def kv_bytes(self, length: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
         if self.quantizer is None:
             per_side = length * head_dim * BF16_BYTES
-        else:
-            _, history = self.windows.history_counts(length)
-            per_side = (length - history) * head_dim * BF16_BYTES + history * self.quantizer.row_bytes(head_dim)
-            # salient tokens: a BF16 K and V row each on top of the codes, and one position index
-            # (shared by K and V: half its bytes counted on each side)
-            per_side += min(self.salient, history) * (head_dim * BF16_BYTES + SALIENT_INDEX_BITS // 16)
-        return per_side * num_kv_heads, per_side * num_kv_heads
+            return per_side * num_kv_heads, per_side * num_kv_heads
+        first, history = self.windows.history_counts(length)
+        per_side = (length - history) * head_dim * BF16_BYTES + history * self.quantizer.row_bytes(head_dim)
+        # salient tokens: a BF16 K and V row each on top of the codes, and one position index
+        # (shared by K and V: half its bytes counted on each side)
+        per_side += min(self.salient, history) * (head_dim * BF16_BYTES + SALIENT_INDEX_BITS // 16)
+        if not self.key_group:
+            return per_side * num_kv_heads, per_side * num_kv_heads
+        # keys per channel: the whole groups of the history as codes + fp16 scale and minimum per
+        # (group, channel); every other key (sink, recent, the history's partial group) as BF16
+        start, end = self._key_history(first, history)
+        k = key_channel_bytes(length, end - start, self.key_group, head_dim)
+        return k * num_kv_heads, per_side * num_kv_heads
 
     def describe(self) -> dict[str, Any]:
         out = {"family": self.family, "rotation": self.rotation, "source": self.source}
@@ -392,6 +466,13 @@ class TieredMethod:
             out.update(self.quantizer.describe())
             out["windows"] = {"sink": self.windows.sink, "recent": self.windows.recent,
                               "page_size": self.windows.page_size}
+        if self.key_group:
+            out["keys"] = (f"per channel over groups of {self.key_group} tokens aligned on the history's start "
+                           "(KIVI's codec: min/max INT2, clip 1, fp16 scale+minimum per group and channel); a "
+                           "history key is read quantized once its whole group is in the history, BF16 until then")
+            out["k_clip_ratio"] = 1.0
+            if self.k_rotation is None:
+                out["rotation"] = "values: artifact R_V per layer and KV head; keys: none"
         if self.salient:
             out["salient"] = {"tokens": self.salient, "observe": self.salient_window,
                               "index_bits": SALIENT_INDEX_BITS,
@@ -419,31 +500,19 @@ class KiviMethod:
         if r < g or r % g:
             raise ValueError(f"kivi residual={r} must be a positive multiple of group_size={g}")
 
-    def _codec(self, x: np.ndarray) -> np.ndarray:
-        g = self.group_size
-        return decode(*encode(x, group_size=g, clip_ratio=1.0, levels="minmax"), group_size=g)
-
     def quantize_keys(self, layer: int, x: np.ndarray) -> np.ndarray:
         """Per channel over consecutive groups of G tokens from position 0; x [B, T, Hkv, D].
 
         Tokens of a trailing partial group are returned unchanged (KIVI never quantizes them:
         the residual flushes R tokens at a time and R is a multiple of G)."""
-        x = np.asarray(x, np.float32)
-        b, t, h, d = x.shape
-        full = (t // self.group_size) * self.group_size
-        out = x.copy()
-        if full:
-            blocks = x[:, :full].reshape(b, full // self.group_size, self.group_size, h, d)
-            rows = blocks.transpose(0, 1, 3, 4, 2)  # [B, T/G, Hkv, D, G]: one row per channel
-            out[:, :full] = self._codec(rows).transpose(0, 1, 4, 2, 3).reshape(b, full, h, d)
-        return out
+        return quantize_key_channels(x, self.group_size)
 
     def quantize_values(self, layer: int, x: np.ndarray) -> np.ndarray:
         """Per token over groups of G channels; x [..., D]."""
         x = np.asarray(x, np.float32)
         if x.shape[-1] < self.group_size:
             raise ValueError(f"head_dim={x.shape[-1]} is smaller than kivi group_size={self.group_size}")
-        return self._codec(x)
+        return _minmax_rows(x, self.group_size)
 
     def history_intervals(self, length: int) -> HistoryIntervals:
         t = np.arange(length, dtype=np.int64)
@@ -461,8 +530,7 @@ class KiviMethod:
         if head_dim % g:
             raise ValueError(f"{head_dim=} must be a multiple of kivi group_size={g}")
         k_quant = (length // r) * r  # at rest after token `length`: every full residual flushed
-        group_bytes = g // CODES_PER_BYTE + 2 * METADATA_BYTES  # G codes + fp16 scale and minimum
-        k = (k_quant // g) * head_dim * group_bytes + (length - k_quant) * head_dim * BF16_BYTES
+        k = key_channel_bytes(length, k_quant, g, head_dim)
         v_quant = max(0, length - r)
         v_row = head_dim // CODES_PER_BYTE + 2 * (head_dim // g) * METADATA_BYTES
         v = v_quant * v_row + (length - v_quant) * head_dim * BF16_BYTES
@@ -661,7 +729,8 @@ _OPTIONS = {
     "naive-int2": {"windows", "page", "group"},
     "int4": {"windows", "page", "group"},
     "quarot-int2": {"windows", "page", "group", "clip", "levels"},
-    "oscar": {"windows", "page", "group", "clip", "levels", "artifact", "salient", "observe"},
+    "oscar": {"windows", "page", "group", "clip", "levels", "artifact", "salient", "observe", "keys", "kgroup",
+              "krot"},
     "kivi2": {"group", "residual"},
     "turboquant": {"preset", "skip", "rotation", "seed"},
 }
@@ -814,10 +883,22 @@ def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int
     observe = _int(options.get("observe", str(DEFAULT_SALIENT_WINDOW)), "observe")
     if "observe" in options and not salient:
         raise ValueError(f"method {spec!r}: observe= applies only with salient=N > 0")
-    return TieredMethod(spec, name, codec, windows, np.asarray(artifact.k_rotation, np.float32),
+    keys = options.get("keys", "token")
+    if keys not in KEY_LAYOUTS:
+        raise ValueError(f"method {spec!r}: keys={keys!r} must be one of {list(KEY_LAYOUTS)}")
+    if keys != "channel" and ("kgroup" in options or "krot" in options):
+        raise ValueError(f"method {spec!r}: kgroup= and krot= apply only with keys=channel")
+    key_group = _int(options.get("kgroup", str(DEFAULT_KEY_GROUP)), "kgroup") if keys == "channel" else 0
+    krot = options.get("krot", "artifact")
+    if krot not in KEY_ROTATIONS:
+        raise ValueError(f"method {spec!r}: krot={krot!r} must be one of {list(KEY_ROTATIONS)}")
+    if key_group and salient:
+        raise ValueError(f"method {spec!r}: keys=channel and salient= are not combined")
+    k_rotation = None if krot == "none" else np.asarray(artifact.k_rotation, np.float32)
+    return TieredMethod(spec, name, codec, windows, k_rotation,
                         np.asarray(artifact.v_rotation, np.float32), rotation="artifact (R_K, R_V per layer and KV head)",
                         source="OSCAR: artifact rotations, clip ratios and codec", salient=salient,
-                        salient_window=observe)
+                        salient_window=observe, key_group=key_group)
 
 
 def salient_positions(q_window: np.ndarray, keys: np.ndarray, candidates: tuple[int, int], n: int) -> np.ndarray:

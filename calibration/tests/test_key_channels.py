@@ -1,0 +1,114 @@
+"""`oscar:keys=channel[:kgroup=G][:krot=artifact|none]`: KIVI's per-channel keys over whole history pages,
+OSCAR's values, OSCAR's BF16 windows."""
+
+import jax
+import numpy as np
+import pytest
+
+from calibration import passkey
+from calibration.methods import KiviMethod, bits_per_element, quantize_key_channels
+from calibration.tests.test_evaluate import CFG, WordTokenizer, _haystack_docs
+from calibration.tests.test_evaluate import build as build_cfg
+from calibration.tests.test_methods import D, HKV, build, make_artifact
+from oscar_jax.model import init_params
+
+
+@pytest.fixture(scope="module")
+def art():
+    return make_artifact()
+
+
+def _keys(t, seed=0):
+    return np.random.default_rng(seed).normal(size=(2, t, HKV, D)).astype(np.float32) * 3
+
+
+@pytest.mark.parametrize("spec, group", [("oscar:keys=channel", 64), ("oscar:keys=channel:krot=none", 64),
+                                         ("oscar:keys=channel:kgroup=32", 32)])
+def test_keys_are_kivis_per_channel_codec_on_the_history_groups(art, spec, group):
+    method = build(spec, art)
+    sink = method.windows.sink
+    t = sink + 3 * group + 21  # three whole groups and a partial one after the sink
+    x = _keys(t)
+    got = method.quantize_keys(0, x)
+    kivi = KiviMethod("kivi2", group_size=group, residual=group).quantize_keys(0, x[:, sink:])
+    assert np.array_equal(got[:, sink:], kivi)  # bit for bit, groups aligned on the history's start
+    assert np.array_equal(got[:, :sink], x[:, :sink])  # the sink is never quantized
+    assert np.array_equal(got[:, sink + 3 * group:], x[:, sink + 3 * group:])  # nor a partial group
+    assert not np.array_equal(got[:, sink:sink + group], x[:, sink:sink + group])
+    # the same function KIVI runs, started at the sink
+    assert np.array_equal(got, quantize_key_channels(x, group, start=sink))
+
+
+@pytest.mark.parametrize("spec", ["oscar:keys=channel", "oscar:keys=channel:krot=none"])
+def test_values_and_value_history_are_the_defaults_bit_for_bit(art, spec):
+    method, default = build(spec, art), build("oscar", art)
+    v = _keys(700, seed=1)
+    for layer in range(2):
+        assert np.array_equal(method.quantize_values(layer, v), default.quantize_values(layer, v))
+    assert np.array_equal(method.v_rotation, default.v_rotation)
+    ours, theirs = method.history_intervals(1000), default.history_intervals(1000)
+    assert np.array_equal(ours.v_start, theirs.v_start) and np.array_equal(ours.v_end, theirs.v_end)
+    assert np.array_equal(ours.k_start, theirs.k_start)
+    # keys: only the whole groups of 64 tokens of the history, the rest of it in BF16
+    count = theirs.k_end - theirs.k_start
+    assert np.array_equal(ours.k_end, theirs.k_start + (count // 64) * 64)
+    assert (ours.k_end < theirs.k_end).any() and (ours.k_end == theirs.k_end).any()
+    assert method.at_rest_history(1000) == (64, 64 + 640, 64, 64 + 672)  # history 672 = 10½ groups
+
+
+def test_key_rotation_option(art):
+    assert np.array_equal(build("oscar:keys=channel", art).k_rotation, build("oscar", art).k_rotation)
+    plain = build("oscar:keys=channel:krot=none", art)
+    assert plain.k_rotation is None and plain.describe()["rotation"].endswith("keys: none")
+
+
+def test_bits(art):
+    # 128K, D = 64: history 130,752 = 2,043 whole groups of 64 → the keys cost what per-token rows
+    # cost (64 channels × (16 code bytes + 4 B) per 64 tokens = 20 B per token): the default's 2.533
+    method, default = build("oscar:keys=channel", art), build("oscar", art)
+    assert bits_per_element(method, 131072, HKV, D) == bits_per_element(default, 131072, HKV, D)
+    assert bits_per_element(method, 131072, HKV, D) == pytest.approx((320 * 128 + 130752 * 20) * 8 / (131072 * 64))
+    assert round(bits_per_element(method, 131072, HKV, D), 3) == 2.533
+    # 1000 tokens: history 672 = 10 groups + 32 tokens still BF16 keys; values as the default
+    k, v = method.kv_bytes(1000, HKV, D)
+    k_default, v_default = default.kv_bytes(1000, HKV, D)
+    assert v == v_default
+    assert k == HKV * ((1000 - 640) * 128 + 10 * 64 * 20)
+    assert k - k_default == HKV * 32 * (128 - 20)
+    assert bits_per_element(method, 1000, HKV, D) == pytest.approx(8 * (k + v) / (2 * 1000 * HKV * D))
+    # kgroup=32: 64 channels × (8 + 4 B) per 32 tokens = 24 B per token → 3 bits per key element
+    k32, _ = build("oscar:keys=channel:kgroup=32", art).kv_bytes(131072, HKV, D)
+    assert k32 == HKV * (320 * 128 + 130752 * 24)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("oscar:keys=chanel", "keys='chanel' must be one of"),
+    ("oscar:kgroup=64", "kgroup= and krot= apply only with keys=channel"),
+    ("oscar:krot=none", "kgroup= and krot= apply only with keys=channel"),
+    ("oscar:keys=channel:krot=hadamard", "krot='hadamard' must be one of"),
+    ("oscar:keys=channel:kgroup=48", "kgroup=48 must be a power of two"),
+    ("oscar:keys=channel:kgroup=8", "kgroup=8 must be a power of two"),
+    ("oscar:keys=channel:kgroup=16:page=32", "kgroup=16 .* multiple of page=32"),
+    ("oscar:keys=channel:kgroup=x", "kgroup='x' must be an integer"),
+    ("oscar:keys=channel:salient=8", "keys=channel and salient= are not combined"),
+    ("kivi2:keys=channel", "has no option 'keys'"),
+])
+def test_refusals_name_the_bad_value(art, spec, message):
+    with pytest.raises(ValueError, match=message):
+        build(spec, art)
+
+
+def test_passkey_answer_reads_whole_groups_only():
+    """End to end on a tiny model: the answer steps read the quantized keys of whole groups only —
+    setting the keys of a trailing partial group to anything quantized would not change the logits."""
+    params = init_params(CFG, jax.random.PRNGKey(0), std=0.2)
+    art = make_artifact(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim)
+    sample = passkey.build_sample(WordTokenizer(), _haystack_docs(), 120, 0.4, "27182")
+    methods = [build_cfg(s, art) for s in ("oscar:windows=16/16", "oscar:windows=16/16:keys=channel:kgroup=32",
+                                           "oscar:windows=16/16:keys=channel:kgroup=32:krot=none")]
+    got = passkey.answer_logits(params, CFG, sample, methods, query_chunk=16)
+    p = len(sample.prompt)
+    assert methods[1].at_rest_history(p) == (16, 16 + 64, 16, 16 + 80)  # 2 groups of 32 + 16 BF16 keys
+    default, channel, plain = (got[m.name] for m in methods)
+    assert np.array_equal(default[0], channel[0]) and np.array_equal(default[0], plain[0])  # prompt pass
+    assert np.abs(channel[1:] - default[1:]).max() > 1e-4 and np.abs(plain[1:] - channel[1:]).max() > 1e-4
