@@ -13,6 +13,7 @@ math and the cache stay model-agnostic.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -84,18 +85,30 @@ def shipped_artifact(model: str) -> Path | None:
 
 
 def open_gguf(path: str | os.PathLike):
-    """A `gguf.GGUFReader`, with unreadable files reported by path."""
-    from gguf import GGUFReader
+    """A `gguf.GGUFReader`, with unreadable files reported by path.
 
+    Parsing a header is slow (~5 s for SmolLM2's: the reader builds a numpy view per vocabulary
+    string), and a process opens the same file for its weights, its tokenizer and its chat
+    template: one reader per file is kept, reopened when the file's size or mtime changes. The
+    reader maps the file read-only, so sharing it is safe."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+    stat = path.stat()
     try:
-        return GGUFReader(path)
+        return _read_gguf(path.resolve(), stat.st_size, stat.st_mtime_ns)
     except Exception as err:  # the reader raises ValueError, struct/numpy errors, OSError, ...
         raise ValueError(
             f"{str(path)!r} is not a readable GGUF file ({type(err).__name__}: {err})"
         ) from err
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf(path: Path, size: int, mtime_ns: int):
+    del size, mtime_ns  # in the cache key only: a rewritten file is parsed again
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
 
 
 def gguf_field(reader, key: str, default=None, *, path=None):

@@ -35,28 +35,14 @@ BF16_MISMATCH_FRACTION = 0.02
 REAL_MODEL_RELATIVE_TOL = 3e-3
 
 
-# The workers compile the same programs of the same tiny models again and again (each check is a
-# fresh process): JAX's persistent compilation cache, one directory for this run's workers (both
-# xdist workers included), compiles each program once. A worker of "decode qwen3" takes ~11 s with
-# its programs cached against ~33 s without. Set by _compile_cache below.
-COMPILE_CACHE: Path | None = None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache(tmp_path_factory):
-    global COMPILE_CACHE
-    base = tmp_path_factory.getbasetemp()
-    run = base.parent if base.name.startswith("popen-gw") else base  # xdist: the run's directory
-    COMPILE_CACHE = run / "tensor-parallel-compile-cache"
-    yield
-    COMPILE_CACHE = None
+# The workers are fresh processes compiling the same tiny models' programs again and again: they
+# share the run's JAX persistent compilation cache (the root conftest's JAX_COMPILATION_CACHE_DIR,
+# passed on by _env), so each program compiles once (a "decode qwen3" worker: ~11 s cached, ~33 s not).
 
 
 def _env(devices: int = 8, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "TP_SIZES")}
     env.update(TP_DEVICES=str(devices), PYTHONPATH=str(ROOT), OSCAR_JAX_KERNELS="xla")  # the CPU default
-    if COMPILE_CACHE is not None:
-        env.update(JAX_COMPILATION_CACHE_DIR=str(COMPILE_CACHE), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
     env.update(extra)
     return env
 
