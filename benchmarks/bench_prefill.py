@@ -102,15 +102,17 @@ SPLIT_POLICIES = ("default", "whole")
 
 def split_pages(policy: str, runtime) -> int | None:
     """pages_per_split of a prefill chunk's cache partials under `policy`: "default" (None, the
-    tiling policy of shared_math.tiling), "whole" (one split over the whole history table), or a
+    tiling policy of shared_math.tiling), "whole" (one split over the whole page table), or a
     number of pages."""
     from shared_math.tiling import default_pages_per_block
 
     if policy == "default":
         return None
-    if policy == "whole":
-        block = default_pages_per_block(runtime.config.page_size)
-        return -(-runtime.history_slots // block) * block
+    if policy == "whole":  # the longer of the two tiers' tables (the BF16 cache's is all BF16)
+        config = runtime.config
+        slots = max(runtime.history_slots, (config.sink + config.recent) // config.page_size)
+        block = default_pages_per_block(config.page_size)
+        return -(-slots // block) * block
     try:
         return int(policy)
     except ValueError:

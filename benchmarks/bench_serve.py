@@ -58,6 +58,7 @@ class Setup:
     recent: int = 256
     page_size: int = 64
     decode_buckets: str = "default"  # "max": one decode shape, every batch padded to max_num_seqs
+    prefill_split: str = "default"  # a chunk's cache partials: bench_prefill.split_pages's policy
 
 
 def tiny_setup() -> Setup:
@@ -78,6 +79,7 @@ def percentiles(values) -> dict:
 
 def build_engine(setup: Setup, kind: str, params, *, max_model_len: int, log=print):
     """An Engine over a cache of `setup.memory_bytes` of the given kind, sized to the sequences it holds."""
+    from benchmarks.bench_prefill import split_pages
     from oscar_jax.runtime import OscarRuntime
     from oscar_jax.serve import identity_artifact, page_bytes, pages_for_memory
     from oscar_jax.serving.engine import Engine, EngineConfig
@@ -101,6 +103,7 @@ def build_engine(setup: Setup, kind: str, params, *, max_model_len: int, log=pri
     runtime = OscarRuntime(params, cfg, identity_artifact(cfg), max_batch=seqs, max_seq_len=max_model_len,
                            sink=setup.sink, recent=recent, page_size=page, prefill_chunk=setup.prefill_chunk,
                            num_bf16_pages=num_bf16, num_int2_pages=num_int2)
+    runtime.cache = dataclasses.replace(runtime.cache, prefill_pages_per_split=split_pages(setup.prefill_split, runtime))
     # A fixed request count below capacity runs at most that many at once: no larger batch to compile.
     running = min(seqs, setup.num_requests or seqs)
     buckets = (running,) if setup.decode_buckets == "max" else None
@@ -285,7 +288,7 @@ def run(setup: Setup, *, kinds=("int2", "bf16"), http: bool = True, seed: int = 
                           "output_len": setup.output_len, "rates": [str(r) for r in setup.rates],
                           "kv_cache_memory_bytes": setup.memory_bytes, "prefill_chunk": setup.prefill_chunk,
                           "sink": setup.sink, "recent": setup.recent, "page_size": setup.page_size,
-                          "decode_buckets": setup.decode_buckets},
+                          "decode_buckets": setup.decode_buckets, "prefill_split": setup.prefill_split},
                 "capacity": capacity, "compile_s": compile_s, "results": results, "http": http_result,
                 "targets": targets(results, http_result)}
 
@@ -349,11 +352,14 @@ def main(argv=None) -> int:
     p.add_argument("--decode-buckets", choices=("default", "max"), default="default",
                    help="decode batch shapes: powers of two up to max_num_seqs, or only max_num_seqs (one compile, "
                         "smaller batches padded) (default: %(default)s)")
+    p.add_argument("--prefill-split", default="default",
+                   help="the split of a prefill chunk's cache partials: default (the tiling policy), whole (one "
+                        "split over the page table) or a page count (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model at toy sizes (the plumbing only)")
     args = p.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.tiny:
-        setup = dataclasses.replace(tiny_setup(), decode_buckets=args.decode_buckets)
+        setup = dataclasses.replace(tiny_setup(), decode_buckets=args.decode_buckets, prefill_split=args.prefill_split)
     else:
         from benchmarks.bench_e2e import qwen3_8b_config
         from oscar_jax.model import num_params
@@ -363,7 +369,7 @@ def main(argv=None) -> int:
                   else device_memory_for_cache(2 * num_params(model), int(args.reserve_gib * GIB)))
         setup = Setup(model, tuple(int(v) for v in args.prompt_lens.split(",")), args.output_len,
                       _floats(args.rates), memory, args.prefill_chunk, args.num_requests,
-                      decode_buckets=args.decode_buckets)
+                      decode_buckets=args.decode_buckets, prefill_split=args.prefill_split)
     from benchmarks.harness import environment
 
     env = environment()

@@ -1,6 +1,7 @@
 """bench_serve on CPU: its plumbing at toy sizes (2 layers; both caches, both arrival patterns,
 once through HTTP) and its summary arithmetic. The GPU figures themselves are not tested."""
 
+import dataclasses
 import json
 import math
 
@@ -78,3 +79,30 @@ def test_int2_pools_stay_out_of_the_byte_range_the_gpu_kernels_cannot_index(monk
     assert serve.pages_for_memory("bf16", 6 * bench_serve.GIB, cfg, config, 8)[1] == 2  # BF16 pools: no limit
     big = serve.pages_for_memory("int2", 16 * bench_serve.GIB, cfg, config, 8, log=said.append)[1]
     assert big * codes_page > 2**32 and len(said) == 1
+
+
+@pytest.mark.parametrize("kind", ["int2", "bf16"])
+def test_the_prefill_split_reaches_the_cache(kind):
+    """--prefill-split whole: one split over the longer page table of the kind's cache (the BF16
+    cache's is its BF16 table); default leaves the tiling policy's (None)."""
+    import jax
+
+    from oscar_jax.model import init_params
+    from shared_math.tiling import default_pages_per_block
+
+    setup = bench_serve.tiny_setup()
+    params = init_params(setup.model, jax.random.key(0))
+    for policy in ("default", "whole", "3"):
+        engine, _ = bench_serve.build_engine(dataclasses.replace(setup, prefill_split=policy), kind, params,
+                                             max_model_len=200)
+        runtime = engine.runtime
+        bf16_slots = (runtime.config.sink + runtime.config.recent) // runtime.config.page_size
+        split = runtime.cache.prefill_pages_per_split
+        if policy == "default":
+            assert split is None
+        elif policy == "3":
+            assert split == 3
+        else:
+            block = default_pages_per_block(runtime.config.page_size)
+            assert split % block == 0 and split - block < max(runtime.history_slots, bf16_slots) <= split
+            assert (bf16_slots if kind == "bf16" else runtime.history_slots) > 2  # the table that sets it
