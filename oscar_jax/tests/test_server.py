@@ -324,12 +324,13 @@ def test_sampling_is_seeded_and_stop_strings_cut_the_text(server):
 
 
 @pytest.mark.slow
-def test_the_readme_commands_serve_smollm2(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["int2", "bf16"])
+def test_the_readme_commands_serve_smollm2(tmp_path, kv_cache_dtype):
     """`python -m oscar_jax.serve` with the embedded SmolLM2 answers the README's curl and openai
-    examples (one decode bucket and short chunks keep the compile time down)."""
-    srv = ServerProcess(["--model", "smollm2-135m", "--kv-cache-dtype", "int2", "--max-model-len", "512",
+    examples with either cache (one decode bucket and short chunks keep the compile time down)."""
+    srv = ServerProcess(["--model", "smollm2-135m", "--kv-cache-dtype", kv_cache_dtype, "--max-model-len", "512",
                          "--max-num-seqs", "2", "--decode-buckets", "2", "--prefill-chunk", "64"],
-                        tmp_path / "smollm2.log")
+                        tmp_path / f"smollm2_{kv_cache_dtype}.log")
     try:
         r = httpx.post(srv.url + "/v1/completions", json={"model": "smollm2-135m", "prompt": "The capital of France is",
                                                           "max_tokens": 8, "temperature": 0}, timeout=300)
