@@ -13,8 +13,8 @@ if os.environ.get("OSCAR_TEST_GPU") != "1":
 
 # One JAX persistent compilation cache for the run, fresh each run, read and written by every
 # process of it: both xdist workers and the subprocesses the tests start (servers, tensor-parallel
-# workers, CLIs) inherit these variables, so a program compiled in one is loaded by the others
-# (~11 % of the fast suite's CPU time). A cache the user set is used instead, and kept.
+# workers, CLIs) inherit these variables, so a program compiled in one is loaded by the others.
+# A cache the user set is used instead, and kept.
 _RUN_COMPILE_CACHE = None
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     import tempfile

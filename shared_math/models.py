@@ -87,9 +87,9 @@ def shipped_artifact(model: str) -> Path | None:
 def open_gguf(path: str | os.PathLike):
     """A `gguf.GGUFReader`, with unreadable files reported by path.
 
-    Parsing a header is slow (~5 s for SmolLM2's: the reader builds a numpy view per vocabulary
-    string), and a process opens the same file for its weights, its tokenizer and its chat
-    template: one reader per file is kept, reopened when the file's size or mtime changes. The
+    Parsing a header with a large vocabulary is slow (the reader builds a numpy view per
+    vocabulary string), and a process opens the same file for its weights, its tokenizer and its
+    chat template: one reader per file is kept, reopened when the file's size or mtime changes. The
     reader maps the file read-only, so sharing it is safe."""
     path = Path(path)
     if not path.is_file():

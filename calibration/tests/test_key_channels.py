@@ -99,8 +99,11 @@ def test_refusals_name_the_bad_value(art, spec, message):
 
 
 def test_passkey_answer_reads_whole_groups_only():
-    """End to end on a tiny model: the answer steps read the quantized keys of whole groups only —
-    setting the keys of a trailing partial group to anything quantized would not change the logits."""
+    """End to end on a tiny model: the option runs through passkey's answer path; the prompt pass
+    (float32, no cache reads) is the default's exactly, the answer steps read other keys than the
+    default's and differ between the two key bases, and the stored history holds whole key groups
+    only (the trailing partial group stays BF16). Which keys a step reads is checked by
+    history_intervals in test_values_and_value_history_are_the_defaults_bit_for_bit."""
     params = init_params(CFG, jax.random.PRNGKey(0), std=0.2)
     art = make_artifact(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim)
     sample = passkey.build_sample(WordTokenizer(), _haystack_docs(), 120, 0.4, "27182")
