@@ -63,13 +63,15 @@ The methods and their source configurations (`parse_method` builds them from a s
               today, the answer steps read the salient tokens in BF16). Counted in the bytes as
               BF16 rows *on top of* their INT2 codes (the pages keep their layout) plus a
               SALIENT_INDEX_BITS position index per token and (layer, KV head).
-              `keys=channel` (`kgroup=G`, default 64; `krot=artifact|none`, default artifact): an
+              `keys=channel` (`kgroup=G`, default 64; `krot=artifact|none|eigen|hadamard`, default artifact): an
               experiment — keys quantized per channel over groups of G consecutive history tokens
               (KIVI's key codec, `quantize_key_channels`: min/max INT2, clip 1, fp16 scale and
               minimum per (group, channel)), groups aligned on the history's start (the sink's
               end) and made of whole pages (G a multiple of the page size); values exactly as the
               default (R_V, per-token codec, fitted clip); the same BF16 windows. krot=artifact
-              rotates keys (and queries) by the artifact's R_K first, krot=none not at all.
+              rotates keys (and queries) by the artifact's R_K = U·H·P first, krot=none not at all,
+              krot=eigen by U alone (R_K·(H·P)ᵀ, P from the stored key eigenvalues), krot=hadamard
+              by H·P alone.
               Causality: a history key is read quantized only once its whole group is in the
               history (query t: keys [S0, S0 + G·⌊H_t/G⌋)); the history's trailing partial group
               (0–3 pages at G = 64) is read and counted as BF16 keys. Bytes: per whole group and
@@ -141,6 +143,7 @@ import numpy as np
 
 from shared_math.codec import decode, encode
 from shared_math.hadamard import hadamard_matrix
+from shared_math.rotation import bit_reversal_permutation
 from shared_math.spec import (
     BF16_BYTES,
     CODES_PER_BYTE,
@@ -169,7 +172,8 @@ BF16_BITS = 8 * BF16_BYTES
 DEFAULT_SALIENT_WINDOW = 32  # observation window of `salient=N`: the prompt's last W queries (the question)
 SALIENT_INDEX_BITS = 32  # position index stored per salient token and (layer, KV head): a conservative cost
 KEY_LAYOUTS = ("token", "channel")  # `oscar:keys=`: the format's per-token key rows, or KIVI's per-channel groups
-KEY_ROTATIONS = ("artifact", "none")  # `oscar:krot=` (keys=channel only): the artifact's R_K, or no key rotation
+KEY_ROTATIONS = ("artifact", "none", "eigen", "hadamard")  # `oscar:krot=` (keys=channel only): the artifact's
+# R_K = U·H·P, no key rotation, U alone (the artifact's eigenbasis, R_K·(H·P)ᵀ) or H·P alone (no U)
 DEFAULT_KEY_GROUP = 64  # `oscar:kgroup=`: tokens per per-channel key group (4 pages of 16)
 
 
@@ -791,6 +795,39 @@ def _hadamard_rotations(num_layers: int, num_kv_heads: int, head_dim: int) -> np
     return np.broadcast_to(h, (num_layers, num_kv_heads, head_dim, head_dim)).copy()
 
 
+def hadamard_permutations(k_eigenvalues: np.ndarray) -> np.ndarray:
+    """H·P per (layer, KV head), float64 [L, Hkv, D, D]: the normalised Hadamard times the bit-reversal
+    placement of that head's key eigenvalues (ascending, as the artifact stores them) — R_K without U."""
+    eig = np.asarray(k_eigenvalues, np.float64)
+    h = hadamard_matrix(eig.shape[-1])
+    out = np.empty(eig.shape + (eig.shape[-1],))
+    for index in np.ndindex(*eig.shape[:-1]):
+        out[index] = h @ bit_reversal_permutation(eig[index])
+    return out
+
+
+def key_rotations(artifact, krot: str) -> np.ndarray | None:
+    """The key rotation of `oscar:keys=channel:krot=…`, float32 [L, Hkv, D, D] (None for krot=none).
+
+    artifact: R_K = U·H·P as stored; eigen: U = R_K·(H·P)ᵀ, the eigenbasis of the artifact's key
+    calibration target (H·P orthogonal, P from the stored eigenvalues as at calibration), computed
+    in float64; hadamard: H·P alone."""
+    if krot == "none":
+        return None
+    if krot == "artifact":
+        return np.asarray(artifact.k_rotation, np.float32)
+    hp = hadamard_permutations(artifact.k_eigenvalues)
+    if krot == "hadamard":
+        return hp.astype(np.float32)
+    if krot == "eigen":
+        r = np.asarray(artifact.k_rotation, np.float64)
+        return (r @ np.swapaxes(hp, -1, -2)).astype(np.float32)
+    raise ValueError(f"krot={krot!r} must be one of {list(KEY_ROTATIONS)}")
+
+
+_KEY_ROTATION_NAMES = {"eigen": "U of R_K = U·H·P", "hadamard": "H·P of R_K (no U)"}  # describe()'s words
+
+
 def _codec_from(options, artifact, num_layers: int, head_dim: int) -> FormatV1Codec:
     if artifact is not None:
         group, levels = artifact.group_size, artifact.levels
@@ -894,9 +931,13 @@ def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int
         raise ValueError(f"method {spec!r}: krot={krot!r} must be one of {list(KEY_ROTATIONS)}")
     if key_group and salient:
         raise ValueError(f"method {spec!r}: keys=channel and salient= are not combined")
-    k_rotation = None if krot == "none" else np.asarray(artifact.k_rotation, np.float32)
+    k_rotation = key_rotations(artifact, krot) if key_group else np.asarray(artifact.k_rotation, np.float32)
+    rotation = "artifact (R_K, R_V per layer and KV head)"
+    if key_group and krot in _KEY_ROTATION_NAMES:
+        rotation = (f"values: artifact R_V per layer and KV head; keys: {_KEY_ROTATION_NAMES[krot]} "
+                    "per layer and KV head")
     return TieredMethod(spec, name, codec, windows, k_rotation,
-                        np.asarray(artifact.v_rotation, np.float32), rotation="artifact (R_K, R_V per layer and KV head)",
+                        np.asarray(artifact.v_rotation, np.float32), rotation=rotation,
                         source="OSCAR: artifact rotations, clip ratios and codec", salient=salient,
                         salient_window=observe, key_group=key_group)
 

@@ -1,16 +1,20 @@
-"""`oscar:keys=channel[:kgroup=G][:krot=artifact|none]`: KIVI's per-channel keys over whole history pages,
-OSCAR's values, OSCAR's BF16 windows."""
+"""`oscar:keys=channel[:kgroup=G][:krot=artifact|none|eigen|hadamard]`: KIVI's per-channel keys over whole
+history pages, OSCAR's values, OSCAR's BF16 windows."""
+
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
 from calibration import passkey
-from calibration.methods import KiviMethod, bits_per_element, quantize_key_channels
+from calibration.methods import KiviMethod, bits_per_element, hadamard_permutations, quantize_key_channels
 from calibration.tests.test_evaluate import CFG, WordTokenizer, _haystack_docs
 from calibration.tests.test_evaluate import build as build_cfg
 from calibration.tests.test_methods import D, HKV, build, make_artifact
 from oscar_jax.model import init_params
+from shared_math.hadamard import hadamard_matrix
+from shared_math.rotation import bit_reversal_permutation, rotation_from_covariance
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,8 @@ def test_keys_are_kivis_per_channel_codec_on_the_history_groups(art, spec, group
     assert np.array_equal(got, quantize_key_channels(x, group, start=sink))
 
 
-@pytest.mark.parametrize("spec", ["oscar:keys=channel", "oscar:keys=channel:krot=none"])
+@pytest.mark.parametrize("spec", ["oscar:keys=channel", "oscar:keys=channel:krot=none",
+                                  "oscar:keys=channel:krot=eigen", "oscar:keys=channel:krot=hadamard"])
 def test_values_and_value_history_are_the_defaults_bit_for_bit(art, spec):
     method, default = build(spec, art), build("oscar", art)
     v = _keys(700, seed=1)
@@ -60,6 +65,44 @@ def test_key_rotation_option(art):
     assert np.array_equal(build("oscar:keys=channel", art).k_rotation, build("oscar", art).k_rotation)
     plain = build("oscar:keys=channel:krot=none", art)
     assert plain.k_rotation is None and plain.describe()["rotation"].endswith("keys: none")
+
+
+def _calibrated_artifact(art, seed=0):
+    """`art` with keys rotated as calibration rotates them: R_K = U·H·P from a covariance per (layer,
+    KV head), its eigenvalues ascending (float32, as stored); returns the artifact and the U's."""
+    rng = np.random.default_rng(seed)
+    rotations, eigenvalues, us = (np.empty(art.k_rotation.shape[:2] + s) for s in ((D, D), (D,), (D, D)))
+    for index in np.ndindex(*art.k_rotation.shape[:2]):
+        a = rng.normal(size=(3 * D, D)) * rng.gamma(0.5, size=D)  # an uneven spectrum
+        rotations[index], eigenvalues[index] = rotation_from_covariance(a.T @ a, "oscar")
+        us[index] = rotation_from_covariance(a.T @ a, "eigen")[0]
+    return dataclasses.replace(art, k_rotation=rotations.astype(np.float32),
+                               k_eigenvalues=eigenvalues.astype(np.float32)), us
+
+
+def test_eigen_and_hadamard_key_rotations_split_r_k(art):
+    """krot=eigen is U and krot=hadamard is H·P of the artifact's R_K = U·H·P: U·(H·P) gives R_K back,
+    U is the calibration's eigenbasis, H·P is shared_math's Hadamard times the bit-reversal placement of
+    the stored eigenvalues; both orthogonal. The values and the key codec are krot=artifact's."""
+    cal, us = _calibrated_artifact(art)
+    eigen, hadamard = (build(f"oscar:keys=channel:krot={k}", cal) for k in ("eigen", "hadamard"))
+    reference = build("oscar:keys=channel", cal)
+    for m in (eigen, hadamard):
+        assert m.k_rotation.shape == reference.k_rotation.shape and m.k_rotation.dtype == np.float32
+        assert np.abs(np.swapaxes(m.k_rotation, -1, -2) @ m.k_rotation - np.eye(D)).max() < 1e-5
+        assert np.array_equal(m.v_rotation, reference.v_rotation) and m.key_group == reference.key_group
+    assert np.abs(eigen.k_rotation.astype(np.float64) @ hadamard.k_rotation - cal.k_rotation).max() < 1e-5
+    assert np.abs(eigen.k_rotation - us).max() < 1e-5
+    for index in np.ndindex(*cal.k_rotation.shape[:2]):
+        hp = hadamard_matrix(D) @ bit_reversal_permutation(cal.k_eigenvalues[index])
+        assert np.array_equal(hadamard.k_rotation[index], hp.astype(np.float32))
+    # any artifact: U = R_K·(H·P)ᵀ reproduces R_K
+    hp = hadamard_permutations(art.k_eigenvalues)
+    u = build("oscar:keys=channel:krot=eigen", art).k_rotation
+    assert np.abs(u.astype(np.float64) @ hp - art.k_rotation).max() < 1e-5
+    assert not np.allclose(u, art.k_rotation, atol=1e-2) and not np.allclose(hp, art.k_rotation, atol=1e-2)
+    assert eigen.describe()["rotation"].endswith("keys: U of R_K = U·H·P per layer and KV head")
+    assert hadamard.describe()["rotation"].endswith("keys: H·P of R_K (no U) per layer and KV head")
 
 
 def test_bits(art):
@@ -85,7 +128,9 @@ def test_bits(art):
     ("oscar:keys=chanel", "keys='chanel' must be one of"),
     ("oscar:kgroup=64", "kgroup= and krot= apply only with keys=channel"),
     ("oscar:krot=none", "kgroup= and krot= apply only with keys=channel"),
-    ("oscar:keys=channel:krot=hadamard", "krot='hadamard' must be one of"),
+    ("oscar:keys=channel:krot=random", "krot='random' must be one of"),
+    ("oscar:keys=channel:krot=Eigen", "krot='Eigen' must be one of"),
+    ("oscar:krot=eigen", "kgroup= and krot= apply only with keys=channel"),
     ("oscar:keys=channel:kgroup=48", "kgroup=48 must be a power of two"),
     ("oscar:keys=channel:kgroup=8", "kgroup=8 must be a power of two"),
     ("oscar:keys=channel:kgroup=16:page=32", "kgroup=16 .* multiple of page=32"),
