@@ -69,13 +69,12 @@ class Int2Cache:
     def warm_up(self, prompt_len: int) -> None:
         """Compile prefill, decode and demotion: a prompt with the demo prompt's chunk shape, whose
         recent window is one token short of a demotion, then one decode step (which demotes)."""
-        from oscar_jax.runtime import MIN_PREFILL_BUCKET
+        from oscar_jax.runtime import prefill_bucket as bucket
 
         cfg, rt = self.config, self.runtime
         length = cfg.sink + cfg.recent + cfg.page_size - 1  # the recent window one token short of W + page
         # The runtime pads a chunk to a power of two: every chunk of the demo prompt (≥ 1000 tokens in
         # chunks of 512) and this one share a shape.
-        bucket = lambda n: max(MIN_PREFILL_BUCKET, 1 << (n - 1).bit_length())  # noqa: E731
         last_chunk = prompt_len - (prompt_len - 1) // rt.prefill_chunk * rt.prefill_chunk
         assert bucket(length) == bucket(min(prompt_len, rt.prefill_chunk)) == bucket(last_chunk), (length, prompt_len)
         seq_id, _, _ = self.runtime.admit(np.ones(length, np.int32), share_prefix=False)

@@ -28,6 +28,17 @@ from shared_math.tiers import bf16_kv_bytes_per_layer, kv_bytes_per_layer
 LONG_CONTEXT = 131072  # the context the paper's 2.28 bits/element refers to
 
 
+def kv_bytes(cfg, config: OscarConfig, length: int) -> tuple[int, int]:
+    """(BF16, OSCAR) KV bytes of one sequence of `length` tokens over all layers. Sliding-window
+    layers hold their window in BF16 under both caches; the others hold all `length` tokens, in
+    BF16 or in the OSCAR tiers."""
+    local = len(cfg.local_layers) * bf16_kv_bytes_per_layer(min(length, cfg.sliding_window or 0), cfg.head_dim,
+                                                            cfg.num_kv_heads)
+    paged = len(cfg.global_layers)
+    return (local + paged * bf16_kv_bytes_per_layer(length, cfg.head_dim, cfg.num_kv_heads),
+            local + paged * kv_bytes_per_layer(length, config, cfg.num_kv_heads).stored_bytes)
+
+
 def sample(logits: jax.Array, key, temperature: float, top_p: float) -> int:
     """Greedy at temperature 0, else nucleus sampling."""
     if temperature <= 0:
@@ -185,19 +196,21 @@ def main(argv=None) -> int:
     decode_s = time.perf_counter() - t1 if t1 is not None else 0.0
     length = len(prompt) + generated
     oscar = kv_bytes_per_layer(length, oscar_config, cfg.num_kv_heads)
-    bf16 = bf16_kv_bytes_per_layer(length, cfg.head_dim, cfg.num_kv_heads)
     split = oscar.split
     print("\n")
     print(f"[oscar] tokens: {len(prompt)} prompt + {generated} generated = {length} "
           f"(sink {split.sink_tokens}, INT2 history {split.history_tokens}, BF16 recent {split.recent_tokens})")
-    print(f"[oscar] KV bytes for this sequence ({cfg.num_layers} layers): BF16 {bf16 * cfg.num_layers / 2**20:.2f} MiB, "
-          f"OSCAR INT2 {oscar.stored_bytes * cfg.num_layers / 2**20:.2f} MiB "
-          f"({bf16 / max(oscar.stored_bytes, 1):.2f}x smaller; {oscar.bits_per_element:.3f} bits/element, "
-          f"{oscar.allocated_bits_per_element:.3f} with page padding)")
+    bf16, ours = kv_bytes(cfg, oscar_config, length)
+    paged = f"{len(cfg.global_layers)} global layers" if cfg.local_layers else f"{cfg.num_layers} layers"
+    windows = (f"; the {len(cfg.local_layers)} sliding-window layers keep {min(length, cfg.sliding_window)} BF16 "
+               "tokens each in both" if cfg.local_layers else "")
+    print(f"[oscar] KV bytes for this sequence: BF16 {bf16 / 2**20:.2f} MiB, OSCAR {ours / 2**20:.2f} MiB "
+          f"({bf16 / max(ours, 1):.2f}x smaller; {oscar.bits_per_element:.3f} bits/element in the {paged}, "
+          f"{oscar.allocated_bits_per_element:.3f} with page padding{windows})")
     long = kv_bytes_per_layer(LONG_CONTEXT, oscar_config, cfg.num_kv_heads)
+    long_bf16, long_ours = kv_bytes(cfg, oscar_config, LONG_CONTEXT)
     print(f"[oscar] the BF16 windows dominate short sequences; at {LONG_CONTEXT} tokens the same cache would hold "
-          f"{long.bits_per_element:.3f} bits/element "
-          f"({bf16_kv_bytes_per_layer(LONG_CONTEXT, cfg.head_dim, cfg.num_kv_heads) / long.stored_bytes:.2f}x smaller)")
+          f"{long.bits_per_element:.3f} bits/element in the {paged} ({long_bf16 / long_ours:.2f}x smaller)")
     print(f"[oscar] cache {args.kv_cache_dtype}: prefill {len(prompt) / prefill_s:.1f} tok/s "
           f"(includes compilation), decode {timed / decode_s if timed else float('nan'):.2f} tok/s "
           f"on {jax.default_backend()}" + (f" ({kernels()} path)" if args.kv_cache_dtype == "int2" else ""))

@@ -6,6 +6,12 @@ the device runs one jitted, cache-donating function per step. A prompt is either
 (`prefill`, what a serving engine does). A prompt's pages are published for prefix sharing only
 once their chunk is written, so a prompt can reuse pages of any earlier prompt in its namespace
 and never pages that are still being written.
+
+Models with sliding-window layers (Gemma 3's local layers): only the global layers use the OSCAR
+cache; each live sequence gets a BF16 ring of its own for the local layers
+(oscar_jax.window_cache), `max_batch` rings in all plus a scratch ring for padded rows. Such a
+runtime shares no prefixes: a shared page would come without the local layers' window, which no
+page holds.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from shared_math.allocator import SCRATCH_PAGE, AdmitPlan, PageAllocator, PoolEx
 from oscar_jax.cache import OscarKVCache, StepPlan
 from oscar_jax.model import ModelConfig, Params, decode_step, fold_value_rotation, fuse_qkv, prefill
 from oscar_jax.parallel import TensorParallel
+from oscar_jax.window_cache import LayerRoutedKVCache, SlidingWindowKVCache
 from shared_math.artifact import ModelFingerprint, RotationArtifact
 from shared_math.spec import OscarConfig
 from shared_math.tiers import demotes_on_append, tier_split
@@ -46,6 +53,28 @@ def _decode(params, cfg, tokens, cache, positions):
 @functools.partial(jax.jit, donate_argnames="cache")
 def _demote(cache, src, dst):
     return cache.demote(src, dst)
+
+
+@functools.partial(jax.jit, donate_argnames="rings")
+def _reset_ring(rings, ring):
+    return rings.reset(ring)
+
+
+SCRATCH_RING = 0  # the ring of padded batch rows (as SCRATCH_PAGE is their page)
+
+
+def ring_bytes(cfg: ModelConfig, max_batch: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
+    """Bytes of the sliding-window rings a runtime allocates (0 without local layers)."""
+    if not cfg.local_layers:
+        return 0
+    return (1 + max_batch) * SlidingWindowKVCache.nbytes_per_ring(
+        num_layers=len(cfg.local_layers), num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        window=cfg.sliding_window, max_chunk=prefill_bucket(prefill_chunk))
+
+
+def prefill_bucket(length: int) -> int:
+    """The padded length of a prefill launch of `length` tokens: a power of two ≥ MIN_PREFILL_BUCKET."""
+    return max(MIN_PREFILL_BUCKET, 1 << (length - 1).bit_length())
 
 
 class OscarRuntime:
@@ -79,6 +108,9 @@ class OscarRuntime:
         None: the tiling policy's)."""
         if artifact.model != fingerprint(cfg):
             raise ValueError(f"the rotation artifact was calibrated for {artifact.model}, not {fingerprint(cfg)}")
+        if cfg.local_layers and mesh is not None:
+            raise ValueError(f"tensor parallelism over {mesh.devices.size} devices does not cover sliding-window "
+                             f"layers yet (this model has {len(cfg.local_layers)}): run it on one device")
         self.config = OscarConfig.from_artifact(artifact, group_size=group_size, sink=sink, recent=recent,
                                                 page_size=page_size)
         self.cfg = cfg
@@ -103,11 +135,22 @@ class OscarRuntime:
         self.max_batch = max_batch
         self._written: dict[int, int] = {}  # seq_id → prompt tokens prefilled so far
         self.allocator = PageAllocator(self.config, num_bf16_pages=num_bf16, num_int2_pages=num_int2)
-        pools = dict(num_bf16_pages=num_bf16, num_int2_pages=num_int2, k_rotation=artifact.k_rotation,
-                     k_clip_ratio=artifact.k_clip_ratio, v_clip_ratio=artifact.v_clip_ratio, interpret=interpret)
+        # The OSCAR pools hold the global layers only (all layers of a model without local ones).
+        paged = np.asarray(cfg.global_layers)
+        pools = dict(num_bf16_pages=num_bf16, num_int2_pages=num_int2,
+                     k_rotation=np.asarray(artifact.k_rotation)[paged],
+                     k_clip_ratio=np.asarray(artifact.k_clip_ratio).reshape(-1)[paged],
+                     v_clip_ratio=np.asarray(artifact.v_clip_ratio).reshape(-1)[paged], interpret=interpret)
         self.cache = (self.tp.create_cache(self.config, **pools) if self.tp is not None else
-                      OscarKVCache.create(self.config, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                      OscarKVCache.create(self.config, num_layers=len(paged), num_kv_heads=cfg.num_kv_heads,
                                           **pools))
+        self.rings: SlidingWindowKVCache | None = None
+        self._ring_of: dict[int, int] = {}  # seq_id → its ring (models with local layers)
+        if cfg.local_layers:
+            self.rings = SlidingWindowKVCache.create(
+                num_layers=len(cfg.local_layers), batch=1 + max_batch, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, window=cfg.sliding_window, max_chunk=prefill_bucket(prefill_chunk))
+            self._free_rings = list(range(max_batch, SCRATCH_RING, -1))
         if prefill_pages_per_split is not None:
             self.cache = dataclasses.replace(self.cache, prefill_pages_per_split=prefill_pages_per_split)
 
@@ -130,6 +173,26 @@ class OscarRuntime:
             new_tokens=jnp.asarray(np.asarray(new_tokens, np.int32)),
             **{k: jnp.asarray(v) for k, v in writes.items()},
         )
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether prompts can reuse another's pages (not with sliding-window layers: module docstring)."""
+        return self.rings is None
+
+    def _run(self, fn, plan: StepPlan, phase: str, rows, *args):
+        """One jitted step over the cache with this step's plan (and rings of these sequences);
+        keeps the updated cache. Returns the step's logits."""
+        cache = self.cache.with_plan(plan, phase)
+        if self.rings is not None:
+            ring_rows = np.asarray([SCRATCH_RING if sid is None else self._ring_of[sid] for sid in rows], np.int32)
+            cache = LayerRoutedKVCache.for_layer_types(self.cfg.layer_types, global_cache=cache,
+                                                       local_cache=self.rings.with_rows(ring_rows))
+        logits, cache = fn(self.params, self.cfg, args[0], cache, *args[1:])
+        if self.rings is not None:
+            self.rings = dataclasses.replace(cache.local_cache, rows=None)
+            cache = cache.global_cache
+        self.cache = dataclasses.replace(cache, plan=None)
+        return logits
 
     def _destination(self, seq, position: int, split) -> tuple[str, int, int]:
         """(tier, page, slot) of a position under the given split."""
@@ -163,7 +226,14 @@ class OscarRuntime:
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         if len(tokens) > self.max_seq_len:
             raise ValueError(f"prompt of {len(tokens)} tokens exceeds max_seq_len={self.max_seq_len}")
-        plan = self.allocator.admit(tokens.tolist(), namespace=namespace, share_prefix=share_prefix)
+        if self.rings is not None and not self._free_rings:
+            raise PoolExhausted(f"all {self.max_batch} sliding-window rings (max_batch) hold live sequences: "
+                                "finish one first")
+        plan = self.allocator.admit(tokens.tolist(), namespace=namespace,
+                                    share_prefix=share_prefix and self.shares_prefixes)
+        if self.rings is not None:
+            self._ring_of[plan.seq_id] = ring = self._free_rings.pop()
+            self.rings = _reset_ring(self.rings, ring)
         assert plan.reused_tokens < plan.length, "the allocator never shares the page holding the last token"
         self._written[plan.seq_id] = plan.reused_tokens
         # The allocator registers every full page of the prompt at admission; until a page is
@@ -186,7 +256,7 @@ class OscarRuntime:
             raise ValueError(f"sequence {seq_id}: chunk {start=} must be a multiple of the page size {page}")
         split = tier_split(length, self.config)
         chunk = stop - start
-        bucket = max(MIN_PREFILL_BUCKET, 1 << (chunk - 1).bit_length())
+        bucket = prefill_bucket(chunk)
         writes = self._no_write((1, bucket))
         for i, position in enumerate(range(start, stop)):
             tier, page_id, slot = self._destination(seq, position, split)
@@ -200,13 +270,11 @@ class OscarRuntime:
         tables["bf16_page_table"][0, self.config.sink // page + -(-recent // page) :] = 0
         tables.update(sink_tokens=np.array([sink], np.int32), recent_tokens=np.array([recent], np.int32),
                       history_tokens=np.array([history], np.int32))
-        cache = self.cache.with_plan(self._plan(tables, writes, [chunk]), "prefill")
         padded = np.zeros((1, bucket), np.int32)
         padded[0, :chunk] = seq.tokens[start:stop]
         positions = (start + np.arange(bucket, dtype=np.int32))[None]
-        logits, cache = self._steps[0](self.params, self.cfg, jnp.asarray(padded), cache,
-                                       jnp.asarray(positions), jnp.asarray([chunk], jnp.int32))
-        self.cache = dataclasses.replace(cache, plan=None)
+        logits = self._run(self._steps[0], self._plan(tables, writes, [chunk]), "prefill", [seq_id],
+                           jnp.asarray(padded), jnp.asarray(positions), jnp.asarray([chunk], jnp.int32))
         if stop == length:
             del self._written[seq_id]
         else:
@@ -311,10 +379,9 @@ class OscarRuntime:
                 writes["bf16_write_page"][i, 0], writes["bf16_write_slot"][i, 0] = seq.recent_pages[offset // page], offset % page
         new_tokens = np.zeros(rows, np.int32)
         new_tokens[: len(seq_ids)] = 1
-        cache = self.cache.with_plan(self._plan(tables, writes, new_tokens), "decode")
-        logits, cache = self._steps[1](self.params, self.cfg, jnp.asarray(padded_tokens), cache,
-                                       jnp.asarray(positions))
-        cache = dataclasses.replace(cache, plan=None)
+        logits = self._run(self._steps[1], self._plan(tables, writes, new_tokens), "decode",
+                           seq_ids + [None] * (rows - len(seq_ids)), jnp.asarray(padded_tokens), jnp.asarray(positions))
+        cache = self.cache
         due = [d for d in demotions if d is not None]
         if due:
             src, dst = self._demotion_pages(len(due))
@@ -356,6 +423,8 @@ class OscarRuntime:
         self._sequence(seq_id)
         self._written.pop(seq_id, None)
         self.allocator.finish(seq_id)
+        if seq_id in self._ring_of:
+            self._free_rings.append(self._ring_of.pop(seq_id))
 
     def length(self, seq_id: int) -> int:
         return self._sequence(seq_id).length

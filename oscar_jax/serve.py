@@ -118,10 +118,10 @@ def identity_artifact(cfg):
 
 
 def page_bytes(cfg, config) -> tuple[int, int]:
-    """Bytes of one BF16 page and one INT2 page over all layers, K and V."""
+    """Bytes of one BF16 page and one INT2 page over the paged (global) layers, K and V."""
     from shared_math.spec import BF16_BYTES, CODES_PER_BYTE, METADATA_BYTES
 
-    rows = cfg.num_layers * 2 * cfg.num_kv_heads * config.page_size
+    rows = len(cfg.global_layers) * 2 * cfg.num_kv_heads * config.page_size
     int2_row = config.head_dim // CODES_PER_BYTE + 2 * METADATA_BYTES * (config.head_dim // config.group_size)
     return rows * config.head_dim * BF16_BYTES, rows * int2_row
 
@@ -129,19 +129,27 @@ def page_bytes(cfg, config) -> tuple[int, int]:
 def pool_sizes(args, cfg, config, log=None) -> tuple[int | None, int | None]:
     """(BF16, INT2) page counts from --kv-cache-memory or the explicit flags (None: the runtime's
     default, room for every sequence at full length)."""
+    from oscar_jax.runtime import ring_bytes
+
     if args.kv_cache_memory is None:
         return args.num_bf16_pages, args.num_int2_pages
-    return pages_for_memory(args.kv_cache_dtype, args.kv_cache_memory, cfg, config, args.max_num_seqs, log=log)
+    rings = ring_bytes(cfg, args.max_num_seqs, args.prefill_chunk)
+    if rings and log is not None:
+        log(f"[oscar] sliding-window rings of {args.max_num_seqs} sequences: {rings / 2**20:.1f} MiB of the cache memory")
+    return pages_for_memory(args.kv_cache_dtype, args.kv_cache_memory - rings, cfg, config, args.max_num_seqs, log=log)
 
 
 def pages_for_memory(kind: str, memory_bytes: int, cfg, config, max_num_seqs: int, *, log=None) -> tuple[int, int]:
     """(BF16, INT2) pages (scratch pages included) of `memory_bytes` of cache. bf16: all BF16
     pages. int2: the BF16 windows (sink + recent + 2 pages) of max_num_seqs sequences, the rest
     INT2 history pages — fewer where a codes pool would be a byte array the kernels cannot index
-    (`ops.byte_array_addressable`), which `log` is told."""
+    (`ops.byte_array_addressable`), which `log` is told. Pages hold the global layers only (a
+    model's sliding-window rings are not in `memory_bytes`)."""
     from oscar_jax import ops
     from shared_math.spec import CODES_PER_BYTE
 
+    if memory_bytes <= 0:
+        raise ValueError(f"{memory_bytes} bytes are left for cache pages")
     bf16_bytes, int2_bytes = page_bytes(cfg, config)
     if kind == "bf16":
         return 1 + memory_bytes // bf16_bytes, 2
@@ -151,7 +159,7 @@ def pages_for_memory(kind: str, memory_bytes: int, cfg, config, max_num_seqs: in
         raise ValueError(f"{memory_bytes} bytes of cache do not hold the BF16 windows of {max_num_seqs} sequences "
                          f"({windows} pages of {bf16_bytes} bytes)")
     num_int2 = 1 + left // int2_bytes
-    codes_page = cfg.num_layers * cfg.num_kv_heads * config.page_size * config.head_dim // CODES_PER_BYTE
+    codes_page = len(cfg.global_layers) * cfg.num_kv_heads * config.page_size * config.head_dim // CODES_PER_BYTE
     if not ops.byte_array_addressable(num_int2 * codes_page):
         fewer = ops.UNADDRESSABLE_BYTE_ARRAYS[0] // codes_page
         if log is not None:
@@ -197,9 +205,12 @@ def build_engine(args, *, log=print):
                            sink=sink, recent=recent, group_size=group, prefill_chunk=args.prefill_chunk,
                            num_bf16_pages=num_bf16, num_int2_pages=num_int2,
                            mesh=make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None)
+    prefix_caching = args.enable_prefix_caching and runtime.shares_prefixes
+    if args.enable_prefix_caching and not prefix_caching:
+        log(f"[oscar] prefix caching off: {args.model} has sliding-window layers, whose windows no shared page holds")
     engine = Engine(runtime, tokenizer, EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk=args.prefill_chunk, enable_prefix_caching=args.enable_prefix_caching,
+        prefill_chunk=args.prefill_chunk, enable_prefix_caching=prefix_caching,
         decode_buckets=args.decode_buckets))
     bf16_bytes, int2_bytes = page_bytes(cfg, runtime.config)
     alloc = runtime.allocator

@@ -10,6 +10,11 @@ never overwrites a position that one of its real queries, or a later decode step
 still needs — the oldest slot a step can overwrite holds a position ≤ (first position of the
 step) − window. Memory is independent of sequence length.
 
+A paged runtime (oscar_jax.runtime) gives each live sequence a ring of its own while the rows of a
+step's batch change from step to step: `with_rows(rows)` maps batch row i to ring rows[i] for one
+step (ring 0 is the runtime's scratch ring, where padded rows write), and `reset(ring)` empties a
+ring for its next sequence. Without rows, batch row i is ring i.
+
 `LayerRoutedKVCache` holds two caches and a static route (model layer → (kind, index)): local
 layers go to `local_cache` (e.g. SlidingWindowKVCache), global layers to `global_cache` (e.g.
 OscarKVCache built for the global layers only, or DenseKVCache), each indexed from 0 among its
@@ -43,6 +48,7 @@ class SlidingWindowKVCache:
     slot_positions: tuple[jax.Array, ...]  # per layer int32 [B, R]; EMPTY where never written
     window: int = _static()
     max_chunk: int = _static()
+    rows: jax.Array | None = None  # int32 [batch rows]: the ring of each row of this step (None: row i)
 
     @classmethod
     def create(cls, *, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, window: int,
@@ -64,6 +70,28 @@ class SlidingWindowKVCache:
     def slots(self) -> int:
         return self.window + self.max_chunk - 1
 
+    @property
+    def num_rings(self) -> int:
+        return self.slot_positions[0].shape[0] if self.slot_positions else 0
+
+    def with_rows(self, rows) -> "SlidingWindowKVCache":
+        """This cache with batch row i reading and writing ring rows[i] (int32 [B])."""
+        return dataclasses.replace(self, rows=jnp.asarray(rows, jnp.int32))
+
+    def reset(self, ring) -> "SlidingWindowKVCache":
+        """Ring `ring` emptied in every layer (its slots hold no position), for a new sequence.
+        The K/V bytes stay: a slot is read only through its position."""
+        held = tuple(h.at[ring].set(EMPTY) for h in self.slot_positions)
+        return dataclasses.replace(self, slot_positions=held)
+
+    @staticmethod
+    def nbytes_per_ring(*, num_layers: int, num_kv_heads: int, head_dim: int, window: int, max_chunk: int,
+                        dtype=jnp.bfloat16) -> int:
+        """Bytes one ring holds over `num_layers` local layers (K, V and slot positions)."""
+        slots = window + max_chunk - 1
+        kv = 2 * num_kv_heads * slots * head_dim * jnp.dtype(dtype).itemsize
+        return num_layers * (kv + slots * jnp.dtype(jnp.int32).itemsize)
+
     def attend(self, layer, q, k, v, positions, *, window: int | None = None):
         """The KVCache contract for a local layer; the positions of a row within one step must be
         consecutive (prefill chunks and decode steps are)."""
@@ -75,13 +103,19 @@ class SlidingWindowKVCache:
             raise ValueError(f"k {k.shape} does not match positions {positions.shape} and cache {k_cache.shape}")
         if t > self.max_chunk:
             raise ValueError(f"{t=} tokens in one step exceed max_chunk={self.max_chunk} of this cache")
-        rows = jnp.arange(b)[:, None]
+        if self.rows is None:
+            rings = jnp.arange(b)
+        elif self.rows.shape != (b,):
+            raise ValueError(f"rows {self.rows.shape} must name one ring per batch row ({b})")
+        else:
+            rings = self.rows
         slot = positions % self.slots  # [B, T], distinct within a row (t ≤ slots, consecutive)
-        k_cache = k_cache.at[rows, :, slot].set(k.astype(k_cache.dtype))
-        v_cache = v_cache.at[rows, :, slot].set(v.astype(v_cache.dtype))
-        held = held.at[rows, slot].set(positions.astype(jnp.int32))
-        out = reference_attention(q, k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3),
-                                  positions, held, window=self.window)
+        k_cache = k_cache.at[rings[:, None], :, slot].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.at[rings[:, None], :, slot].set(v.astype(v_cache.dtype))
+        held = held.at[rings[:, None], slot].set(positions.astype(jnp.int32))
+        mine = (lambda x: x) if self.rows is None else (lambda x: x[rings])  # noqa: E731
+        out = reference_attention(q, mine(k_cache).transpose(0, 2, 1, 3), mine(v_cache).transpose(0, 2, 1, 3),
+                                  positions, mine(held), window=self.window)
         replace = lambda xs, x: xs[:layer] + (x,) + xs[layer + 1:]  # noqa: E731
         return out, dataclasses.replace(self, k=replace(self.k, k_cache), v=replace(self.v, v_cache),
                                         slot_positions=replace(self.slot_positions, held))

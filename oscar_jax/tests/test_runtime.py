@@ -38,16 +38,21 @@ class TieredReference:
     its bfloat16 rows.
     """
 
-    def __init__(self, art, config):
-        self.rot = np.asarray(art.k_rotation, np.float64)
+    def __init__(self, art, config, layers=None):
+        """layers: the model layers this cache holds, in the order the model calls them (default
+        all of CFG's); the artifact's rotations and clips are those layers'."""
+        self.layers = list(range(CFG.num_layers)) if layers is None else list(layers)
+        self.rot = np.asarray(art.k_rotation, np.float64)[self.layers]
+        self.k_clip = np.asarray(art.k_clip_ratio).reshape(-1)[self.layers]
+        self.v_clip = np.asarray(art.v_clip_ratio).reshape(-1)[self.layers]
         self.art, self.config = art, config
-        self.k = [dict() for _ in range(CFG.num_layers)]  # position → stored rows (K, D) f32
-        self.v = [dict() for _ in range(CFG.num_layers)]
+        self.k = [dict() for _ in self.layers]  # position → stored rows (K, D) f32
+        self.v = [dict() for _ in self.layers]
         self.length = 0
         self.phase = "prefill"
 
     def _q(self, x, layer, which):
-        clip = (self.art.k_clip_ratio if which == "k" else self.art.v_clip_ratio)[layer]
+        clip = (self.k_clip if which == "k" else self.v_clip)[layer]
         g = self.art.group_size
         return decode(*encode(x.astype(np.float32), group_size=g, clip_ratio=float(clip), levels=self.art.levels),
                       group_size=g)
@@ -93,7 +98,7 @@ class TieredReference:
         before, after = tier_split(length - 1, self.config), tier_split(length, self.config)
         sink = self.config.sink  # history always starts at S0
         for p in range(sink + before.history_tokens, sink + after.history_tokens):
-            for layer in range(CFG.num_layers):
+            for layer in range(len(self.layers)):
                 self.k[layer][p] = self._q(self.k[layer][p], layer, "k")
                 self.v[layer][p] = self._q(self.v[layer][p], layer, "v")
 

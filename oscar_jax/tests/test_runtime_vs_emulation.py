@@ -1,4 +1,5 @@
-"""SmolLM2 decoding real text through OscarRuntime against the decode-faithful tier emulation.
+"""SmolLM2 and Gemma 3 decoding real text through OscarRuntime against the decode-faithful tier
+emulation that calibration.evaluate and calibration.passkey score (QUALITY.md's figures).
 
 NUM_TOKENS of Wikipedia text (evaluation split) enter OscarRuntime (on CPU the ops' native XLA
 path, oscar_jax/xla; the figures below were measured with the Pallas kernels in interpret mode, whose
@@ -36,6 +37,13 @@ median at the demoting steps 0.092, top-1 agreement 0.9953. One-ulp noise floor:
 demoting steps: median 0.31 (limit 0.21). At 1024 tokens (243 s) the runtime passes too (max 1.69,
 median 0.118, top-1 0.9932; floor max 1.77, median 0.104), but the floor grows with length and
 the old timing's 0.356 is then barely above its limit 0.347, hence NUM_TOKENS = 640.
+
+Gemma 3 270M (BOS + 639 tokens; 3 global layers in the OSCAR tiers, 15 sliding-window layers in
+the runtime's BF16 rings; XLA path, 126 s): max 4.32, median 0.080, 99th percentile 1.76, median
+at the demoting steps 0.44, top-1 agreement 0.989; one-ulp floor max 4.98, median 0.089, 99th
+percentile 2.04, INT2-regime median 0.53, top-1 0.984. Its floor is too high for the old timing
+(median 0.75 at the demoting steps) to fall outside twice the floor, so for Gemma the test asks
+only that the runtime sits closer to the right timing than to the old one.
 """
 
 import time
@@ -72,7 +80,8 @@ class _DemoteBeforeAttending:
         return iv._replace(k_end=end, v_end=end.copy())
 
 
-def test_decoding_matches_the_tier_emulation_within_its_rounding_noise():
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_decoding_matches_the_tier_emulation_within_its_rounding_noise(model):
     import jax.numpy as jnp
 
     from calibration.data import pack_tokens, wiki_documents
@@ -87,10 +96,14 @@ def test_decoding_matches_the_tier_emulation_within_its_rounding_noise():
     from shared_math.tiers import demotes_on_append
 
     t0 = time.time()
-    cfg, params = load_model("smollm2-135m")
-    tokenizer = load_tokenizer("smollm2-135m")
-    art = read_artifact(shipped_artifact("smollm2-135m"))
-    tokens = pack_tokens(wiki_documents("evaluation"), tokenizer.encode, tokenizer.eos_id, num_tokens=NUM_TOKENS)
+    cfg, params = load_model(model)
+    tokenizer = load_tokenizer(model)
+    art = read_artifact(shipped_artifact(model))
+    # A BOS-adding tokenizer (Gemma's): one BOS, then the text, as calibration.evaluate's windows.
+    bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []
+    text = pack_tokens(wiki_documents("evaluation"), lambda doc: tokenizer.encode(doc, add_bos=False),
+                       tokenizer.eos_id, num_tokens=NUM_TOKENS - len(bos))
+    tokens = np.concatenate([np.asarray(bos, np.int32), text])
     method = parse_method("oscar", num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                           artifact=art)
     # The runtime's view: a one-token prompt (prefilled: it reads itself in float32), then every
@@ -138,4 +151,6 @@ def test_decoding_matches_the_tier_emulation_within_its_rounding_noise():
     # emulation with the old timing (demote before attending) is far outside (the tolerance sees it).
     limit = NOISE_FACTOR * np.median(floor[int2])
     assert np.median(err[demoting]) <= limit, stats
-    assert np.median(early) > limit, stats
+    assert np.median(err[demoting]) < np.median(early), stats
+    if model == "smollm2-135m":  # Gemma's floor hides the old timing (module docstring)
+        assert np.median(early) > limit, stats
