@@ -179,15 +179,16 @@ class OscarRuntime:
         """Whether prompts can reuse another's pages (not with sliding-window layers: module docstring)."""
         return self.rings is None
 
-    def _run(self, fn, plan: StepPlan, phase: str, rows, *args):
-        """One jitted step over the cache with this step's plan (and rings of these sequences);
-        keeps the updated cache. Returns the step's logits."""
+    def _run(self, fn, plan: StepPlan, phase: str, rows, tokens, *inputs):
+        """fn(params, cfg, tokens, cache, *inputs), one jitted step, over the cache with this
+        step's plan and, for local layers, the rings of `rows` (a sequence id per batch row, None
+        for padding); keeps the updated cache. Returns the step's logits."""
         cache = self.cache.with_plan(plan, phase)
         if self.rings is not None:
             ring_rows = np.asarray([SCRATCH_RING if sid is None else self._ring_of[sid] for sid in rows], np.int32)
             cache = LayerRoutedKVCache.for_layer_types(self.cfg.layer_types, global_cache=cache,
                                                        local_cache=self.rings.with_rows(ring_rows))
-        logits, cache = fn(self.params, self.cfg, args[0], cache, *args[1:])
+        logits, cache = fn(self.params, self.cfg, tokens, cache, *inputs)
         if self.rings is not None:
             self.rings = dataclasses.replace(cache.local_cache, rows=None)
             cache = cache.global_cache
