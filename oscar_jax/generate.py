@@ -133,7 +133,15 @@ def main(argv=None) -> int:
         return 2
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
     if args.chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        from oscar_jax.loaders import resolve_model_path
+        from oscar_jax.serving.chat import ChatTemplate, TemplateError, read_chat_template
+
+        try:
+            text = ChatTemplate(read_chat_template(resolve_model_path(model)), tokenizer).render(
+                [{"role": "user", "content": text}])
+        except (TemplateError, ValueError) as e:
+            print(f"error: --chat: {e} (leave out --chat to continue the prompt as text)", file=sys.stderr)
+            return 2
     prompt = np.asarray(tokenizer.encode(text), np.int32)
     max_seq_len = args.max_seq_len or len(prompt) + args.max_new_tokens
     print(f"[oscar] {model}: {describe(cfg)}", file=sys.stderr)

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oscar-group-size", type=int, default=None, help="default: the artifact's")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices the model and the cache are split over, by heads (default: %(default)s)")
+    p.add_argument("--chat-template", type=Path, default=None,
+                   help="a jinja2 chat template file (default: the one in the model's tokenizer metadata)")
     p.add_argument("--no-warmup", action="store_true", help="compile on first use instead of at startup")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_distributed_arguments(p)
@@ -178,7 +180,7 @@ def build_engine(args, *, log=print):
     from oscar_jax.model import describe
     from oscar_jax.parallel import make_mesh
     from oscar_jax.runtime import OscarRuntime, fingerprint
-    from oscar_jax.serving.chat import ChatTemplate, read_chat_template
+    from oscar_jax.serving.chat import ChatTemplate, read_chat_template, read_template_file
     from oscar_jax.serving.engine import Engine, EngineConfig
     from oscar_jax.tokenizer import load_tokenizer
     from shared_math.models import shipped_artifact
@@ -218,7 +220,12 @@ def build_engine(args, *, log=print):
         f"INT2 pages of {runtime.config.page_size} tokens "
         f"({(alloc.bf16.num_pages * bf16_bytes + alloc.int2.num_pages * int2_bytes) / 2**20:.1f} MiB), "
         f"sink {runtime.config.sink}, recent {runtime.config.recent}")
-    chat = ChatTemplate(read_chat_template(resolve_model_path(args.model)), tokenizer)
+    template = (read_template_file(args.chat_template) if args.chat_template is not None
+                else read_chat_template(resolve_model_path(args.model)))
+    chat = ChatTemplate(template, tokenizer)
+    if not chat.available:
+        log(f"[oscar] {args.model} has no chat template and does not speak ChatML: /v1/chat/completions answers "
+            "400 (--chat-template FILE supplies one)")
     return engine, tokenizer, chat, args.served_model_name or args.model
 
 

@@ -294,7 +294,8 @@ def create_app(server: Server) -> FastAPI:
         try:
             text = server.chat.render(messages, add_generation_prompt=add_generation_prompt)
         except TemplateError as err:
-            raise APIError(400, str(err), "messages") from err
+            hint = "" if server.chat.available else ": use /v1/completions, or start the server with --chat-template FILE"
+            raise APIError(400, f"{err}{hint}", "messages") from err
         ids = server.tokenizer.encode(text)
         params = _sampling(body, max_tokens_field="max_completion_tokens", default_max_tokens=None,
                            prompt_len=len(ids), max_model_len=server.max_model_len)
