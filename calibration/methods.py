@@ -141,7 +141,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from shared_math.codec import decode, encode
+from shared_math.codec import decode, decode_channels, encode, encode_channels
 from shared_math.hadamard import hadamard_matrix
 from shared_math.rotation import bit_reversal_permutation
 from shared_math.spec import (
@@ -329,20 +329,20 @@ def _minmax_rows(x: np.ndarray, group_size: int) -> np.ndarray:
 
 
 def quantize_key_channels(x: np.ndarray, group_size: int, start: int = 0) -> np.ndarray:
-    """KIVI's key codec: per channel over consecutive groups of G tokens from position `start`.
+    """KIVI's key codec, format v2's key pages: per channel over consecutive groups of G tokens from
+    position `start` (`shared_math.codec.encode_channels`, clip ratio 1, min/max levels).
 
-    x float32 [B, T, Hkv, D] → the dequantized keys [B, T, Hkv, D]: each (group, KV head, channel)
-    is one row of G token values through `_minmax_rows` (one fp16 scale and minimum per row).
-    Positions before `start` and those of a trailing partial group are returned unchanged."""
+    x float32 [B, T, Hkv, D] → the dequantized keys [B, T, Hkv, D]. Positions before `start` and
+    those of a trailing partial group are returned unchanged."""
     x = np.asarray(x, np.float32)
     b, t, h, d = x.shape
     start = min(start, t)
     full = ((t - start) // group_size) * group_size
     out = x.copy()
     if full:
-        blocks = x[:, start:start + full].reshape(b, full // group_size, group_size, h, d)
-        rows = blocks.transpose(0, 1, 3, 4, 2)  # [B, T/G, Hkv, D, G]: one row per channel
-        out[:, start:start + full] = _minmax_rows(rows, group_size).transpose(0, 1, 4, 2, 3).reshape(b, full, h, d)
+        pages = x[:, start:start + full].reshape(b, full // group_size, group_size, h, d).transpose(0, 1, 3, 2, 4)
+        decoded = decode_channels(*encode_channels(pages, clip_ratio=1.0, levels="minmax"))  # [B, T/G, Hkv, G, D]
+        out[:, start:start + full] = decoded.transpose(0, 1, 3, 2, 4).reshape(b, full, h, d)
     return out
 
 

@@ -33,7 +33,7 @@ from oscar_jax import ops
 from oscar_jax.xla import kernels as current_kernels
 from oscar_jax.xla import use_kernels, use_xla
 from oscar_jax.xla import write as xla_write
-from shared_math.spec import CODES_PER_BYTE, OscarConfig, clip_index
+from shared_math.spec import CODES_PER_BYTE, OscarConfig, clip_index, require_token_keys
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 PHASES = ("prefill", "decode")
@@ -101,6 +101,7 @@ class OscarKVCache:
     ) -> "OscarKVCache":
         """Zero-filled pools. k_rotation [Y, K, D, D]; clip ratios one per layer. interpret=None: the
         ops run `oscar_jax.xla.kernels()` as it stands now (the XLA path on a CPU backend)."""
+        require_token_keys(config, "OscarKVCache")
         d, page, g = config.head_dim, config.page_size, config.group_size
         k_rotation = jnp.asarray(k_rotation, jnp.float32)
         if k_rotation.shape != (num_layers, num_kv_heads, d, d):

@@ -34,7 +34,7 @@ import torch
 
 from oscar_torch import attention_ops, library
 from oscar_torch.validation import check_tensor
-from shared_math.spec import CODES_PER_BYTE, OscarConfig, clip_index
+from shared_math.spec import CODES_PER_BYTE, OscarConfig, clip_index, require_token_keys
 
 PHASES = ("prefill", "decode")
 POOL_NAMES = ("k_bf16", "v_bf16", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
@@ -77,6 +77,7 @@ class OscarTorchCache:
         clip ratios one per layer (a sequence of Y numbers, or a tensor of Y values)."""
         if not isinstance(config, OscarConfig):
             raise ValueError(f"config must be an OscarConfig, got {type(config).__name__}")
+        require_token_keys(config, "OscarTorchCache")
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("num_bf16_pages", num_bf16_pages), ("num_int2_pages", num_int2_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

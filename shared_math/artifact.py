@@ -4,8 +4,8 @@ One `.safetensors` file — no pickle — holding float32 tensors
   k_rotation, v_rotation      [L, Hkv, D, D]   orthogonal, row-vector convention (k' = k·R)
   k_eigenvalues, v_eigenvalues [L, Hkv, D]     ascending (numpy eigh order)
   k_clip_ratio, v_clip_ratio  [L]              in (0, 1]
-and string metadata: format_version, model (shape fingerprint), codec (group_size, levels),
-provenance (command, data, tokens, seed, git sha, …), each JSON.
+and string metadata: format_version, model (shape fingerprint), codec (group_size, levels, and
+key_layout when it is format v2's "channel"), provenance (command, data, tokens, seed, git sha, …), each JSON.
 Everything is validated on write and on read; each failure raises ArtifactError naming it.
 """
 
@@ -18,7 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from shared_math.spec import FORMAT_VERSION, LEVELS, validate_codec_shape
+from shared_math.spec import (
+    KEY_LAYOUTS,
+    LEVELS,
+    READABLE_FORMAT_VERSIONS,
+    check_format_version,
+    format_version_of,
+    validate_codec_shape,
+)
 
 ARTIFACT_FILENAME = "oscar_rotations.safetensors"
 ORTHOGONALITY_TOLERANCE = 1e-4  # max |RᵀR − I| for float32 rotations
@@ -63,7 +70,7 @@ class RotationArtifact:
     k_clip_ratio: np.ndarray
     v_clip_ratio: np.ndarray
     model: ModelFingerprint
-    codec: dict[str, Any]  # {"group_size": G, "levels": "minmax" | "moments"}
+    codec: dict[str, Any]  # {"group_size": G, "levels": "minmax" | "moments"[, "key_layout": "channel"]}
     provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -77,6 +84,10 @@ class RotationArtifact:
     @property
     def levels(self) -> str:
         return str(self.codec["levels"])
+
+    @property
+    def key_layout(self) -> str:
+        return str(self.codec.get("key_layout", "token"))
 
     def tensors(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in TENSOR_NAMES}
@@ -128,8 +139,11 @@ def validate_artifact(artifact: RotationArtifact, expected_model: ModelFingerpri
         if np.any(value <= 0) or np.any(value > 1):
             raise ArtifactError(f"{name} must lie in (0, 1], got min {value.min()} max {value.max()}")
     codec = artifact.codec
-    if not isinstance(codec, dict) or set(codec) != {"group_size", "levels"}:
-        raise ArtifactError(f"codec metadata must be {{'group_size', 'levels'}}, got {codec!r}")
+    if not isinstance(codec, dict) or not {"group_size", "levels"} <= set(codec) <= {"group_size", "levels",
+                                                                                     "key_layout"}:
+        raise ArtifactError(f"codec metadata must be {{'group_size', 'levels'[, 'key_layout']}}, got {codec!r}")
+    if codec.get("key_layout", "token") not in KEY_LAYOUTS:
+        raise ArtifactError(f"codec key_layout={codec['key_layout']!r} must be one of {KEY_LAYOUTS}")
     try:
         validate_codec_shape(m.head_dim, codec["group_size"])
     except ValueError as e:
@@ -150,7 +164,7 @@ def write_artifact(path: str | Path, artifact: RotationArtifact) -> Path:
         path.mkdir(parents=True, exist_ok=True)
         path = path / ARTIFACT_FILENAME
     metadata = {
-        "format_version": str(FORMAT_VERSION),
+        "format_version": str(format_version_of(artifact.key_layout)),
         "model": json.dumps(dataclasses.asdict(artifact.model), sort_keys=True),
         "codec": json.dumps(artifact.codec, sort_keys=True),
         "provenance": json.dumps(artifact.provenance, sort_keys=True),
@@ -204,10 +218,9 @@ def read_artifact(path: str | Path, expected_model: ModelFingerprint | None = No
     missing_meta = [key for key in METADATA_KEYS if key not in metadata]
     if missing_meta:
         raise ArtifactError(f"{file} is missing metadata {missing_meta}")
-    if metadata["format_version"] != str(FORMAT_VERSION):
-        raise ArtifactError(
-            f"{file} has format_version={metadata['format_version']!r}; this library reads {FORMAT_VERSION}"
-        )
+    if metadata["format_version"] not in [str(v) for v in READABLE_FORMAT_VERSIONS]:
+        raise ArtifactError(f"{file} has format_version={metadata['format_version']!r}; this library reads "
+                            f"versions {[str(v) for v in READABLE_FORMAT_VERSIONS]}")
     model = _parse_json(metadata, "model", file)
     if not isinstance(model, dict) or set(model) != {f.name for f in dataclasses.fields(ModelFingerprint)}:
         raise ArtifactError(f"{file}: metadata 'model' must hold the model shape fingerprint, got {model!r}")
@@ -219,6 +232,7 @@ def read_artifact(path: str | Path, expected_model: ModelFingerprint | None = No
     )
     try:
         validate_artifact(artifact, expected_model)
-    except ArtifactError as e:
+        check_format_version(int(metadata["format_version"]), artifact.key_layout)
+    except ValueError as e:  # ArtifactError included
         raise ArtifactError(f"{file}: {e}") from None
     return artifact

@@ -1,7 +1,9 @@
-"""The INT2 codec of format v1, step by step (FORMAT.md §Codec is the prose of this file).
+"""The INT2 codec, step by step (FORMAT.md §Codec is the prose of this file).
 
 encode: float32 rows of d values → (packed uint8[..., d/4], scale f16[..., d/G], minimum f16[..., d/G])
 decode: the inverse map to float32 levels, x̂ = minimum + code·scale.
+encode_channels / decode_channels (format v2, `key_layout="channel"`): the same steps on each
+channel of a page of keys over its tokens, packed per token as encode packs a row.
 
 Every step is chosen so that any backend reproduces the bytes exactly: no division (multiply by
 f32(1/3), exact scalings by 1/G), no rounding intrinsics (casts are round-to-nearest-even), codes
@@ -17,9 +19,11 @@ from shared_math.spec import (
     CODE_MASK,
     CODES_PER_BYTE,
     FP16_MAX,
+    MIN_GROUP_SIZE,
     MOMENTS_MAD_TO_SIGMA,
     NUM_LEVELS,
     clip_index,
+    is_power_of_two,
     validate_codec_shape,
     validate_levels,
 )
@@ -129,13 +133,17 @@ def encode(x, *, group_size: int, clip_ratio: float, levels: str = "minmax"):
         raise ValueError(f"x must be a real array, got dtype {x.dtype}")
     d = _check_rows(x, group_size)
     validate_levels(levels)
-    k = clip_index(clip_ratio, d)
+    codes, scale, minimum = _codes_and_metadata(x, group_size, clip_index(clip_ratio, d), levels)
+    return pack_codes(codes), scale, minimum
+
+
+def _codes_and_metadata(x: np.ndarray, group_size: int, k: int, levels: str):
+    """Steps 1-4 on rows [..., n]: codes uint8[..., n], scale and minimum f16[..., n/G]."""
     clipped = clip_rows(sanitize(x), k)
-    groups = clipped.reshape(clipped.shape[:-1] + (d // group_size, group_size))
+    groups = clipped.reshape(clipped.shape[:-1] + (clipped.shape[-1] // group_size, group_size))
     metadata = group_metadata_minmax if levels == "minmax" else group_metadata_moments
     scale, minimum = metadata(groups)
-    codes = quantize_codes(groups, scale, minimum).reshape(clipped.shape)
-    return pack_codes(codes), scale, minimum
+    return quantize_codes(groups, scale, minimum).reshape(clipped.shape), scale, minimum
 
 
 def decode(packed, scale, minimum, *, group_size: int) -> np.ndarray:
@@ -158,3 +166,54 @@ def decode(packed, scale, minimum, *, group_size: int) -> np.ndarray:
     codes = unpack_codes(packed).reshape(meta_shape + (group_size,))
     values = minimum.astype(_F32)[..., None] + codes.astype(_F32) * scale.astype(_F32)[..., None]
     return values.reshape(packed.shape[:-1] + (d,))
+
+
+def _check_page(x: np.ndarray) -> tuple[int, int]:
+    if x.ndim < 2:
+        raise ValueError(f"a key page must have shape [..., page, d], got shape {x.shape}")
+    page, d = x.shape[-2:]
+    validate_codec_shape(d, MIN_GROUP_SIZE)
+    if not is_power_of_two(page) or page < MIN_GROUP_SIZE:
+        raise ValueError(f"page={page} tokens must be a power of two >= {MIN_GROUP_SIZE} (each channel's group)")
+    return page, d
+
+
+def encode_channels(x, *, clip_ratio: float, levels: str = "minmax"):
+    """Format v2 key pages: each channel quantized over the page's tokens (KIVI's key grouping).
+
+    Steps 1-4 of `encode` run on each channel's column of `page` values (clip index
+    min(floor(c·page), page−1); one scale and minimum per channel); the codes are then packed per
+    token exactly as `encode` packs a row, so a page's code bytes have v1's layout.
+
+    Args:
+      x: real array [..., page, d] (page a power of two ≥ 16, d a power of two ≥ 16).
+      clip_ratio: c in (0, 1], over each channel's page values.
+      levels: "minmax" or "moments", as for `encode`.
+    Returns:
+      packed uint8[..., page, d/4], scale float16[..., d], minimum float16[..., d].
+    """
+    x = np.asarray(x)
+    if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+        raise ValueError(f"x must be a real array, got dtype {x.dtype}")
+    page, _ = _check_page(x)
+    validate_levels(levels)
+    columns = np.swapaxes(x, -1, -2)  # [..., d, page]: one row per channel
+    codes, scale, minimum = _codes_and_metadata(columns, page, clip_index(clip_ratio, page), levels)
+    return pack_codes(np.swapaxes(codes, -1, -2)), scale[..., 0], minimum[..., 0]
+
+
+def decode_channels(packed, scale, minimum) -> np.ndarray:
+    """Format v2 key pages: float32[..., page, d] with x̂ = f32(minimum[c]) + code·f32(scale[c])."""
+    packed, scale, minimum = np.asarray(packed), np.asarray(scale), np.asarray(minimum)
+    if packed.dtype != np.uint8:
+        raise ValueError(f"packed must be uint8, got {packed.dtype}")
+    if scale.dtype != np.float16 or minimum.dtype != np.float16:
+        raise ValueError(f"scale and minimum must be float16, got {scale.dtype} and {minimum.dtype}")
+    if packed.ndim < 2:
+        raise ValueError(f"packed must have shape [..., page, d/4], got shape {packed.shape}")
+    meta_shape = packed.shape[:-2] + (packed.shape[-1] * CODES_PER_BYTE,)
+    if scale.shape != meta_shape or minimum.shape != meta_shape:
+        raise ValueError(f"scale {scale.shape} and minimum {minimum.shape} must have shape {meta_shape} "
+                         f"for packed {packed.shape}")
+    codes = unpack_codes(packed).astype(_F32)
+    return minimum.astype(_F32)[..., None, :] + codes * scale.astype(_F32)[..., None, :]

@@ -1,7 +1,9 @@
-"""Format v1 constants and the validated cache configuration.
+"""Format constants and the validated cache configuration.
 
 Every constant of the format lives here (and in FORMAT.md); kernels receive them as static
-arguments. Changing any of them, or the codec's arithmetic, is a FORMAT_VERSION bump.
+arguments. Changing any of them, or the codec's arithmetic, is a FORMAT_VERSION bump. Version 2
+adds one choice to version 1, keys quantized per channel over each history page
+(`key_layout="channel"`); a configuration that does not use it is version 1, byte for byte.
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ import json
 import math
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version this library reads and writes
+READABLE_FORMAT_VERSIONS = (1, 2)
+# How history keys are grouped for their scale and minimum: "token" (v1: groups of G channels of
+# one token, as values always are) or "channel" (v2: each channel over the page's tokens, KIVI's
+# key grouping, which keeps a needle's key where per-token groups lose it; calibration/HISTORY.md
+# runs 14-15).
+KEY_LAYOUTS = ("token", "channel")
 
 CODE_BITS = 2  # bits per stored code
 NUM_LEVELS = 1 << CODE_BITS  # 4 quantization levels
@@ -80,6 +88,36 @@ def validate_levels(levels: str) -> None:
         raise ValueError(f"{levels=} must be one of {LEVELS}")
 
 
+def validate_key_layout(key_layout: str) -> None:
+    if key_layout not in KEY_LAYOUTS:
+        raise ValueError(f"{key_layout=} must be one of {KEY_LAYOUTS}")
+
+
+def require_token_keys(config: "OscarConfig", cache: str) -> None:
+    """Refuse format v2's per-channel keys in a cache that does not store them yet."""
+    if config.key_layout != "token":
+        raise NotImplementedError(
+            f"{cache} stores keys per token (format v1); key_layout={config.key_layout!r} (format v2) is "
+            "specified in FORMAT.md with its reference in shared_math.codec.encode_channels, and no "
+            "cache writes it yet")
+
+
+def format_version_of(key_layout: str) -> int:
+    """The oldest format version that stores `key_layout`: what a writer records, so that a v1
+    configuration keeps writing v1 bytes and metadata."""
+    validate_key_layout(key_layout)
+    return 1 if key_layout == "token" else 2
+
+
+def check_format_version(version: Any, key_layout: str) -> None:
+    """Raise ValueError unless `version` is readable and can hold `key_layout`."""
+    if isinstance(version, bool) or version not in READABLE_FORMAT_VERSIONS:
+        raise ValueError(f"format_version={version!r}: this library reads versions {READABLE_FORMAT_VERSIONS}")
+    if version < format_version_of(key_layout):
+        raise ValueError(f"format_version={version} cannot hold {key_layout=} (it needs version "
+                         f"{format_version_of(key_layout)})")
+
+
 @dataclasses.dataclass(frozen=True)
 class OscarConfig:
     """Everything that fixes the bytes of a cache: codec shape, clipping, tiers and pages."""
@@ -93,6 +131,7 @@ class OscarConfig:
     recent: int = DEFAULT_RECENT
     page_size: int = DEFAULT_PAGE_SIZE
     metadata_dtype: str = METADATA_DTYPE
+    key_layout: str = "token"  # "channel" (format v2): history keys per channel over each page
 
     def __post_init__(self):
         if self.group_size is None:
@@ -111,16 +150,23 @@ class OscarConfig:
                 )
         if self.metadata_dtype != METADATA_DTYPE:
             raise NotImplementedError(
-                f"metadata_dtype={self.metadata_dtype!r}: format v1 stores {METADATA_DTYPE} only"
+                f"metadata_dtype={self.metadata_dtype!r}: the format stores {METADATA_DTYPE} only"
             )
+        validate_key_layout(self.key_layout)
+        if self.key_layout == "channel":
+            # A page's keys are one group per channel: the page is the group, as G is for a row.
+            if self.page_size < MIN_GROUP_SIZE:
+                raise ValueError(f"key_layout='channel' groups each channel over a page: page_size="
+                                 f"{self.page_size} must be >= {MIN_GROUP_SIZE}")
+            clip_index(self.k_clip_ratio, self.page_size)
 
     @classmethod
     def from_artifact(cls, artifact, *, group_size: int | None = None, sink: int | None = None,
                       recent: int | None = None, page_size: int | None = None) -> "OscarConfig":
         """The cache configuration a runtime builds from a rotation artifact
-        (shared_math.artifact.RotationArtifact): head_dim, codec (group size, levels) and clip
-        ratios from the artifact, tiers from the arguments (None: the defaults; group_size None:
-        the artifact's). The clip ratios here are layer 0's; per-layer ratios travel with the
+        (shared_math.artifact.RotationArtifact): head_dim, codec (group size, levels, key layout)
+        and clip ratios from the artifact, tiers from the arguments (None: the defaults; group_size
+        None: the artifact's). The clip ratios here are layer 0's; per-layer ratios travel with the
         cache's pools, which every runtime fills from the artifact's arrays."""
         head_dim = artifact.model.head_dim
         defaults = cls(head_dim=head_dim)
@@ -133,11 +179,17 @@ class OscarConfig:
             sink=defaults.sink if sink is None else sink,
             recent=defaults.recent if recent is None else recent,
             page_size=page_size or defaults.page_size,
+            key_layout=artifact.key_layout,
         )
 
     @property
+    def format_version(self) -> int:
+        return format_version_of(self.key_layout)
+
+    @property
     def k_clip_index(self) -> int:
-        return clip_index(self.k_clip_ratio, self.head_dim)
+        """Keys clip per token over d channels, or (key_layout "channel") per channel over a page."""
+        return clip_index(self.k_clip_ratio, self.head_dim if self.key_layout == "token" else self.page_size)
 
     @property
     def v_clip_index(self) -> int:
@@ -152,7 +204,10 @@ class OscarConfig:
         return self.head_dim // CODES_PER_BYTE
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format_version": FORMAT_VERSION, **dataclasses.asdict(self)}
+        data = dataclasses.asdict(self)
+        if self.key_layout == "token":
+            del data["key_layout"]  # a v1 configuration serializes exactly as version 1 did
+        return {"format_version": self.format_version, **data}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -160,9 +215,8 @@ class OscarConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "OscarConfig":
         data = dict(data)
-        version = data.pop("format_version", FORMAT_VERSION)
-        if version != FORMAT_VERSION:
-            raise ValueError(f"format_version={version!r}: this library reads version {FORMAT_VERSION}")
+        version = data.pop("format_version", 1)
+        check_format_version(version, data.get("key_layout", "token"))
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:

@@ -91,6 +91,14 @@ def int2_row_bytes(config: OscarConfig) -> int:
     return config.head_dim // CODES_PER_BYTE + 2 * config.groups_per_row * METADATA_BYTES
 
 
+def int2_key_page_bytes(config: OscarConfig) -> int:
+    """Bytes of one INT2 key page of one head: rows as values are stored (key_layout "token"), or
+    (format v2, "channel") page·d/4 code bytes + an fp16 scale and minimum per channel."""
+    if config.key_layout == "token":
+        return config.page_size * int2_row_bytes(config)
+    return config.page_size * config.packed_row_bytes + 2 * config.head_dim * METADATA_BYTES
+
+
 def bf16_row_bytes(config: OscarConfig) -> int:
     return config.head_dim * BF16_BYTES
 
@@ -127,11 +135,12 @@ def kv_bytes_per_layer(length: int, config: OscarConfig, num_kv_heads: int = 1) 
     if not isinstance(num_kv_heads, int) or num_kv_heads < 1:
         raise ValueError(f"{num_kv_heads=} must be a positive integer")
     split = tier_split(length, config)
-    bf16, int2 = bf16_row_bytes(config), int2_row_bytes(config)
-    per_head = (split.sink_tokens + split.recent_tokens) * bf16 + split.history_tokens * int2
-    per_head_pages = split.bf16_pages * config.page_size * bf16 + split.history_pages * config.page_size * int2
-    factor = 2 * num_kv_heads  # K and V
-    return KVBytes(split, num_kv_heads, config.head_dim, factor * per_head, factor * per_head_pages)
+    bf16 = bf16_row_bytes(config)
+    # history is whole pages, so its stored and allocated bytes agree
+    history = split.history_pages * (int2_key_page_bytes(config) + config.page_size * int2_row_bytes(config))
+    stored = 2 * (split.sink_tokens + split.recent_tokens) * bf16 + history  # K and V
+    allocated = 2 * split.bf16_pages * config.page_size * bf16 + history
+    return KVBytes(split, num_kv_heads, config.head_dim, num_kv_heads * stored, num_kv_heads * allocated)
 
 
 def bf16_kv_bytes_per_layer(length: int, head_dim: int, num_kv_heads: int = 1) -> int:
@@ -149,5 +158,6 @@ def ideal_bits_per_element(length: int, config: OscarConfig) -> float:
     if length == 0:
         return 0.0
     bf16_tokens = min(length, config.sink + config.recent)
-    int2_bits = 8.0 * int2_row_bytes(config) / config.head_dim
+    key_bits = 8.0 * int2_key_page_bytes(config) / (config.page_size * config.head_dim)
+    int2_bits = (key_bits + 8.0 * int2_row_bytes(config) / config.head_dim) / 2  # K and V
     return (bf16_tokens * 8.0 * BF16_BYTES + (length - bf16_tokens) * int2_bits) / length

@@ -171,6 +171,17 @@ def test_cache_demotes_layers_with_different_clip_ratios_by_group(levels):
             assert_encoding(have, want, f"{prefix} layer {layer} (clip ratio {ratio})")
 
 
+def test_cache_refuses_per_channel_keys():
+    """Format v2's per-channel key pages have their reference in shared_math; OscarKVCache stores v1."""
+    from oscar_jax.cache import OscarKVCache
+    from shared_math.spec import OscarConfig
+
+    with pytest.raises(NotImplementedError, match="OscarKVCache stores keys per token"):
+        OscarKVCache.create(OscarConfig(head_dim=64, key_layout="channel"), num_layers=1, num_kv_heads=1,
+                            num_bf16_pages=2, num_int2_pages=2, k_rotation=np.eye(64, dtype=np.float32)[None, None],
+                            k_clip_ratio=[1.0], v_clip_ratio=[1.0])
+
+
 def test_traced_out_of_range_destinations_are_skipped():
     """Under jit the ids are not checked on the host: a page or slot outside the pool (negative ones
     included, which indexing would wrap) is never written; the valid rows are."""

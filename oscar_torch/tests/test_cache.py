@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -149,6 +151,14 @@ def test_create_rejects_bad_arguments(kwargs, message):
     config = args.pop("config")
     with pytest.raises(ValueError, match=message):
         OscarTorchCache(config, **args)
+
+
+def test_create_refuses_per_channel_keys():
+    """Format v2's per-channel key pages have their reference in shared_math; this cache stores v1."""
+    v2 = dataclasses.replace(CONFIG, page_size=16, key_layout="channel")
+    with pytest.raises(NotImplementedError, match="OscarTorchCache stores keys per token"):
+        OscarTorchCache(v2, num_layers=1, num_kv_heads=2, num_bf16_pages=4, num_int2_pages=4,
+                        k_rotation=torch.zeros((1, 2, 64, 64)), k_clip_ratio=[1.0], v_clip_ratio=[1.0])
 
 
 def test_prefill_writes_every_tier_with_the_format_bytes(prefilled):

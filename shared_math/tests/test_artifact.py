@@ -57,6 +57,22 @@ def test_round_trip_directory_and_file(tmp_path):
     assert direct == tmp_path / "x.safetensors" and read_artifact(direct).group_size == 16
 
 
+def test_format_versions_by_key_layout(tmp_path):
+    """A v1 artifact (keys per token) is still written as version 1 with v1's codec metadata; one for
+    format v2's per-channel keys records version 2 and its layout, and both read back."""
+    from safetensors import safe_open
+
+    for layout, version, codec in (("token", "1", {"group_size": 16, "levels": "minmax"}),
+                                   ("channel", "2", {"group_size": 16, "levels": "minmax", "key_layout": "channel"})):
+        art = dataclasses.replace(make_artifact(), codec=codec)
+        file = write_artifact(tmp_path / f"{layout}.safetensors", art)
+        with safe_open(str(file), framework="np") as f:
+            meta = f.metadata()
+        assert meta["format_version"] == version and json.loads(meta["codec"]) == codec
+        back = read_artifact(file)
+        assert back.key_layout == layout and back.codec == codec
+
+
 def test_the_same_artifact_is_the_same_bytes(tmp_path):
     """safetensors writes metadata in hash-map order; the writer sorts it, so rewriting an artifact
     (or calibrating it again, on any number of devices) gives identical files that load back."""
@@ -103,7 +119,13 @@ def _set(d, key, value):
         (lambda t: t["k_rotation"].__setitem__((1, 2, 0, 0), 3.0), None, r"k_rotation\[layer 1, kv head 2\] is not orthogonal"),
         (lambda t: _set(t, "k_eigenvalues", t["k_eigenvalues"][..., ::-1].copy()), None, "ascending"),
         (lambda t: t["v_clip_ratio"].__setitem__(0, 1.5), None, r"v_clip_ratio must lie in \(0, 1\]"),
-        (None, lambda m: _set(m, "format_version", "2"), "format_version='2'"),
+        (None, lambda m: _set(m, "format_version", "3"), "format_version='3'"),
+        (None, lambda m: _set(m, "codec", json.dumps({"group_size": 16, "levels": "minmax", "key_layout": "channel"})),
+         "format_version=1 cannot hold key_layout='channel'"),
+        (None, lambda m: _set(m, "codec", json.dumps({"group_size": 16, "levels": "minmax", "key_layout": "diag"})),
+         "key_layout='diag'"),
+        (None, lambda m: _set(m, "codec", json.dumps({"group_size": 16, "levels": "minmax", "bits": 2})),
+         "codec metadata must be"),
         (None, lambda m: m.pop("provenance"), r"missing metadata \['provenance'\]"),
         (None, lambda m: _set(m, "codec", "{not json"), "'codec' is not valid JSON"),
         (None, lambda m: _set(m, "codec", json.dumps({"group_size": 12, "levels": "minmax"})), "group_size=12"),

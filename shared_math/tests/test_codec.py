@@ -260,3 +260,66 @@ def test_signed_zero_groups_are_deterministic():
     x[15] = 1.0
     _, _, minimum = encode(x, group_size=16, clip_ratio=1.0)
     assert minimum.view(np.uint16).tolist() == [0]  # all +0 stays +0
+
+
+# ---------------------------------------------------------------- format v2: keys per channel over a page
+
+def test_golden_channels():
+    # page = d = 16, c = 1; channel j holds (t − 8) for even j and (8 − t) for odd j over tokens t.
+    # Even channels: the v1 example down the column (scale 5, minimum −8, codes 0,0,0,1,1,1,1,1,2,…,3);
+    # odd ones: lo = −7, hi = 8, scale 5, minimum −7, thresholds −4.5, 0.5, 5.5, codes 3 − the even code.
+    t = np.arange(16, dtype=F32)[:, None]
+    x = np.where(np.arange(16) % 2 == 0, t - 8, 8 - t).astype(F32)
+    packed, scale, minimum = codec.encode_channels(x, clip_ratio=1.0)
+    assert scale.tolist() == [5.0] * 16 and minimum.tolist() == [-8.0, -7.0] * 8
+    # byte i of token t holds channels i, i+4, i+8, i+12 — all even or all odd: c·0x55 or (3 − c)·0x55
+    even = [0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3]
+    assert packed.tolist() == [[c * 0x55, (3 - c) * 0x55] * 2 for c in even]
+    assert codec.decode_channels(packed, scale, minimum).tolist() == (
+        np.where(np.arange(16) % 2 == 0, -8 + 5 * np.array(even, F32)[:, None],
+                 -7 + 5 * (3 - np.array(even, F32)[:, None])).tolist())
+
+
+@pytest.mark.parametrize("page,d,clip_ratio,levels", [(16, 16, 1.0, "minmax"), (64, 64, 0.9, "minmax"),
+                                                      (32, 128, 1.0, "moments")])
+def test_channels_are_v1_groups_down_each_column(page, d, clip_ratio, levels):
+    """Each channel's codes and metadata are what v1's encode gives that channel's page values as
+    one row of G = page; the bytes are those codes packed per token as v1 packs a row."""
+    x = np.random.default_rng(page + d).standard_normal((3, page, d)).astype(F32) * 4
+    packed, scale, minimum = codec.encode_channels(x, clip_ratio=clip_ratio, levels=levels)
+    assert packed.shape == (3, page, d // 4) and scale.shape == minimum.shape == (3, d)
+    for b in range(3):
+        for j in range(d):
+            p, s, m = encode(x[b, :, j], group_size=page, clip_ratio=clip_ratio, levels=levels)
+            assert s.tolist() == [scale[b, j]] and m.tolist() == [minimum[b, j]]
+            assert np.array_equal(unpack_codes(p), unpack_codes(packed[b])[:, j])
+    x_hat = codec.decode_channels(packed, scale, minimum)
+    step = scale.astype(F32)[:, None, :]
+    if clip_ratio == 1.0 and levels == "minmax":  # no clipping: every value within half a step
+        assert np.all(np.abs(x_hat - x) <= step / 2 + 1e-6 * np.abs(x))
+
+
+def test_channels_clip_per_channel_over_the_page():
+    # page 16, c = 0.9 → k = 14: in each channel the one largest |x| is clamped to the 15th
+    x = np.tile(np.arange(16, dtype=F32)[:, None], (1, 16))
+    x[15, 3] = 1000.0
+    packed, scale, minimum = codec.encode_channels(x, clip_ratio=0.9)
+    x_hat = codec.decode_channels(packed, scale, minimum)
+    assert float(scale[3]) == float(np.float16(np.float32(14.0) * codec.ONE_THIRD_F32))  # 1000 clamped to 14
+    assert x_hat[15, 3] == x_hat[15, 0]  # the outlier decodes as its column's clamp
+
+
+def test_channels_reject_bad_input():
+    with pytest.raises(ValueError, match="page=12 tokens must be a power of two >= 16"):
+        codec.encode_channels(np.zeros((12, 16), F32), clip_ratio=1.0)
+    with pytest.raises(ValueError, match=r"shape \[..., page, d\]"):
+        codec.encode_channels(np.zeros(16, F32), clip_ratio=1.0)
+    with pytest.raises(ValueError, match="head_dim=24"):
+        codec.encode_channels(np.zeros((16, 24), F32), clip_ratio=1.0)
+    with pytest.raises(ValueError, match="levels='nf2'"):
+        codec.encode_channels(np.zeros((16, 16), F32), clip_ratio=1.0, levels="nf2")
+    packed, scale, minimum = codec.encode_channels(np.ones((16, 16), F32), clip_ratio=1.0)
+    with pytest.raises(ValueError, match=r"must have shape \(16,\)"):
+        codec.decode_channels(packed, scale[:8], minimum)
+    with pytest.raises(ValueError, match="float16"):
+        codec.decode_channels(packed, scale.astype(F32), minimum)

@@ -10,7 +10,7 @@ from shared_math.spec import FORMAT_VERSION, OscarConfig, clip_index
 
 def test_defaults_and_clip_indices():
     cfg = OscarConfig(head_dim=128)
-    assert FORMAT_VERSION == 1
+    assert FORMAT_VERSION == 2 and cfg.format_version == 1 and cfg.key_layout == "token"
     assert (cfg.group_size, cfg.sink, cfg.recent, cfg.page_size) == (128, 64, 256, 16)
     # d = 128: the 5 largest |k| and the 10 largest |v| are clipped
     assert (cfg.k_clip_index, cfg.v_clip_index) == (122, 117)
@@ -37,6 +37,8 @@ def test_json_round_trip_and_frozen():
         (dict(head_dim=64, sink=10), "sink=10"),
         (dict(head_dim=64, recent=-16), "recent=-16"),
         (dict(head_dim=64, page_size=12), "page_size=12"),
+        (dict(head_dim=64, key_layout="diag"), "key_layout='diag'"),
+        (dict(head_dim=64, key_layout="channel", page_size=8, sink=0, recent=0), "page_size=8 must be >= 16"),
     ],
 )
 def test_invalid_configs(kwargs, match):
@@ -47,8 +49,10 @@ def test_invalid_configs(kwargs, match):
 def test_unsupported_metadata_dtype_and_bad_json():
     with pytest.raises(NotImplementedError, match="float32"):
         OscarConfig(head_dim=64, metadata_dtype="float32")
-    with pytest.raises(ValueError, match="format_version=2"):
-        OscarConfig.from_dict({"format_version": 2, "head_dim": 64})
+    with pytest.raises(ValueError, match="format_version=3"):
+        OscarConfig.from_dict({"format_version": 3, "head_dim": 64})
+    with pytest.raises(ValueError, match="format_version=1 cannot hold key_layout='channel'"):
+        OscarConfig.from_dict({"format_version": 1, "head_dim": 64, "key_layout": "channel"})
     with pytest.raises(ValueError, match="unknown OscarConfig fields"):
         OscarConfig.from_dict({"head_dim": 64, "bits": 2})
 
@@ -71,3 +75,23 @@ def test_from_artifact_takes_the_codec_and_clip_from_the_artifact_and_tiers_from
         OscarConfig.from_artifact(art, recent=20)
     with pytest.raises(ValueError, match="group_size"):
         OscarConfig.from_artifact(art, group_size=32)  # wider than head_dim 16
+
+
+def test_key_layout_channel_is_format_v2_and_a_v1_config_serializes_as_before():
+    v1 = OscarConfig(head_dim=64)
+    assert v1.to_dict()["format_version"] == 1 and "key_layout" not in v1.to_dict()
+    assert OscarConfig.from_dict({"format_version": 1, "head_dim": 64}) == v1
+    v2 = OscarConfig(head_dim=64, group_size=64, page_size=64, key_layout="channel", k_clip_ratio=0.9)
+    assert v2.format_version == 2 and v2.to_dict()["key_layout"] == "channel"
+    assert OscarConfig.from_json(v2.to_json()) == v2
+    # per-channel keys clip over the page's 64 tokens: floor(0.9 · 64) = 57; values over d as ever
+    assert (v2.k_clip_index, v2.v_clip_index) == (57, clip_index(0.92, 64))
+    assert OscarConfig.from_dict({"format_version": 2, "head_dim": 64}).key_layout == "token"
+
+
+def test_caches_refuse_per_channel_keys_until_they_store_them():
+    from shared_math.spec import require_token_keys
+
+    require_token_keys(OscarConfig(head_dim=64), "cache")  # v1: accepted
+    with pytest.raises(NotImplementedError, match="cache stores keys per token .* key_layout='channel'"):
+        require_token_keys(OscarConfig(head_dim=64, key_layout="channel"), "cache")

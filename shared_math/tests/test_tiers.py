@@ -80,3 +80,24 @@ def test_bad_input():
         tier_split(-1, CFG)
     with pytest.raises(ValueError, match="num_kv_heads=0"):
         kv_bytes_per_layer(10, CFG, num_kv_heads=0)
+
+
+def test_per_channel_key_pages_bytes():
+    """Format v2 key pages: page·d/4 code bytes + an fp16 scale and minimum per channel."""
+    from shared_math.tiers import int2_key_page_bytes, int2_row_bytes
+
+    channel = OscarConfig(head_dim=128, page_size=64, key_layout="channel")  # G = 128 for values
+    assert int2_key_page_bytes(channel) == 64 * 32 + 2 * 128 * 2 == 2560  # 2.5 bits a key element
+    assert int2_key_page_bytes(OscarConfig(head_dim=128, page_size=64)) == 64 * int2_row_bytes(channel) == 64 * 36
+    # 128K: sink + recent 320 tokens BF16, the rest keys 2.5 + values 2.25 bits
+    ideal = (320 * 16 + (131072 - 320) * (2.5 + 2.25) / 2) / 131072
+    assert ideal_bits_per_element(131072, channel) == pytest.approx(ideal, rel=1e-12)
+    stored = kv_bytes_per_layer(131072, channel, num_kv_heads=2)
+    history = (131072 - 64 - 256) // 64 * 64  # whole pages of 64 past the windows
+    bf16_rows = 131072 - history
+    assert stored.stored_bytes == 2 * (2 * bf16_rows * 256 + history // 64 * 2560 + history * 36)
+    # at d = G = page = 64 both layouts store the same bytes (2.533 bits, calibration/HISTORY.md run 14)
+    same = dict(head_dim=64, group_size=64, page_size=64)
+    assert (kv_bytes_per_layer(131072, OscarConfig(**same, key_layout="channel")).stored_bytes
+            == kv_bytes_per_layer(131072, OscarConfig(**same)).stored_bytes)
+    assert round(kv_bytes_per_layer(131072, OscarConfig(**same, key_layout="channel")).bits_per_element, 3) == 2.533
