@@ -77,20 +77,31 @@ def _greedy(rt, seq_id, first_logits, steps):
     return np.array(out)
 
 
+def _alone(rt, prompts, steps):
+    """Each prompt's greedy logits decoded with nothing else running: one after another on one
+    runtime of one ring (finish empties it), so the programs compile once."""
+    out = []
+    for prompt in prompts:
+        sid, logits, _ = rt.admit(prompt)
+        out.append(_greedy(rt, sid, logits, steps))
+        rt.finish(sid)
+    return out
+
+
 def _prompt(length, seed):
     return np.random.default_rng(seed).integers(0, CFG.vocab_size, length).astype(np.int32)
 
 
 def test_runtime_matches_a_routed_tier_reference_across_ring_wraps_and_demotions(model):
-    """81 prompt tokens in chunks of 32 (history written by the prefill), then 30 decode steps
-    (demotions every 16): the global layers only hold OSCAR pages, the local layers' rings wrap."""
+    """81 prompt tokens in chunks of 32 (history written by the prefill), then 18 decode steps
+    (a demotion at 96): the global layers only hold OSCAR pages, the local layers' rings wrap."""
     params, art = model
     rt = _runtime(model)
     assert rt.cache.num_layers == 2 and rt.rings.num_rings == 2 and not rt.shares_prefixes
     prompt = _prompt(81, seed=0)
     sid, logits, reused = rt.admit(prompt)
-    got = _greedy(rt, sid, logits, steps=30)
-    want = RoutedReference(art, rt.config).greedy(fold_value_rotation(params, CFG, art.v_rotation), prompt, 30)
+    got = _greedy(rt, sid, logits, steps=18)
+    want = RoutedReference(art, rt.config).greedy(fold_value_rotation(params, CFG, art.v_rotation), prompt, 18)
     err = np.abs(got - want).max() / np.abs(want).max()
     print(f"runtime with local layers vs routed tier reference: {err:.2e}")
     assert reused == 0 and err < LOGIT_TOL
@@ -98,16 +109,13 @@ def test_runtime_matches_a_routed_tier_reference_across_ring_wraps_and_demotions
     rt.allocator.check_invariants()
 
 
+@pytest.mark.slow  # ~30 programs compiled (batches 1, 2, 4): make test-all
 def test_batched_sequences_each_read_their_own_ring(model):
     """Two prompts decoded in one padded batch equal each decoded alone; a sequence started after
     one finishes takes its ring, emptied, and decodes like it did alone. The same prompt twice
     in one namespace shares no page (the rings hold no prefix)."""
     steps, prompts = 12, (_prompt(50, seed=1), _prompt(37, seed=2))
-    alone = []
-    for prompt in prompts:
-        rt = _runtime(model)
-        sid, logits, _ = rt.admit(prompt)
-        alone.append(_greedy(rt, sid, logits, steps))
+    alone = _alone(_runtime(model), prompts, steps)
 
     rt = _runtime(model, max_batch=2)
     (a, la, _), (b, lb, _) = rt.admit(prompts[0]), rt.admit(prompts[1])
@@ -151,6 +159,7 @@ def test_the_rings_cost_what_ring_bytes_says(model):
     assert ring_bytes(dataclasses.replace(CFG, layer_types=(), sliding_window=None), 3, CHUNK) == 0
 
 
+@pytest.mark.slow  # the engine's bucketed programs compiled afresh: make test-all
 def test_engine_batches_preempts_and_frees_rings(model):
     """The serving engine over such a runtime: six requests through four rings and a BF16 pool
     small enough to preempt; each request's greedy tokens are what it decodes alone, and every
@@ -159,14 +168,10 @@ def test_engine_batches_preempts_and_frees_rings(model):
     from oscar_jax.serving.sampling import SamplingParams
     from oscar_jax.tests.test_engine import invariants, run
 
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [_prompt(n, seed=n) for n in (5, 17, 40, 33, 71, 40)]
     prompts[5] = prompts[2]  # the same prompt again, same tenant
-    want = []
-    for p in prompts[:5]:
-        rt = _runtime(model)
-        sid, logits, _ = rt.admit(p)
-        want.append([int(t) for t in _greedy(rt, sid, logits, params.max_tokens - 1).argmax(-1)])
+    want = [[int(t) for t in g.argmax(-1)] for g in _alone(_runtime(model), prompts[:5], params.max_tokens - 1)]
     want.append(want[2])
     rt = _runtime(model, max_batch=4, num_bf16_pages=12, num_int2_pages=40)
     engine = Engine(rt, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=CHUNK + 4, prefill_chunk=CHUNK,
