@@ -384,3 +384,22 @@ def test_encode_rows_by_planes_needs_one_group_and_minmax(kernel_backend):
         backends.encode_rows(kernel_backend, x, group_size=64, clip_index=122, levels="minmax", planes=True)
     with pytest.raises(ValueError, match="levels='moments'"):
         backends.encode_rows(kernel_backend, x, group_size=128, clip_index=122, levels="moments", planes=True)
+
+
+# ------------------------------------------------------------- format v2: per-channel key pages
+
+@pytest.mark.parametrize("levels", LEVELS)
+@pytest.mark.parametrize("data", sorted(DATA))
+@pytest.mark.parametrize("pages,page_size,d,clip_ratio", [(3, 16, 16, 1.0), (2, 64, 64, 0.96), (2, 32, 128, 0.9)])
+def test_channel_pages_bytes_identical(pages, page_size, d, clip_ratio, data, levels):
+    """oscar_jax's per-channel key pages (the XLA path; the kernels' block body) equal
+    shared_math.encode_channels bit for bit on every data kind, and decode to decode_channels."""
+    from oscar_jax.xla.codec import decode_channel_pages, encode_channel_pages
+
+    rng = np.random.default_rng(page_size * d + len(data))
+    x = DATA[data](rng, (pages, page_size, d)).astype(F32)
+    want = ref.encode_channels(x, clip_ratio=clip_ratio, levels=levels)
+    got = encode_channel_pages(jnp.asarray(x), clip_index=clip_index(clip_ratio, page_size), levels=levels)
+    for name, a, e in zip(ARRAYS, got, want):
+        assert_same_bits(np.asarray(a), e, f"channel pages {name} {data} page={page_size} d={d} c={clip_ratio} {levels}")
+    assert_same_bits(np.asarray(decode_channel_pages(*got)), ref.decode_channels(*want), "decoded channel pages")

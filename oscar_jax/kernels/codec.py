@@ -251,6 +251,36 @@ def encode_block(x, *, group_size: int, clip_index: int, levels: str, order_stat
 
     Returns packed uint8 [R, D/4], scale float16 [R, D/G], minimum float16 [R, D/G].
     """
+    codes, scale, minimum = code_block(x, group_size=group_size, clip_index=clip_index, levels=levels,
+                                       order_statistic=order_statistic)
+    return pack_block(codes), scale, minimum
+
+
+def encode_channels_block(x, *, clip_index: int, levels: str, order_statistic: str):
+    """Format v2 key pages x [N, L, D] (L tokens a page): each channel over the page's tokens is one
+    row of G = L through `code_block`, and the codes are packed per token as `encode_block` packs a
+    row (shared_math.codec.encode_channels). Returns packed uint8 [N, L, D/4], scale and minimum
+    float16 [N, D]."""
+    pages, page_size, d = x.shape
+    columns = jnp.swapaxes(x, 1, 2).reshape(pages * d, page_size)
+    codes, scale, minimum = code_block(columns, group_size=page_size, clip_index=clip_index, levels=levels,
+                                       order_statistic=order_statistic)
+    codes = jnp.swapaxes(codes.reshape(pages, d, page_size), 1, 2).reshape(pages * page_size, d)
+    return (pack_block(codes).reshape(pages, page_size, d // CODES_PER_BYTE),
+            scale.reshape(pages, d), minimum.reshape(pages, d))
+
+
+def pack_block(codes):
+    """Step 5, quartered packing of codes int32 [R, D]: plane p (elements p·Q … p·Q + Q − 1) goes to
+    bits CODE_BITS·p. → uint8 [R, D/4]."""
+    rows, d = codes.shape
+    planes = codes.reshape(rows, CODES_PER_BYTE, d // CODES_PER_BYTE)
+    shifts = lax.broadcasted_iota(jnp.int32, (1, CODES_PER_BYTE, 1), 1) * CODE_BITS
+    return jnp.sum(planes << shifts, axis=1).astype(jnp.uint8)  # disjoint bit fields: the sum is an exact OR
+
+
+def code_block(x, *, group_size: int, clip_index: int, levels: str, order_statistic: str):
+    """Steps 1-4 on rows x [R, D]: codes int32 [R, D], scale and minimum float16 [R, D/G]."""
     rows, d = x.shape
     num_groups = d // group_size
     x = x.astype(jnp.float32)
@@ -289,15 +319,7 @@ def encode_block(x, *, group_size: int, clip_index: int, levels: str, order_stat
     for offset in THRESHOLD_OFFSETS:
         threshold = _ieee_key(lax.bitcast_convert_type(m + offset * s, jnp.int32))
         codes = codes + (key >= threshold).astype(jnp.int32)
-    # 5. quartered packing: plane p (elements p·Q … p·Q + Q − 1) goes to bits CODE_BITS·p.
-    planes = codes.reshape(rows, CODES_PER_BYTE, d // CODES_PER_BYTE)
-    shifts = lax.broadcasted_iota(jnp.int32, (1, CODES_PER_BYTE, 1), 1) * CODE_BITS
-    packed = jnp.sum(planes << shifts, axis=1)  # disjoint bit fields: the sum is an exact OR
-    return (
-        packed.astype(jnp.uint8),
-        scale.reshape(rows, num_groups),
-        minimum.reshape(rows, num_groups),
-    )
+    return codes.reshape(rows, d), scale.reshape(rows, num_groups), minimum.reshape(rows, num_groups)
 
 
 # ------------------------------------------------------------------------ encode by planes
@@ -416,15 +438,20 @@ def load_planes(ref, mask):
             for p in range(CODES_PER_BYTE)]
 
 
+def unpack_block(packed):
+    """packed uint8 [R, D/4] → codes int32 [R, D] (quartered: plane p holds elements p·Q …)."""
+    rows, quarter = packed.shape
+    wide = packed.astype(jnp.int32).reshape(rows, 1, quarter)  # widen before integer ops
+    shifts = lax.broadcasted_iota(jnp.int32, (1, CODES_PER_BYTE, 1), 1) * CODE_BITS
+    return ((wide >> shifts) & CODE_MASK).reshape(rows, quarter * CODES_PER_BYTE)
+
+
 def decode_block(packed, scale, minimum, *, group_size: int):
     """packed uint8 [R, D/4], scale/minimum float16 [R, D/G] → float32 [R, D], x̂ = m + code·s."""
     rows, quarter = packed.shape
     d = quarter * CODES_PER_BYTE
     num_groups = d // group_size
-    wide = packed.astype(jnp.int32).reshape(rows, 1, quarter)  # widen before integer ops
-    shifts = lax.broadcasted_iota(jnp.int32, (1, CODES_PER_BYTE, 1), 1) * CODE_BITS
-    codes = (wide >> shifts) & CODE_MASK  # [R, 4, Q]: plane p holds elements p·Q …
-    codes = codes.reshape(rows, num_groups, group_size).astype(jnp.float32)
+    codes = unpack_block(packed).reshape(rows, num_groups, group_size).astype(jnp.float32)
     s = scale.astype(jnp.float32).reshape(rows, num_groups, 1)
     m = minimum.astype(jnp.float32).reshape(rows, num_groups, 1)
     return (m + codes * s).reshape(rows, d)  # code·s is exact (≤ 13 significant bits)

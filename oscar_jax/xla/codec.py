@@ -1,4 +1,4 @@
-"""Format v1 encode / decode of rows in plain XLA (DESIGN.md §2).
+"""Format v1 encode / decode of rows, and format v2's per-channel key pages, in plain XLA (FORMAT.md).
 
 All rows at once through the Pallas kernels' block bodies (`kernels.codec.encode_block` /
 `decode_block`: pure jnp, the same float32 operations in the same order as shared_math, every
@@ -16,7 +16,15 @@ import functools
 
 import jax
 
-from oscar_jax.kernels.codec import decode_block, encode_block, resolve_order_statistic
+import jax.numpy as jnp
+
+from oscar_jax.kernels.codec import (
+    decode_block,
+    encode_block,
+    encode_channels_block,
+    resolve_order_statistic,
+    unpack_block,
+)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "clip_index", "levels", "rotated"))
@@ -33,3 +41,20 @@ def encode_rows(x, *, group_size: int, clip_index: int, levels: str, rotated: bo
 def decode_rows(packed, scale, minimum, *, group_size: int):
     """packed uint8 [N, D/4], scale/minimum float16 [N, D/G] → float32 [N, D], x̂ = m + code·s."""
     return decode_block(packed, scale, minimum, group_size=group_size)
+
+
+@functools.partial(jax.jit, static_argnames=("clip_index", "levels"))
+def encode_channel_pages(x, *, clip_index: int, levels: str):
+    """Format v2 key pages x [N, L, D] (L tokens) → packed uint8 [N, L, D/4], scale and minimum float16
+    [N, D], bit-identical to shared_math.encode_channels of x's float32 values: each channel over the
+    page's L tokens is one group (clip index over L values)."""
+    order_statistic = resolve_order_statistic(None, x.shape[1], clip_index, x.dtype)
+    return encode_channels_block(x, clip_index=clip_index, levels=levels, order_statistic=order_statistic)
+
+
+@jax.jit
+def decode_channel_pages(packed, scale, minimum):
+    """packed uint8 [N, L, D/4], scale / minimum float16 [N, D] → float32 [N, L, D], x̂ = m[c] + code·s[c]."""
+    num_pages, page_size, quarter = packed.shape
+    codes = unpack_block(packed.reshape(-1, quarter)).reshape(num_pages, page_size, -1).astype(jnp.float32)
+    return minimum.astype(jnp.float32)[:, None, :] + codes * scale.astype(jnp.float32)[:, None, :]
