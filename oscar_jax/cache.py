@@ -169,12 +169,14 @@ class OscarKVCache:
         tables = (plan.bf16_page_table, plan.sink_tokens, plan.recent_tokens, plan.history_page_table,
                   plan.history_tokens)
         common = dict(sink_slots=cfg.sink // cfg.page_size, group_size=cfg.group_size, softmax_scale=d**-0.5, **at)
+        # The rotated query (and the chunk's own K/V) in the model's dtype: bf16 models take the
+        # tensor-core path, f32 ones IEEE float32 dots (benchmarks/DECISIONS.md P1).
         if self.phase == "decode":
-            # The rotated query in the model's dtype: bf16 models take the tensor-core path.
             o = ops.decode_attention(q_rot[:, 0].astype(q.dtype), *pools, *tables, **common)[:, None]
         else:
-            o = ops.prefill_attention(q_rot, k_rot, v32, *pools, *tables, plan.new_tokens,
-                                      pages_per_split=self.prefill_pages_per_split, **common)
+            o = ops.prefill_attention(q_rot.astype(q.dtype), k_rot.astype(q.dtype), v32.astype(q.dtype), *pools,
+                                      *tables, plan.new_tokens, pages_per_split=self.prefill_pages_per_split,
+                                      **common)
         updates = dict(zip(POOL_NAMES, pools))
         return o.astype(q.dtype), dataclasses.replace(self, **updates)
 
