@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared_math.codec import decode
+from shared_math.codec import decode, decode_channels
 
 
 def _gqa_expand(q: np.ndarray, k: np.ndarray) -> int:
@@ -81,15 +81,24 @@ def mixed_tier_decode_attention(
     group_size: int,
     softmax_scale: float,
     chunk_size: int = 64,
+    key_layout: str = "token",
 ) -> np.ndarray:
     """Decode attention over [sink BF16 ‖ history INT2 ‖ recent BF16] in float64.
 
     sink, recent: (k, v) float arrays [S_tier, Hkv, D] (already rotated, as the cache holds them);
     history: ((k_packed, k_scale, k_min), (v_packed, v_scale, v_min)), each [S_hist, Hkv, ...],
-    dequantized with the format v1 decode. Each tier is split into chunks; all partials are merged
-    together, exactly as the two-tier split-K kernels do.
+    dequantized with the format v1 decode — except, with key_layout "channel" (format v2), the keys:
+    pages (k_packed [P, Hkv, L, D/4], k_scale and k_min [P, Hkv, D]) dequantized with
+    decode_channels, token p·L + t of the history being page p's row t. Each tier is split into
+    chunks; all partials are merged together, exactly as the two-tier split-K kernels do.
     """
-    k_hist = decode(*history[0], group_size=group_size)
+    if key_layout == "channel":
+        pages = decode_channels(*history[0])  # [P, Hkv, L, D]
+        k_hist = pages.transpose(0, 2, 1, 3).reshape(-1, pages.shape[1], pages.shape[3])
+    elif key_layout == "token":
+        k_hist = decode(*history[0], group_size=group_size)
+    else:
+        raise ValueError(f"{key_layout=} must be 'token' or 'channel'")
     v_hist = decode(*history[1], group_size=group_size)
     outputs, lses = [], []
     for k, v in (sink, (k_hist, v_hist), recent):
