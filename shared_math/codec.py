@@ -146,13 +146,19 @@ def _codes_and_metadata(x: np.ndarray, group_size: int, k: int, levels: str):
     return quantize_codes(groups, scale, minimum).reshape(clipped.shape), scale, minimum
 
 
-def decode(packed, scale, minimum, *, group_size: int) -> np.ndarray:
-    """Format v1 decode: float32[..., d] with x̂ = f32(minimum) + code·f32(scale) per group."""
+def _decode_inputs(packed, scale, minimum):
+    """The arrays decode reads, checked: packed uint8, scale and minimum float16."""
     packed, scale, minimum = np.asarray(packed), np.asarray(scale), np.asarray(minimum)
     if packed.dtype != np.uint8:
         raise ValueError(f"packed must be uint8, got {packed.dtype}")
     if scale.dtype != np.float16 or minimum.dtype != np.float16:
         raise ValueError(f"scale and minimum must be float16, got {scale.dtype} and {minimum.dtype}")
+    return packed, scale, minimum
+
+
+def decode(packed, scale, minimum, *, group_size: int) -> np.ndarray:
+    """Format v1 decode: float32[..., d] with x̂ = f32(minimum) + code·f32(scale) per group."""
+    packed, scale, minimum = _decode_inputs(packed, scale, minimum)
     if packed.ndim < 1:
         raise ValueError(f"packed must have at least one axis, got shape {packed.shape}")
     d = packed.shape[-1] * CODES_PER_BYTE
@@ -204,11 +210,7 @@ def encode_channels(x, *, clip_ratio: float, levels: str = "minmax"):
 
 def decode_channels(packed, scale, minimum) -> np.ndarray:
     """Format v2 key pages: float32[..., page, d] with x̂ = f32(minimum[c]) + code·f32(scale[c])."""
-    packed, scale, minimum = np.asarray(packed), np.asarray(scale), np.asarray(minimum)
-    if packed.dtype != np.uint8:
-        raise ValueError(f"packed must be uint8, got {packed.dtype}")
-    if scale.dtype != np.float16 or minimum.dtype != np.float16:
-        raise ValueError(f"scale and minimum must be float16, got {scale.dtype} and {minimum.dtype}")
+    packed, scale, minimum = _decode_inputs(packed, scale, minimum)
     if packed.ndim < 2:
         raise ValueError(f"packed must have shape [..., page, d/4], got shape {packed.shape}")
     meta_shape = packed.shape[:-2] + (packed.shape[-1] * CODES_PER_BYTE,)
