@@ -403,3 +403,28 @@ def test_channel_pages_bytes_identical(pages, page_size, d, clip_ratio, data, le
     for name, a, e in zip(ARRAYS, got, want):
         assert_same_bits(np.asarray(a), e, f"channel pages {name} {data} page={page_size} d={d} c={clip_ratio} {levels}")
     assert_same_bits(np.asarray(decode_channel_pages(*got)), ref.decode_channels(*want), "decoded channel pages")
+
+
+def test_channel_key_demotion_bytes_identical():
+    """Demotion into format v2 key pages (the XLA path): every layer's BF16 pages src[n] become the
+    INT2 key pages dst[n] of shared_math.encode_channels; pages not named keep their bytes, and
+    out-of-range pairs are skipped."""
+    from oscar_jax.xla.write import demote_channel_key_pages
+
+    rng = np.random.default_rng(5)
+    layers, pool_pages, heads, page_size, d = 2, 6, 3, 16, 64
+    bf16 = bf16_values(bf16_bits(heavy_tailed_rows(rng, (layers, pool_pages, heads, page_size, d))))
+    codes = rng.integers(0, 256, (layers, 5, heads, page_size, d // 4), dtype=np.uint8)
+    scale = rng.standard_normal((layers, 5, heads, d)).astype(np.float16)
+    minimum = rng.standard_normal((layers, 5, heads, d)).astype(np.float16)
+    src, dst = np.array([4, 0, 2, 9], np.int32), np.array([1, 3, -1, 0], np.int32)  # the last two skipped
+    got = demote_channel_key_pages(jnp.asarray(bf16, jnp.bfloat16), jnp.asarray(codes), jnp.asarray(scale),
+                                   jnp.asarray(minimum), jnp.asarray(src), jnp.asarray(dst),
+                                   clip_index=clip_index(0.96, page_size), levels="minmax")
+    want = [codes.copy(), scale.copy(), minimum.copy()]
+    for s_page, d_page in ((4, 1), (0, 3)):
+        encoded = ref.encode_channels(bf16[:, s_page], clip_ratio=0.96)  # [Y, K, L, ...]
+        for pool, value in zip(want, encoded):
+            pool[:, d_page] = value
+    for name, a, e in zip(ARRAYS, got, want):
+        assert_same_bits(np.asarray(a), e, f"demoted channel key pages {name}")

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oscar_jax.xla.codec import encode_rows
+from oscar_jax.xla.codec import encode_channel_pages, encode_rows
 from shared_math.rotation import split_bf16
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -129,3 +129,21 @@ def demote_layer_groups(bf16_pool, codes, scale, minimum, src_pages, dst_pages, 
         pools = [pool.at[index, dst[None, :]].set(value.reshape(shape + value.shape[-1:]), mode="drop")
                  for pool, value in zip(pools, encoded)]
     return tuple(pools)
+
+
+@functools.partial(jax.jit, static_argnames=("clip_index", "levels"))
+def demote_channel_key_pages(bf16_pool, codes, scale, minimum, src_pages, dst_pages, *, clip_index: int,
+                             levels: str):
+    """Format v2 key pages: INT2 pages [y, dst_pages[n]] ← encode_channels(BF16 pages
+    bf16_pool[y, src_pages[n]]) for every layer y and kv head, each channel over the page's tokens.
+    Pools: bf16 [Y, P, K, L, D], codes u8[Y, P', K, L, D/4], scale / minimum f16[Y, P', K, D]. A
+    pair with either id out of range is skipped."""
+    num_layers, num_src, num_heads, page_size, d = bf16_pool.shape
+    num_dst = codes.shape[1]
+    valid = (src_pages >= 0) & (src_pages < num_src) & (dst_pages >= 0) & (dst_pages < num_dst)
+    pages = bf16_pool[:, jnp.where(valid, src_pages, 0)]  # [Y, N, K, L, D]
+    encoded = encode_channel_pages(pages.reshape(-1, page_size, d), clip_index=clip_index, levels=levels)
+    dst = jnp.where(valid, dst_pages, num_dst)  # past the end: dropped
+    lead = pages.shape[:3]
+    return tuple(pool.at[:, dst].set(value.reshape(lead + value.shape[1:]), mode="drop")
+                 for pool, value in zip((codes, scale, minimum), encoded))
