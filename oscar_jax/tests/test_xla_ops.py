@@ -319,3 +319,48 @@ def test_runtime_on_the_xla_path_matches_the_tier_reference(monkeypatch):
     assert rt.allocator.sequences[0].history_pages  # the INT2 tier was written and demoted into
     err = np.abs(got - want).max(axis=-1)
     assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
+
+
+def test_decode_attention_over_per_channel_key_pages():
+    """Format v2: the XLA decode attention reads history keys as per-channel pages (scale and minimum
+    f16 [P, K, D]) and equals the float64 reference (shared_math mixed_tier_decode_attention with
+    key_layout "channel") within THE float32 tolerance; two ragged sequences, GQA 3, stale NaN in
+    unused BF16 rows."""
+    from oscar_jax.xla.attention import decode_attention
+
+    rng = np.random.default_rng(11)
+    batch, kv, gq, d, page, g = 2, 2, 3, 64, 16, 64
+    num_bf16, num_int2 = 8, 9
+    k_bf16 = cases.bf16_values(cases.bf16_bits(rng.standard_normal((num_bf16, kv, page, d)).astype(np.float32)))
+    v_bf16 = cases.bf16_values(cases.bf16_bits(rng.standard_normal((num_bf16, kv, page, d)).astype(np.float32)))
+    k_bf16[7], v_bf16[7] = np.nan, np.nan  # a page no table names a valid row of
+    history_k = rng.standard_normal((num_int2, page, kv, d)).astype(np.float32) * np.linspace(0.3, 4, d, dtype=np.float32)
+    history_v = rng.standard_normal((num_int2, page, kv, d)).astype(np.float32)
+    k_codes, k_scale, k_min = ref.encode_channels(history_k.transpose(0, 2, 1, 3), clip_ratio=1.0)  # [P, K, L, …]
+    v_codes, v_scale, v_min = (a.transpose(0, 2, 1, 3) for a in ref.encode(history_v, group_size=g, clip_ratio=0.92))
+    # sequence 0: sink page 0 (16), history pages 3, 5, 1 (48 tokens), recent pages 2, 4 (16 + 5)
+    # sequence 1: sink page 6 (9 tokens, a short prompt), no history, no recent
+    bf16_table = np.array([[0, 2, 4], [6, 7, 7]], np.int32)
+    sink_tokens, recent_tokens = np.array([16, 9], np.int32), np.array([21, 0], np.int32)
+    history_table = np.array([[3, 5, 1], [0, 0, 0]], np.int32)
+    history_tokens = np.array([48, 0], np.int32)
+    q = rng.standard_normal((batch, kv * gq, d)).astype(np.float32) * 3
+    pools = [jnp.asarray(k_bf16, jnp.bfloat16), jnp.asarray(v_bf16, jnp.bfloat16)] + [
+        jnp.asarray(a) for a in (k_codes, k_scale, k_min, v_codes, v_scale, v_min)]
+    cache = tuple(pools) + tuple(jnp.asarray(a) for a in (bf16_table, sink_tokens, recent_tokens, history_table,
+                                                          history_tokens))
+    got = np.asarray(decode_attention(jnp.asarray(q), cache, sink_slots=1, group_size=g, softmax_scale=d**-0.5,
+                                      key_layout="channel"))
+    for b in range(batch):
+        sink_page, recent_pages = bf16_table[b, 0], bf16_table[b, 1:]
+        sink = tuple(p[sink_page].transpose(1, 0, 2)[: sink_tokens[b]] for p in (k_bf16, v_bf16))
+        recent = tuple(np.concatenate([p[r].transpose(1, 0, 2) for r in recent_pages])[: recent_tokens[b]]
+                       for p in (k_bf16, v_bf16))
+        pages = history_table[b, : history_tokens[b] // page]
+        k_hist = (k_codes[pages], k_scale[pages], k_min[pages])  # [P, K, L, D/4], [P, K, D]
+        v_hist = tuple(a[pages].transpose(0, 2, 1, 3).reshape((-1,) + a.shape[1:2] + a.shape[3:])
+                       for a in (v_codes, v_scale, v_min))  # token-major [S, K, …]
+        want = cases.reference_attention.mixed_tier_decode_attention(
+            q[b], sink=sink, history=(k_hist, v_hist), recent=recent, group_size=g, softmax_scale=d**-0.5,
+            key_layout="channel")
+        cases.assert_close(got[b], want, "float32")

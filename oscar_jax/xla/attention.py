@@ -3,8 +3,9 @@
 The cache layout and page-table conventions are `oscar_jax.attention_ops`'s (every tier holds
 rotated K/V): BF16 pages k_bf16 / v_bf16 [(Y,) P, K, L, D] read through bf16_page_table [B, NB]
 (slots [0, sink_slots) sink pages holding sink_tokens[b] tokens, then recent pages holding
-recent_tokens[b]); INT2 pages (format v1) read through history_page_table [B, NH] holding
-history_tokens[b]. Both tiers' keys form one softmax (the kernels' per-tier partials merged by
+recent_tokens[b]); INT2 pages read through history_page_table [B, NH] holding history_tokens[b]
+(format v1; with key_layout "channel", format v2's key pages: scale / minimum f16[(Y,) P, K, D],
+one per channel and page). Both tiers' keys form one softmax (the kernels' per-tier partials merged by
 log-sum-exp give the same result up to float32 rounding); prefill merges it with the chunk's causal
 partial over its own K/V by `attention_ops.merge_partials`.
 
@@ -53,17 +54,32 @@ def _gather_pages(pool, page_ids, layer):
     return pages.reshape(batch, heads, slots * page_size, width)
 
 
+def _unpacked(codes):
+    """codes uint8 [..., Q] → float32 [..., D] (the quartered packing, every leading axis kept)."""
+    quarter = codes.shape[-1]
+    shifts = (jnp.arange(CODES_PER_BYTE, dtype=jnp.int32) * CODE_BITS)[:, None]  # [4, 1]
+    planes = (codes.astype(jnp.int32)[..., None, :] >> shifts) & CODE_MASK  # [..., 4, Q]
+    return planes.reshape(codes.shape[:-1] + (quarter * CODES_PER_BYTE,)).astype(_F32)
+
+
 def _dequantized(codes, scale, minimum, *, group_size: int):
     """codes uint8 [..., Q], scale / minimum float16 [..., D/G] → float32 [..., D], x̂ = m + code·s in
     float32 (`kernels.codec.decode_block`'s arithmetic, every leading axis kept)."""
-    quarter = codes.shape[-1]
-    d = quarter * CODES_PER_BYTE
-    lead = codes.shape[:-1]
-    shifts = (jnp.arange(CODES_PER_BYTE, dtype=jnp.int32) * CODE_BITS)[:, None]  # [4, 1]
-    planes = (codes.astype(jnp.int32)[..., None, :] >> shifts) & CODE_MASK  # [..., 4, Q]: the quartered packing
-    planes = planes.reshape(lead + (d // group_size, group_size)).astype(_F32)
-    values = minimum.astype(_F32)[..., None] + planes * scale.astype(_F32)[..., None]  # code·s is exact
+    values = _unpacked(codes)
+    lead, d = values.shape[:-1], values.shape[-1]
+    groups = values.reshape(lead + (d // group_size, group_size))
+    values = minimum.astype(_F32)[..., None] + groups * scale.astype(_F32)[..., None]  # code·s is exact
     return values.reshape(lead + (d,))
+
+
+def _dequantized_channels(codes, scale, minimum):
+    """Format v2 key pages gathered as codes uint8 [B, K, N·L, Q] and scale / minimum float16
+    [B, K, N, D] → float32 [B, K, N·L, D], x̂ = m[c] + code·s[c] of each row's page."""
+    batch, heads, rows, quarter = codes.shape
+    slots = scale.shape[2]
+    values = _unpacked(codes.reshape(batch, heads, slots, rows // slots, quarter))  # [B, K, N, L, D]
+    values = minimum.astype(_F32)[:, :, :, None, :] + values * scale.astype(_F32)[:, :, :, None, :]
+    return values.reshape(batch, heads, rows, values.shape[-1])
 
 
 def _softmax_partials(q, k, v, key_valid, causal=None, *, softmax_scale: float):
@@ -112,7 +128,7 @@ def _history_valid(page_table, history_tokens, *, page_size):
     return token[None] < history_tokens[:, None, None]
 
 
-def _cache_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, layer):
+def _cache_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, layer, key_layout="token"):
     """The partial (o [B, K, M, D], lse [B, K, M]) of q_rows [B, K, M, D] over both tiers at once.
 
     Each tier's pages are gathered head-major, the INT2 pages dequantized to float32 (x̂ = m + code·s)
@@ -136,6 +152,8 @@ def _cache_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, lay
         history_valid = _history_valid(history_page_table, history_tokens, page_size=page_size)
         page_ids = jnp.where(jnp.any(history_valid, axis=-1), history_page_table, 0)
         valid.append(history_valid.reshape(batch, -1))
+        if key_layout == "channel":  # one scale and minimum row per page: gathered as pages of one row
+            k_scale, k_min = (pool[..., None, :] for pool in (k_scale, k_min))
         tiers.append(("int2", tuple(_gather_pages(pool, page_ids, layer)
                                     for pool in (k_codes, k_scale, k_min, v_codes, v_scale, v_min))))
     if not tiers:
@@ -150,7 +168,8 @@ def _cache_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, lay
             if kind == "bf16":
                 k, v, rest = rest[0], rest[1], rest[2:]
             else:
-                k = _dequantized(*rest[:3], group_size=group_size)
+                k = (_dequantized_channels(*rest[:3]) if key_layout == "channel"
+                     else _dequantized(*rest[:3], group_size=group_size))
                 v = _dequantized(*rest[3:6], group_size=group_size)
                 rest = rest[6:]
             keys.append(k.astype(_F32))
@@ -170,21 +189,23 @@ def _merge(outputs, lses):
     return merge_partials(jnp.stack(outputs, axis=2), jnp.stack(lses, axis=2))
 
 
-@functools.partial(jax.jit, static_argnames=("sink_slots", "group_size", "softmax_scale", "layer"))
-def decode_attention(q, cache, *, sink_slots: int, group_size: int, softmax_scale: float, layer: int | None = None):
+@functools.partial(jax.jit, static_argnames=("sink_slots", "group_size", "softmax_scale", "layer", "key_layout"))
+def decode_attention(q, cache, *, sink_slots: int, group_size: int, softmax_scale: float, layer: int | None = None,
+                     key_layout: str = "token"):
     """q [B, Hq, D] (rotated; head h reads kv head h // G) over `cache` (the 13 cache arguments of
-    `attention_ops.decode_attention`, validated there) → float32 [B, Hq, D]."""
+    `attention_ops.decode_attention`, validated there; key_layout "channel": format v2 key pages)
+    → float32 [B, Hq, D]."""
     batch, q_heads, head_dim = q.shape
     num_kv_heads = cache[0].shape[-3]
     q_rows = q.astype(_F32).reshape(batch, num_kv_heads, q_heads // num_kv_heads, head_dim)
     o, _ = _cache_partials(q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
-                           layer=layer)
+                           layer=layer, key_layout=key_layout)
     return o.reshape(batch, q_heads, head_dim)
 
 
-@functools.partial(jax.jit, static_argnames=("sink_slots", "group_size", "softmax_scale", "layer"))
+@functools.partial(jax.jit, static_argnames=("sink_slots", "group_size", "softmax_scale", "layer", "key_layout"))
 def prefill_attention(q, k_new, v_new, cache, new_tokens, *, sink_slots: int, group_size: int, softmax_scale: float,
-                      layer: int | None = None):
+                      layer: int | None = None, key_layout: str = "token"):
     """A chunk q [B, T, Hq, D] attends causally to its own k_new, v_new [B, T, K, D] (keys at or past
     new_tokens[b] masked) and to the whole cached prefix; rows t ≥ new_tokens[b] are 0.
     Returns float32 [B, T, Hq, D]."""
@@ -196,7 +217,7 @@ def prefill_attention(q, k_new, v_new, cache, new_tokens, *, sink_slots: int, gr
     q_rows = q.astype(_F32).reshape(batch, chunk, num_kv_heads, heads_per_kv, head_dim).transpose(0, 2, 1, 3, 4)
     q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_dim)
     o_cache, lse_cache = _cache_partials(q_rows, cache, sink_slots=sink_slots, group_size=group_size,
-                                         softmax_scale=softmax_scale, layer=layer)
+                                         softmax_scale=softmax_scale, layer=layer, key_layout=key_layout)
     key = jnp.arange(chunk)
     causal = key[None, :] <= (jnp.arange(rows) // heads_per_kv)[:, None]  # [M, T]
     k_chunk, v_chunk = (x.transpose(0, 2, 1, 3) for x in (k_new, v_new))  # [B, K, T, D]
