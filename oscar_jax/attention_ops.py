@@ -50,7 +50,7 @@ from oscar_jax.kernels.decode_attention import (
 )
 from oscar_jax.kernels.layered import layer_views
 from oscar_jax.kernels.prefill_attention import causal_chunk_partials
-from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape
+from shared_math.spec import CODES_PER_BYTE, is_power_of_two, validate_codec_shape, validate_key_layout
 from shared_math.tiling import (
     DecodeLaunch, int2_decode_rows, next_power_of_two, prefill_launch, resolve_decode_launch, resolve_tiling,
 )
@@ -122,8 +122,10 @@ def _validate_cache(
     sink_slots,
     group_size,
     softmax_scale,
+    key_layout="token",
 ) -> tuple[int, int]:
     """Validate the cache arguments shared by decode and prefill; returns (Hkv, page size)."""
+    validate_key_layout(key_layout)
     _check_static_int("group_size", group_size)
     validate_codec_shape(head_dim, group_size)  # ValueError naming head_dim / group_size
     if head_dim // CODES_PER_BYTE < MIN_DOT_DIM:
@@ -146,8 +148,9 @@ def _validate_cache(
     _check("k_codes", k_codes, (None, num_kv_heads, page_size, packed), jnp.uint8)
     int2_pages = k_codes.shape[0]
     meta = (int2_pages, num_kv_heads, page_size, groups)
-    _check("k_scale", k_scale, meta, jnp.float16)
-    _check("k_min", k_min, meta, jnp.float16)
+    key_meta = meta if key_layout == "token" else (int2_pages, num_kv_heads, head_dim)  # v2: per channel and page
+    _check("k_scale", k_scale, key_meta, jnp.float16)
+    _check("k_min", k_min, key_meta, jnp.float16)
     _check("v_codes", v_codes, tuple(k_codes.shape), jnp.uint8)
     _check("v_scale", v_scale, meta, jnp.float16)
     _check("v_min", v_min, meta, jnp.float16)
@@ -204,6 +207,13 @@ def _layer_views(cache: tuple, layer):
             raise ValueError(f"{name} must be an array, got {type(pool).__name__}")
     views = layer_views(dict(zip(POOL_ARGUMENTS, cache)), layer)
     return tuple(views[name] for name in POOL_ARGUMENTS) + tuple(cache[len(POOL_ARGUMENTS):])
+
+
+def _require_xla_for_channel_keys(key_layout: str, use_xla: bool) -> None:
+    if key_layout == "channel" and not use_xla:
+        raise NotImplementedError(
+            "key_layout='channel' (format v2's per-channel key pages) runs on the XLA path only "
+            "(OSCAR_JAX_KERNELS=xla, the default on a CPU): the Pallas kernels read keys per token")
 
 
 def _page_size(k_bf16) -> int:
@@ -295,6 +305,7 @@ def decode_attention(
     interpret: bool | None = None,
     channels_on_m: bool | None = None,
     max_registers: int | None = None,
+    key_layout: str = "token",
 ):
     """Decode attention of one rotated query per sequence over the mixed-tier paged cache.
 
@@ -345,6 +356,8 @@ def decode_attention(
         in, 0 → the compiler's choice. No effect in interpret mode.
     All launch keywords resolve into one `shared_math.tiling.DecodeLaunch`
     (`shared_math.tiling.resolve_decode_launch`, shared with oscar_torch), validated there.
+      key_layout: "token" (format v1) or "channel" (format v2: k_scale / k_min [P, Hkv, D], one per
+        channel and page; the XLA path only, until the kernels read it).
     Returns:
       float32 [B, Hq, D].
     """
@@ -362,7 +375,9 @@ def decode_attention(
         sequence_heads=batch * int(pool_shape[1]) if len(pool_shape) == 4 else None, interpret=interpret)
     num_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
+        key_layout=key_layout,
     )
+    _require_xla_for_channel_keys(key_layout, use_xla)
     bf16_slots, history_slots = _table_slots(bf16_page_table, history_page_table)
     # A register cap reaches a compiled kernel only through the opt-in hook (kernels.register_cap):
     # without it the default is the compiler's choice.
@@ -377,7 +392,7 @@ def decode_attention(
         from oscar_jax.xla import attention as xla_attention  # imports this module's merge_partials
 
         return xla_attention.decode_attention(q, cache, sink_slots=int(sink_slots), group_size=int(group_size),
-                                              softmax_scale=float(softmax_scale), layer=layer)
+                                              softmax_scale=float(softmax_scale), layer=layer, key_layout=key_layout)
     return _decode_attention(q, cache, sink_slots=int(sink_slots), group_size=int(group_size),
                              softmax_scale=float(softmax_scale), launch=launch, interpret=interpret, layer=layer)
 
@@ -452,6 +467,7 @@ def prefill_attention(
     block_n: int = DEFAULT_PREFILL_BLOCK_N,
     layer: int | None = None,
     interpret: bool | None = None,
+    key_layout: str = "token",
 ):
     """Attention of a chunk of T new tokens: causal over the chunk (full precision) + the cached prefix.
 
@@ -484,7 +500,9 @@ def prefill_attention(
                              interpret=interpret)
     cache_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
+        key_layout=key_layout,
     )
+    _require_xla_for_channel_keys(key_layout, use_xla)
     launch = prefill_launch(*tiling, page_size, fma_asm=not interpret)  # the INT2 fmas by PTX when compiled
     if num_kv_heads != cache_kv_heads:
         raise ValueError(f"k_new has {num_kv_heads} KV heads but the cache has {cache_kv_heads}")
@@ -498,7 +516,7 @@ def prefill_attention(
 
         return xla_attention.prefill_attention(q, k_new, v_new, cache, new_tokens, sink_slots=int(sink_slots),
                                                group_size=int(group_size), softmax_scale=float(softmax_scale),
-                                               layer=layer)
+                                               layer=layer, key_layout=key_layout)
     return _prefill_attention(
         q, k_new, v_new, cache, new_tokens, sink_slots=int(sink_slots), group_size=int(group_size),
         softmax_scale=float(softmax_scale), launch=launch, block_m=int(block_m), block_n=int(block_n),

@@ -33,7 +33,7 @@ from oscar_jax import ops
 from oscar_jax.xla import kernels as current_kernels
 from oscar_jax.xla import use_kernels, use_xla
 from oscar_jax.xla import write as xla_write
-from shared_math.spec import CODES_PER_BYTE, OscarConfig, clip_index, require_token_keys
+from shared_math.spec import CODES_PER_BYTE, OscarConfig, clip_index
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 PHASES = ("prefill", "decode")
@@ -101,7 +101,10 @@ class OscarKVCache:
     ) -> "OscarKVCache":
         """Zero-filled pools. k_rotation [Y, K, D, D]; clip ratios one per layer. interpret=None: the
         ops run `oscar_jax.xla.kernels()` as it stands now (the XLA path on a CPU backend)."""
-        require_token_keys(config, "OscarKVCache")
+        if config.key_layout == "channel" and not (interpret is None and current_kernels() == "xla"):
+            raise NotImplementedError(
+                "OscarKVCache with key_layout='channel' (format v2) runs on the XLA path only "
+                "(OSCAR_JAX_KERNELS=xla, the default on a CPU): the Pallas kernels read keys per token")
         d, page, g = config.head_dim, config.page_size, config.group_size
         k_rotation = jnp.asarray(k_rotation, jnp.float32)
         if k_rotation.shape != (num_layers, num_kv_heads, d, d):
@@ -112,9 +115,12 @@ class OscarKVCache:
         bf16 = (num_layers, num_bf16_pages, num_kv_heads, page, d)
         codes = (num_layers, num_int2_pages, num_kv_heads, page, d // CODES_PER_BYTE)
         meta = (num_layers, num_int2_pages, num_kv_heads, page, d // g)
+        # format v2's key pages: a scale and a minimum per channel and page
+        key_meta = meta if config.key_layout == "token" else (num_layers, num_int2_pages, num_kv_heads, d)
         return cls(
             k_bf16=jnp.zeros(bf16, jnp.bfloat16), v_bf16=jnp.zeros(bf16, jnp.bfloat16),
-            k_codes=jnp.zeros(codes, jnp.uint8), k_scale=jnp.zeros(meta, jnp.float16), k_min=jnp.zeros(meta, jnp.float16),
+            k_codes=jnp.zeros(codes, jnp.uint8), k_scale=jnp.zeros(key_meta, jnp.float16),
+            k_min=jnp.zeros(key_meta, jnp.float16),
             v_codes=jnp.zeros(codes, jnp.uint8), v_scale=jnp.zeros(meta, jnp.float16), v_min=jnp.zeros(meta, jnp.float16),
             k_rotation=k_rotation, plan=None, config=config, k_clip_ratio=k_clip, v_clip_ratio=v_clip,
             interpret=interpret, kernels=current_kernels() if interpret is None else None,
@@ -161,14 +167,20 @@ class OscarKVCache:
         if self.phase == "prefill":
             dst = dict(page_ids=flat(plan.int2_write_page), slots=flat(plan.int2_write_slot),
                        group_size=cfg.group_size, levels=cfg.levels, **at)
-            k_codes, k_scale, k_min = ops.write_pages(k_codes, k_scale, k_min, flat(k.astype(jnp.float32)),
-                                                      rotation=rot, clip_ratio=self.k_clip_ratio[layer], **dst)
+            if cfg.key_layout == "channel":  # whole pages per channel (xla.write: chunks are page-aligned)
+                k_codes, k_scale, k_min = xla_write.write_channel_key_pages(
+                    k_codes, k_scale, k_min, k.astype(jnp.float32), plan.int2_write_page, plan.int2_write_slot, rot,
+                    clip_index=cfg.k_clip_index_for(self.k_clip_ratio[layer]), levels=cfg.levels, layer=layer)
+            else:
+                k_codes, k_scale, k_min = ops.write_pages(k_codes, k_scale, k_min, flat(k.astype(jnp.float32)),
+                                                          rotation=rot, clip_ratio=self.k_clip_ratio[layer], **dst)
             v_codes, v_scale, v_min = ops.write_pages(v_codes, v_scale, v_min, flat(v32),
                                                       clip_ratio=self.v_clip_ratio[layer], **dst)
         pools = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
         tables = (plan.bf16_page_table, plan.sink_tokens, plan.recent_tokens, plan.history_page_table,
                   plan.history_tokens)
-        common = dict(sink_slots=cfg.sink // cfg.page_size, group_size=cfg.group_size, softmax_scale=d**-0.5, **at)
+        common = dict(sink_slots=cfg.sink // cfg.page_size, group_size=cfg.group_size, softmax_scale=d**-0.5,
+                      key_layout=cfg.key_layout, **at)
         # The rotated query (and the chunk's own K/V) in the model's dtype: bf16 models take the
         # tensor-core path, f32 ones IEEE float32 dots (benchmarks/DECISIONS.md P1).
         if self.phase == "decode":
@@ -191,6 +203,14 @@ class OscarKVCache:
         for prefix, clips in (("k", self.k_clip_ratio), ("v", self.v_clip_ratio)):
             bf16 = getattr(self, f"{prefix}_bf16")
             pools = [getattr(self, f"{prefix}_{n}") for n in ("codes", "scale", "min")]
+            if prefix == "k" and cfg.key_layout == "channel":  # format v2 (the XLA path, as create checked)
+                indices = [cfg.k_clip_index_for(c) for c in clips]
+                groups = tuple((k, tuple(i for i, j in enumerate(indices) if j == k)) for k in sorted(set(indices)))
+                pools = xla_write.demote_channel_key_pages(bf16, *pools, jnp.asarray(src_pages, jnp.int32),
+                                                           jnp.asarray(dst_pages, jnp.int32), groups=groups,
+                                                           levels=cfg.levels)
+                updates.update({f"{prefix}_{n}": p for n, p in zip(("codes", "scale", "min"), pools)})
+                continue
             indices = [clip_index(c, cfg.head_dim) for c in clips]
             if len(set(indices)) > 1 and use_xla(self.interpret):
                 # Layers grouped by clip index (what the bytes depend on): one encode per group.

@@ -420,7 +420,7 @@ def test_channel_key_demotion_bytes_identical():
     src, dst = np.array([4, 0, 2, 9], np.int32), np.array([1, 3, -1, 0], np.int32)  # the last two skipped
     got = demote_channel_key_pages(jnp.asarray(bf16, jnp.bfloat16), jnp.asarray(codes), jnp.asarray(scale),
                                    jnp.asarray(minimum), jnp.asarray(src), jnp.asarray(dst),
-                                   clip_index=clip_index(0.96, page_size), levels="minmax")
+                                   groups=((clip_index(0.96, page_size), (0, 1)),), levels="minmax")
     want = [codes.copy(), scale.copy(), minimum.copy()]
     for s_page, d_page in ((4, 1), (0, 3)):
         encoded = ref.encode_channels(bf16[:, s_page], clip_ratio=0.96)  # [Y, K, L, ...]

@@ -188,8 +188,12 @@ class OscarConfig:
 
     @property
     def k_clip_index(self) -> int:
-        """Keys clip per token over d channels, or (key_layout "channel") per channel over a page."""
-        return clip_index(self.k_clip_ratio, self.head_dim if self.key_layout == "token" else self.page_size)
+        return self.k_clip_index_for(self.k_clip_ratio)
+
+    def k_clip_index_for(self, clip_ratio: float) -> int:
+        """A key clip ratio's index: keys clip per token over d channels, or (key_layout "channel")
+        per channel over a page's tokens."""
+        return clip_index(clip_ratio, self.head_dim if self.key_layout == "token" else self.page_size)
 
     @property
     def v_clip_index(self) -> int:

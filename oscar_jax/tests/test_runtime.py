@@ -103,10 +103,11 @@ class TieredReference:
                 self.v[layer][p] = self._q(self.v[layer][p], layer, "v")
 
 
-def _run_both(params, art, prompt, steps, windows=WINDOWS, max_seq_len=256, prefill_chunk=512, **runtime_options):
+def _run_both(params, art, prompt, steps, windows=WINDOWS, max_seq_len=256, prefill_chunk=512,
+              reference=TieredReference, **runtime_options):
     rt = OscarRuntime(params, CFG, art, max_batch=1, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, **windows,
                       **runtime_options)
-    ref = TieredReference(art, rt.config)
+    ref = reference(art, rt.config)
     ref.prompt_length = len(prompt)
     folded = fold_value_rotation(params, CFG, art.v_rotation)
     sid, logits, _ = rt.admit(prompt)

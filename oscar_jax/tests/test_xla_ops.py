@@ -171,15 +171,21 @@ def test_cache_demotes_layers_with_different_clip_ratios_by_group(levels):
             assert_encoding(have, want, f"{prefix} layer {layer} (clip ratio {ratio})")
 
 
-def test_cache_refuses_per_channel_keys():
-    """Format v2's per-channel key pages have their reference in shared_math; OscarKVCache stores v1."""
+def test_cache_holds_per_channel_key_pages_on_the_xla_path_only():
+    """Format v2: OscarKVCache keeps a key scale and minimum per channel and page (values as v1) on
+    the XLA path; asked for the Pallas kernels it refuses by name."""
     from oscar_jax.cache import OscarKVCache
     from shared_math.spec import OscarConfig
 
-    with pytest.raises(NotImplementedError, match="OscarKVCache stores keys per token"):
-        OscarKVCache.create(OscarConfig(head_dim=64, key_layout="channel"), num_layers=1, num_kv_heads=1,
-                            num_bf16_pages=2, num_int2_pages=2, k_rotation=np.eye(64, dtype=np.float32)[None, None],
-                            k_clip_ratio=[1.0], v_clip_ratio=[1.0])
+    args = dict(num_layers=1, num_kv_heads=2, num_bf16_pages=2, num_int2_pages=3,
+                k_rotation=np.broadcast_to(np.eye(64, dtype=np.float32), (1, 2, 64, 64)), k_clip_ratio=[1.0],
+                v_clip_ratio=[1.0])
+    config = OscarConfig(head_dim=64, key_layout="channel")
+    cache = OscarKVCache.create(config, **args)
+    assert cache.k_scale.shape == cache.k_min.shape == (1, 3, 2, 64)
+    assert cache.v_scale.shape == (1, 3, 2, 16, 1) and cache.k_codes.shape == (1, 3, 2, 16, 16)
+    with pytest.raises(NotImplementedError, match="key_layout='channel' .format v2. runs on the XLA path only"):
+        OscarKVCache.create(config, interpret=True, **args)
 
 
 def test_traced_out_of_range_destinations_are_skipped():

@@ -131,19 +131,55 @@ def demote_layer_groups(bf16_pool, codes, scale, minimum, src_pages, dst_pages, 
     return tuple(pools)
 
 
-@functools.partial(jax.jit, static_argnames=("clip_index", "levels"))
-def demote_channel_key_pages(bf16_pool, codes, scale, minimum, src_pages, dst_pages, *, clip_index: int,
-                             levels: str):
+@functools.partial(jax.jit, static_argnames=("groups", "levels"))
+def demote_channel_key_pages(bf16_pool, codes, scale, minimum, src_pages, dst_pages, *,
+                             groups: tuple[tuple[int, tuple[int, ...]], ...], levels: str):
     """Format v2 key pages: INT2 pages [y, dst_pages[n]] ← encode_channels(BF16 pages
-    bf16_pool[y, src_pages[n]]) for every layer y and kv head, each channel over the page's tokens.
-    Pools: bf16 [Y, P, K, L, D], codes u8[Y, P', K, L, D/4], scale / minimum f16[Y, P', K, D]. A
-    pair with either id out of range is skipped."""
-    num_layers, num_src, num_heads, page_size, d = bf16_pool.shape
+    bf16_pool[y, src_pages[n]]) for every kv head, each channel over the page's tokens; groups
+    ((clip_index, layers), …) as in `demote_layer_groups`. Pools: bf16 [Y, P, K, L, D], codes
+    u8[Y, P', K, L, D/4], scale / minimum f16[Y, P', K, D]. A pair with either id out of range is
+    skipped."""
+    _, num_src, num_heads, page_size, d = bf16_pool.shape
     num_dst = codes.shape[1]
     valid = (src_pages >= 0) & (src_pages < num_src) & (dst_pages >= 0) & (dst_pages < num_dst)
-    pages = bf16_pool[:, jnp.where(valid, src_pages, 0)]  # [Y, N, K, L, D]
-    encoded = encode_channel_pages(pages.reshape(-1, page_size, d), clip_index=clip_index, levels=levels)
+    src = jnp.where(valid, src_pages, 0)
     dst = jnp.where(valid, dst_pages, num_dst)  # past the end: dropped
-    lead = pages.shape[:3]
-    return tuple(pool.at[:, dst].set(value.reshape(lead + value.shape[1:]), mode="drop")
-                 for pool, value in zip((codes, scale, minimum), encoded))
+    pools = [codes, scale, minimum]
+    for clip_index, layers in groups:
+        index = jnp.asarray(layers, jnp.int32)[:, None]  # [NL, 1]
+        pages = bf16_pool[index, src[None, :]]  # [NL, N, K, L, D]
+        encoded = encode_channel_pages(pages.reshape(-1, page_size, d), clip_index=clip_index, levels=levels)
+        lead = pages.shape[:3]
+        pools = [pool.at[index, dst[None, :]].set(value.reshape(lead + value.shape[1:]), mode="drop")
+                 for pool, value in zip(pools, encoded)]
+    return tuple(pools)
+
+
+@functools.partial(jax.jit, static_argnames=("clip_index", "levels", "layer"))
+def write_channel_key_pages(codes, scale, minimum, x, page_ids, slots, rotation, *, clip_index: int, levels: str,
+                            layer: int | None = None):
+    """Format v2: a prefill chunk's keys x [B, T, K, D] (rotated by rotation [K, D, D] unless None)
+    written into the INT2 key pools as whole pages. A chunk starts on a page boundary (the runtime
+    prefills page-aligned chunks), so its tokens j·L … j·L + L − 1 are one page: every such page
+    whose first token goes to slot 0 of a page in range is encoded per channel and written there;
+    the others (BF16 tokens, padding) are skipped. Pools: codes u8[(Y,) P, K, L, D/4], scale /
+    minimum f16[(Y,) P, K, D] (of layer `layer` of stacked pools when given)."""
+    batch, tokens, heads, d = x.shape
+    page_size, num_pages = codes.shape[-2], codes.shape[-4]
+    rows = x.reshape(batch * tokens, heads, d)
+    rows = (rotate_rows(rows, rotation) if rotation is not None else rows.astype(jnp.float32))
+    rows = rows.reshape(batch, tokens, heads, d)
+    pad = -tokens % page_size
+    if pad:  # a chunk shorter than a page, or ragged: the padding pages are skipped
+        rows = jnp.pad(rows, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        page_ids = jnp.pad(page_ids, ((0, 0), (0, pad)), constant_values=num_pages)
+        slots = jnp.pad(slots, ((0, 0), (0, pad)))
+    pages = rows.reshape(batch, -1, page_size, heads, d).transpose(0, 1, 3, 2, 4)  # [B, N, K, L, D]
+    packed, page_scale, page_min = encode_channel_pages(pages.reshape(-1, page_size, d), clip_index=clip_index,
+                                                        levels=levels)
+    dest, first_slot = (a[:, ::page_size].reshape(-1) for a in (page_ids, slots))
+    dest = jnp.where((dest >= 0) & (dest < num_pages) & (first_slot == 0), dest, num_pages)  # else dropped
+    values = (packed.reshape(-1, heads, page_size, d // 4), page_scale.reshape(-1, heads, d),
+              page_min.reshape(-1, heads, d))
+    index = (dest,) if layer is None else (layer, dest)
+    return tuple(pool.at[index].set(value, mode="drop") for pool, value in zip((codes, scale, minimum), values))
