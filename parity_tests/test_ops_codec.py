@@ -428,3 +428,33 @@ def test_channel_key_demotion_bytes_identical():
             pool[:, d_page] = value
     for name, a, e in zip(ARRAYS, got, want):
         assert_same_bits(np.asarray(a), e, f"demoted channel key pages {name}")
+
+
+def test_prefill_writes_whole_per_channel_key_pages():
+    """A page-aligned chunk of two sequences (56 tokens: 3 pages of 16 and a half page, padded)
+    written into format v2 key pools (the XLA path, stacked layer 1): the chunk pages whose first
+    token goes to slot 0 of a page hold shared_math.encode_channels of their 16 rows; chunk pages of
+    BF16 tokens (destination past the pool) and the padded half page are skipped; every other page
+    keeps its bytes."""
+    from oscar_jax.xla.write import write_channel_key_pages
+
+    rng = np.random.default_rng(9)
+    batch, tokens, heads, page_size, d, pool_pages = 2, 56, 2, 16, 64, 7
+    x = heavy_tailed_rows(rng, (batch, tokens, heads, d)).astype(F32)
+    page_ids = np.full((batch, tokens), pool_pages, np.int32)  # BF16 tokens: no INT2 destination
+    slots = np.tile(np.arange(tokens, dtype=np.int32) % page_size, (batch, 1))
+    page_ids[0, 16:48] = np.repeat([5, 2], page_size)  # sequence 0: chunk pages 1 and 2 are history
+    page_ids[1, 0:16] = 6  # sequence 1: chunk page 0
+    codes = rng.integers(0, 256, (2, pool_pages, heads, page_size, d // 4), dtype=np.uint8)
+    scale = rng.standard_normal((2, pool_pages, heads, d)).astype(np.float16)
+    minimum = rng.standard_normal((2, pool_pages, heads, d)).astype(np.float16)
+    k = clip_index(0.9, page_size)
+    got = write_channel_key_pages(*(jnp.asarray(a) for a in (codes, scale, minimum, x, page_ids, slots)), None,
+                                  clip_index=k, levels="minmax", layer=1)
+    want = [codes.copy(), scale.copy(), minimum.copy()]
+    for b, first, dest in ((0, 16, 5), (0, 32, 2), (1, 0, 6)):
+        page = x[b, first:first + page_size].transpose(1, 0, 2)  # [K, L, D]
+        for pool, value in zip(want, ref.encode_channels(page, clip_ratio=0.9)):
+            pool[1, dest] = value
+    for name, a, e in zip(ARRAYS, got, want):
+        assert_same_bits(np.asarray(a), e, f"prefill-written channel key pages {name}")

@@ -28,6 +28,7 @@ from jax import lax
 
 from oscar_jax.xla.codec import encode_channel_pages, encode_rows
 from shared_math.rotation import split_bf16
+from shared_math.spec import CODES_PER_BYTE
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -179,7 +180,7 @@ def write_channel_key_pages(codes, scale, minimum, x, page_ids, slots, rotation,
                                                         levels=levels)
     dest, first_slot = (a[:, ::page_size].reshape(-1) for a in (page_ids, slots))
     dest = jnp.where((dest >= 0) & (dest < num_pages) & (first_slot == 0), dest, num_pages)  # else dropped
-    values = (packed.reshape(-1, heads, page_size, d // 4), page_scale.reshape(-1, heads, d),
+    values = (packed.reshape(-1, heads, page_size, d // CODES_PER_BYTE), page_scale.reshape(-1, heads, d),
               page_min.reshape(-1, heads, d))
     index = (dest,) if layer is None else (layer, dest)
     return tuple(pool.at[index].set(value, mode="drop") for pool, value in zip((codes, scale, minimum), values))
