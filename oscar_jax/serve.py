@@ -121,11 +121,11 @@ def identity_artifact(cfg):
 
 def page_bytes(cfg, config) -> tuple[int, int]:
     """Bytes of one BF16 page and one INT2 page over the paged (global) layers, K and V."""
-    from shared_math.spec import BF16_BYTES, CODES_PER_BYTE, METADATA_BYTES
+    from shared_math.tiers import bf16_row_bytes, int2_key_page_bytes, int2_row_bytes
 
-    rows = len(cfg.global_layers) * 2 * cfg.num_kv_heads * config.page_size
-    int2_row = config.head_dim // CODES_PER_BYTE + 2 * METADATA_BYTES * (config.head_dim // config.group_size)
-    return rows * config.head_dim * BF16_BYTES, rows * int2_row
+    heads = len(cfg.global_layers) * cfg.num_kv_heads
+    return (heads * 2 * config.page_size * bf16_row_bytes(config),
+            heads * (int2_key_page_bytes(config) + config.page_size * int2_row_bytes(config)))
 
 
 def pool_sizes(args, cfg, config, log=None) -> tuple[int | None, int | None]:
@@ -201,7 +201,7 @@ def build_engine(args, *, log=print):
         page = OscarConfig(head_dim=cfg.head_dim).page_size
         sink, recent = args.oscar_sink_size, -(-args.max_model_len // page) * page  # never demotes
     group = args.oscar_group_size or artifact.group_size
-    config = OscarConfig(head_dim=cfg.head_dim, group_size=group, sink=sink, recent=recent)
+    config = OscarConfig.from_artifact(artifact, group_size=group, sink=sink, recent=recent)
     num_bf16, num_int2 = pool_sizes(args, cfg, config, log)
     runtime = OscarRuntime(params, cfg, artifact, max_batch=args.max_num_seqs, max_seq_len=args.max_model_len,
                            sink=sink, recent=recent, group_size=group, prefill_chunk=args.prefill_chunk,

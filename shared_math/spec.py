@@ -51,6 +51,9 @@ DEFAULT_V_CLIP_RATIO = 0.92
 DEFAULT_SINK = 64
 DEFAULT_RECENT = 256
 DEFAULT_PAGE_SIZE = 16
+# key_layout "channel": a key page is one group per channel, so the page sets the key bits (2 + 32/page):
+# 64 tokens give 2.5 bits, the groups per-channel keys were measured with (calibration/HISTORY.md run 14).
+DEFAULT_CHANNEL_PAGE_SIZE = 64
 
 
 def is_power_of_two(n: int) -> bool:
@@ -165,8 +168,8 @@ class OscarConfig:
                       recent: int | None = None, page_size: int | None = None) -> "OscarConfig":
         """The cache configuration a runtime builds from a rotation artifact
         (shared_math.artifact.RotationArtifact): head_dim, codec (group size, levels, key layout)
-        and clip ratios from the artifact, tiers from the arguments (None: the defaults; group_size
-        None: the artifact's). The clip ratios here are layer 0's; per-layer ratios travel with the
+        and clip ratios from the artifact, tiers from the arguments (None: the defaults, a page of
+        DEFAULT_CHANNEL_PAGE_SIZE tokens for per-channel keys; group_size None: the artifact's). The clip ratios here are layer 0's; per-layer ratios travel with the
         cache's pools, which every runtime fills from the artifact's arrays."""
         head_dim = artifact.model.head_dim
         defaults = cls(head_dim=head_dim)
@@ -178,7 +181,7 @@ class OscarConfig:
             levels=artifact.levels,
             sink=defaults.sink if sink is None else sink,
             recent=defaults.recent if recent is None else recent,
-            page_size=page_size or defaults.page_size,
+            page_size=page_size or (defaults.page_size if artifact.key_layout == "token" else DEFAULT_CHANNEL_PAGE_SIZE),
             key_layout=artifact.key_layout,
         )
 

@@ -72,8 +72,9 @@ def test_prefill_chunks_and_demotions_match_a_per_channel_reference(model):
     the key pools hold one scale and minimum per channel and page."""
     params, art = model
     prompt = (np.arange(81) * 5 + 2) % CFG.vocab_size
-    rt, got, want = _run_both(params, art, prompt, steps=20, prefill_chunk=32, reference=ChannelKeysReference)
-    assert rt.config.key_layout == "channel" and rt.config.format_version == 2
+    rt, got, want = _run_both(params, art, prompt, steps=20, prefill_chunk=32, reference=ChannelKeysReference,
+                              page_size=16)  # small pages: many demotions (the layout's default page is 64)
+    assert rt.config.key_layout == "channel" and rt.config.format_version == 2 and rt.config.page_size == 16
     assert rt.cache.k_scale.shape == rt.cache.k_min.shape == rt.cache.k_codes.shape[:3] + (CFG.head_dim,)
     assert rt.allocator.sequences[0].history_pages
     err = np.abs(got - want).max(axis=-1)
@@ -81,7 +82,7 @@ def test_prefill_chunks_and_demotions_match_a_per_channel_reference(model):
     # the per-token reference (format v1 keys) is measurably elsewhere: the layout is what was read
     _, _, v1 = _run_both(params, dataclasses.replace(art, codec={k: v for k, v in art.codec.items()
                                                                  if k != "key_layout"}),
-                         prompt, steps=20, prefill_chunk=32)
+                         prompt, steps=20, prefill_chunk=32, page_size=16)
     assert np.abs(v1 - want).max() > 10 * err.max()
 
 
@@ -89,7 +90,7 @@ def test_prefill_chunks_and_demotions_match_a_per_channel_reference(model):
 def test_the_pallas_kernels_and_tensor_parallelism_refuse_per_channel_keys(model):
     params, art = model
     with pytest.raises(NotImplementedError, match="key_layout='channel' .format v2. runs on the XLA path only"):
-        OscarRuntime(params, CFG, art, max_seq_len=128)
+        OscarRuntime(params, CFG, art, max_seq_len=128)  # default windows 64 / 256, pages of 64
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
     with pytest.raises(ValueError, match="tensor parallelism does not cover format v2's per-channel key pages"):
         OscarRuntime(params, CFG, art, mesh=mesh)

@@ -95,3 +95,18 @@ def test_caches_refuse_per_channel_keys_until_they_store_them():
     require_token_keys(OscarConfig(head_dim=64), "cache")  # v1: accepted
     with pytest.raises(NotImplementedError, match="cache stores keys per token .* key_layout='channel'"):
         require_token_keys(OscarConfig(head_dim=64, key_layout="channel"), "cache")
+
+
+def test_per_channel_key_artifacts_default_to_pages_of_64():
+    """A key page is one group per channel, so its size sets the key bits: an artifact calibrated for
+    per-channel keys gets pages of 64 (2.5 bits a key element) unless the caller picks another."""
+    from shared_math.spec import DEFAULT_CHANNEL_PAGE_SIZE
+    from shared_math.tests.test_artifact import make_artifact
+
+    art = make_artifact()
+    art.codec["key_layout"] = "channel"
+    config = OscarConfig.from_artifact(art)
+    assert config.key_layout == "channel" and config.page_size == DEFAULT_CHANNEL_PAGE_SIZE == 64
+    assert OscarConfig.from_artifact(art, page_size=16, sink=16, recent=32).page_size == 16
+    del art.codec["key_layout"]
+    assert OscarConfig.from_artifact(art).page_size == 16
