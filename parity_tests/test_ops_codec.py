@@ -458,3 +458,23 @@ def test_prefill_writes_whole_per_channel_key_pages():
             pool[1, dest] = value
     for name, a, e in zip(ARRAYS, got, want):
         assert_same_bits(np.asarray(a), e, f"prefill-written channel key pages {name}")
+
+
+@pytest.mark.parametrize("levels", LEVELS)
+@pytest.mark.parametrize("data", ["heavy", "special", "ties"])
+@pytest.mark.parametrize("pages,page_size,d,clip_ratio,dtype", [(3, 16, 16, 1.0, "float32"), (2, 64, 64, 0.96, "float32"),
+                                                                (2, 32, 128, 0.9, "bfloat16")])
+def test_channel_pages_triton_bytes_identical(pages, page_size, d, clip_ratio, dtype, data, levels):
+    """oscar_torch's per-channel key page kernel (Triton; interpreted on CPU) equals
+    shared_math.encode_channels bit for bit — the second backend of format v2's codec."""
+    from oscar_torch.kernels.codec import encode_channel_pages
+
+    rng = np.random.default_rng(page_size * d + len(data) + 1)
+    x = DATA[data](rng, (pages, page_size, d)).astype(F32)
+    if dtype == "bfloat16":
+        x = bf16_values(bf16_bits(x))
+    got = encode_channel_pages(backends.to_torch(bf16_bits(x) if dtype == "bfloat16" else x),
+                               clip_index=clip_index(clip_ratio, page_size), levels=levels)
+    want = ref.encode_channels(x, clip_ratio=clip_ratio, levels=levels)
+    for name, a, e in zip(ARRAYS, got, want):
+        assert_same_bits(a.cpu().numpy(), e, f"triton channel pages {name} {data} page={page_size} d={d} {dtype} {levels}")

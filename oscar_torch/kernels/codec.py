@@ -337,10 +337,33 @@ def encode_block(
 ):
     """Encode a block of rows. Returns packed int32 [R, D/4] (byte values), scale float16
     [R, D/G], minimum float16 [R, D/G]."""
+    codes, scale, minimum = code_block(x, GROUP_SIZE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)
+    return pack_block(codes), scale, minimum
+
+
+@triton.jit
+def pack_block(codes):
+    """Step 5, quartered packing of codes int32 [R, D]: plane p (elements p·Q … p·Q + Q − 1) goes
+    to bits CODE_BITS·p. → int32 [R, D/4] byte values."""
+    ROWS: tl.constexpr = codes.shape[0]
+    QUARTER: tl.constexpr = codes.shape[1] // CODES_PER_BYTE_C
+    planes = tl.reshape(codes, (ROWS, CODES_PER_BYTE_C, QUARTER))
+    shifts = tl.arange(0, CODES_PER_BYTE_C)[None, :, None] * CODE_BITS_C
+    return tl.sum(planes << shifts, axis=1)  # disjoint bit fields: the sum is an exact OR
+
+
+@triton.jit
+def code_block(
+    x,  # [R, D] float32
+    GROUP_SIZE: tl.constexpr,
+    CLIP_INDEX: tl.constexpr,
+    LEVELS: tl.constexpr,
+    ORDER_STATISTIC: tl.constexpr,
+):
+    """Steps 1-4 on a block of rows: codes int32 [R, D], scale and minimum float16 [R, D/G]."""
     ROWS: tl.constexpr = x.shape[0]
     D: tl.constexpr = x.shape[1]
     NUM_GROUPS: tl.constexpr = D // GROUP_SIZE
-    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
     # 1. sanitize: NaN → +0, clamp to ±FP16_MAX (np.clip keeps −0).
     x = tl.where(x != x, 0.0, x)
     x = tl.where(x > FP16_MAX_C, FP16_MAX_C, tl.where(x < -FP16_MAX_C, -FP16_MAX_C, x))
@@ -376,12 +399,8 @@ def encode_block(
     for j in tl.static_range(NUM_THRESHOLDS_C):
         threshold = _ieee_key((m + (FIRST_THRESHOLD_C + j * THRESHOLD_STEP_C) * s).to(tl.int32, bitcast=True))
         codes = codes + (group_key >= threshold).to(tl.int32)
-    # 5. quartered packing: plane p (elements p·Q … p·Q + Q − 1) goes to bits CODE_BITS·p.
-    planes = tl.reshape(codes, (ROWS, CODES_PER_BYTE_C, QUARTER))
-    shifts = tl.arange(0, CODES_PER_BYTE_C)[None, :, None] * CODE_BITS_C
-    packed = tl.sum(planes << shifts, axis=1)  # disjoint bit fields: the sum is an exact OR
     return (
-        packed,
+        tl.reshape(codes, (ROWS, D)),
         tl.reshape(scale, (ROWS, NUM_GROUPS)),
         tl.reshape(minimum, (ROWS, NUM_GROUPS)),
     )
@@ -634,6 +653,51 @@ def encode_rows(
         ORDER_STATISTIC=order_statistic, INPUT_BF16=x.dtype == torch.bfloat16, BLOCK_ROWS=rows,
         PLANES=planes, num_warps=num_warps,
     )
+    return packed, scale, minimum
+
+
+@triton.jit
+def _encode_channel_pages_kernel(
+    x_ptr,  # [N, L, D] float32 / float16, or bfloat16 as int16 bit patterns
+    packed_ptr,  # [N, L, D/4] uint8
+    scale_ptr,  # [N, D] float16
+    minimum_ptr,  # [N, D] float16
+    PAGE: tl.constexpr,
+    D: tl.constexpr,
+    CLIP_INDEX: tl.constexpr,
+    LEVELS: tl.constexpr,
+    ORDER_STATISTIC: tl.constexpr,
+    INPUT_BF16: tl.constexpr,
+):
+    """Format v2 key pages, one page a program: each channel over the page's tokens is one row of
+    G = PAGE through `code_block` (the page read transposed), the codes packed per token."""
+    page = tl.program_id(0)
+    token = tl.arange(0, PAGE)[:, None]
+    channel = tl.arange(0, D)[None, :]
+    rows = load_rows_f32(x_ptr + page * PAGE * D + token * D + channel, token < PAGE, INPUT_BF16)  # [L, D]
+    codes, scale, minimum = code_block(tl.trans(rows), PAGE, CLIP_INDEX, LEVELS, ORDER_STATISTIC)  # [D, L]
+    packed = pack_block(tl.trans(codes))  # [L, D/4]
+    QUARTER: tl.constexpr = D // CODES_PER_BYTE_C
+    tl.store(packed_ptr + page * PAGE * QUARTER + token * QUARTER + tl.arange(0, QUARTER)[None, :],
+             packed.to(tl.uint8))
+    tl.store(scale_ptr + page * D + tl.arange(0, D), tl.reshape(scale, (D,)))
+    tl.store(minimum_ptr + page * D + tl.arange(0, D), tl.reshape(minimum, (D,)))
+
+
+def encode_channel_pages(x: torch.Tensor, *, clip_index: int, levels: str, num_warps: int = DEFAULT_NUM_WARPS):
+    """Launch format v2's per-channel key page encode over x [N, L, D] (contiguous float32 /
+    float16 / bfloat16; clip_index over L values) → packed u8 [N, L, D/4], scale, minimum f16
+    [N, D], bit-identical to shared_math.encode_channels."""
+    num_pages, page, d = x.shape
+    order_statistic = resolve_order_statistic(None, page, clip_index, x.dtype)
+    packed = torch.empty((num_pages, page, d // CODES_PER_BYTE), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((num_pages, d), dtype=torch.float16, device=x.device)
+    minimum = torch.empty_like(scale)
+    if num_pages:
+        _encode_channel_pages_kernel[(num_pages,)](
+            kernel_view(x), packed, scale, minimum, PAGE=page, D=d, CLIP_INDEX=clip_index, LEVELS=levels,
+            ORDER_STATISTIC=order_statistic, INPUT_BF16=x.dtype == torch.bfloat16, num_warps=num_warps,
+        )
     return packed, scale, minimum
 
 
