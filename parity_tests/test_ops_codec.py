@@ -464,17 +464,20 @@ def test_prefill_writes_whole_per_channel_key_pages():
 @pytest.mark.parametrize("data", ["heavy", "special", "ties"])
 @pytest.mark.parametrize("pages,page_size,d,clip_ratio,dtype", [(3, 16, 16, 1.0, "float32"), (2, 64, 64, 0.96, "float32"),
                                                                 (2, 32, 128, 0.9, "bfloat16")])
-def test_channel_pages_triton_bytes_identical(pages, page_size, d, clip_ratio, dtype, data, levels):
-    """oscar_torch's per-channel key page kernel (Triton; interpreted on CPU) equals
-    shared_math.encode_channels bit for bit — the second backend of format v2's codec."""
-    from oscar_torch.kernels.codec import encode_channel_pages
-
+def test_channel_pages_kernels_bytes_identical(kernel_backend, pages, page_size, d, clip_ratio, dtype, data, levels):
+    """Both kernel sets' per-channel key page kernels (Pallas and Triton; interpreted on CPU, compiled
+    with OSCAR_TEST_GPU=1) equal shared_math.encode_channels bit for bit."""
     rng = np.random.default_rng(page_size * d + len(data) + 1)
     x = DATA[data](rng, (pages, page_size, d)).astype(F32)
     if dtype == "bfloat16":
         x = bf16_values(bf16_bits(x))
-    got = encode_channel_pages(backends.to_torch(bf16_bits(x) if dtype == "bfloat16" else x),
-                               clip_index=clip_index(clip_ratio, page_size), levels=levels)
+    k = clip_index(clip_ratio, page_size)
+    arg = bf16_bits(x) if dtype == "bfloat16" else x
+    if kernel_backend == "jax":
+        got = [np.asarray(a) for a in jax_kcodec.encode_channel_pages(backends.to_jax(arg), clip_index=k, levels=levels)]
+    else:
+        got = [a.cpu().numpy() for a in torch_kcodec.encode_channel_pages(backends.to_torch(arg), clip_index=k,
+                                                                           levels=levels)]
     want = ref.encode_channels(x, clip_ratio=clip_ratio, levels=levels)
     for name, a, e in zip(ARRAYS, got, want):
-        assert_same_bits(a.cpu().numpy(), e, f"triton channel pages {name} {data} page={page_size} d={d} {dtype} {levels}")
+        assert_same_bits(a, e, f"{kernel_backend} channel pages {name} {data} page={page_size} d={d} {dtype} {levels}")

@@ -572,6 +572,46 @@ def encode_rows(
     )(x)
 
 
+def _encode_channel_pages_kernel(x_ref, packed_ref, scale_ref, minimum_ref, *, clip_index: int, levels: str,
+                                 order_statistic: str):
+    """One format v2 key page a program: x [1, L, D] → packed [1, L, D/4], scale / minimum [1, D]."""
+    packed, scale, minimum = encode_channels_block(x_ref[...], clip_index=clip_index, levels=levels,
+                                                   order_statistic=order_statistic)
+    packed_ref[...] = packed
+    scale_ref[...] = scale
+    minimum_ref[...] = minimum
+
+
+@functools.partial(jax.jit, static_argnames=("clip_index", "levels", "num_warps", "interpret"))
+def encode_channel_pages(x, *, clip_index: int, levels: str, num_warps: int = DEFAULT_NUM_WARPS,
+                         interpret: bool | None = None):
+    """Launch format v2's per-channel key page encode over x [N, L, D] (N ≥ 1; clip_index over L
+    values), one page a program → packed u8 [N, L, D/4], scale, minimum f16 [N, D], bit-identical to
+    shared_math.encode_channels (the XLA path's `encode_channels_block`, as a kernel body)."""
+    num_pages, page, d = x.shape
+    order_statistic = resolve_order_statistic(None, page, clip_index, x.dtype)
+    kernel = functools.partial(_encode_channel_pages_kernel, clip_index=clip_index, levels=levels,
+                               order_statistic=order_statistic)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_pages,),
+        in_specs=[pl.BlockSpec((1, page, d), lambda i: (i, 0, 0))],
+        out_specs=[
+            pl.BlockSpec((1, page, d // CODES_PER_BYTE), lambda i: (i, 0, 0)),
+            pl.BlockSpec((1, d), lambda i: (i, 0)),
+            pl.BlockSpec((1, d), lambda i: (i, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_pages, page, d // CODES_PER_BYTE), jnp.uint8),
+            jax.ShapeDtypeStruct((num_pages, d), jnp.float16),
+            jax.ShapeDtypeStruct((num_pages, d), jnp.float16),
+        ],
+        interpret=resolve_interpret(interpret),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"oscar_encode_channel_pages_l{page}_d{d}_k{clip_index}_{levels}_{order_statistic}",
+    )(x)
+
+
 # ----------------------------------------------------------------------------------- decode
 
 
