@@ -8,6 +8,7 @@ import sys
 import numpy as np
 
 from calibration.calibrate import KEY_TARGETS, VALUE_TARGETS, CalibrationOptions, calibrate, main_command
+from calibration.methods import DEFAULT_KEY_GROUP
 from shared_math.rotation import ROTATION_KINDS
 from shared_math.spec import LEVELS
 
@@ -35,7 +36,16 @@ def parse_args(argv=None) -> CalibrationOptions:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices the weights are split over; each layer runs whole on the first, so the "
                         "artifact is the one-device artifact, byte for byte")
+    p.add_argument("--key-layout", choices=("token", "channel"), default="token",
+                   help="token = format v1 (keys per token); channel = format v2: keys per channel over a "
+                        "group of tokens, the artifact records key_layout 'channel' and its key clip "
+                        "ratios are over a channel's values in a group (FORMAT.md § Format v2)")
+    p.add_argument("--key-group", type=int, default=None,
+                   help=f"with --key-layout channel: tokens per key group for the key clip fit and the "
+                        f"report (default {DEFAULT_KEY_GROUP}, the emulation's oscar:keys=channel kgroup)")
     a = p.parse_args(argv)
+    if a.key_group is not None and a.key_layout != "channel":
+        p.error("--key-group applies only with --key-layout channel")
     try:
         return CalibrationOptions(
             model_path=a.model_path, calib_data=a.calib_data, calib_tokens=a.calib_tokens,
@@ -44,6 +54,7 @@ def parse_args(argv=None) -> CalibrationOptions:
             v_clip_ratio=a.v_clip_ratio, fit_clip=a.fit_clip, rotation_kind=a.rotation_kind,
             key_target=a.key_target, value_target=a.value_target, per_layer=a.per_layer,
             seed=a.seed, progress=not a.no_progress, tensor_parallel_size=a.tensor_parallel_size,
+            key_layout=a.key_layout, key_group=a.key_group or DEFAULT_KEY_GROUP,
         )
     except ValueError as e:
         p.error(str(e))
@@ -60,6 +71,9 @@ def main(argv=None) -> int:
     print(f"\nwrote {report['artifact']} in {report['seconds']} s")
     print(f"  rotations {list(artifact.k_rotation.shape)} (K and V), codec {artifact.codec}")
     print(f"  clip ratios K {sorted(set(report['k_clip_ratio']))}  V {sorted(set(report['v_clip_ratio']))}")
+    if opts.key_layout == "channel":
+        print(f"  keys per channel over groups of {opts.key_group} tokens (format v2); K clip per layer "
+              f"{[round(c, 2) for c in report['k_clip_ratio']]}")
     for kind, e in errs.items():
         print(f"  held-out {kind:>14}: key logit error {np.mean(e['key_logit']):.4f}, "
               f"value output error {np.mean(e['value_output']):.4f}")

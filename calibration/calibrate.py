@@ -11,6 +11,14 @@ its window in BF16 and never reads the OSCAR cache, so statistics, rotations, cl
 held-out errors are computed for the global layers only. The artifact keeps its format (every
 layer present): a local layer gets the identity rotations, zero eigenvalues and clip ratio 1, and
 the provenance names the unused layers (`unused_layers`, with `unused_layers_reason`).
+
+Keys per channel (`key_layout="channel"`, format v2; FORMAT.md § Format v2): the artifact's codec
+records `"key_layout": "channel"` (shared_math.artifact writes format_version 2), and the key clip
+ratios (fitted or given) are over a channel's values in a group of `key_group` tokens, default
+DEFAULT_KEY_GROUP = 64 — the emulation's `oscar:keys=channel` group (calibration.methods). The key
+logit error then quantizes the rotated held-out keys per channel over consecutive groups of
+key_group tokens (shared_math.codec.encode_channels); a trailing partial group is left unquantized.
+Values are unchanged. Without it (`key_layout="token"`) everything is format v1, byte for byte.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from calibration.data import documents, pack_tokens, sequences
+from calibration.methods import DEFAULT_KEY_GROUP
 from calibration.fit import CLIP_GRID, causal_probabilities, key_logit_error, rotations, value_output_error
 from calibration.statistics import SecondMoments, group_queries, surrogate_weights
 from shared_math.artifact import ModelFingerprint, RotationArtifact, write_artifact
@@ -33,7 +42,9 @@ from shared_math.rotation import ROTATION_KINDS
 from shared_math.spec import (
     DEFAULT_K_CLIP_RATIO,
     DEFAULT_V_CLIP_RATIO,
+    KEY_LAYOUTS,
     LEVELS,
+    MIN_GROUP_SIZE,
     clip_index,
     default_group_size,
     is_power_of_two,
@@ -65,6 +76,8 @@ class CalibrationOptions:
     seed: int = 0
     progress: bool = True
     tensor_parallel_size: int = 1
+    key_layout: str = "token"  # "channel": format v2's per-channel keys (key clips over key_group tokens)
+    key_group: int = DEFAULT_KEY_GROUP  # tokens per per-channel key group (key_layout "channel" only)
 
     def __post_init__(self):
         for name, value, choices in (
@@ -72,6 +85,7 @@ class CalibrationOptions:
             ("rotation_kind", self.rotation_kind, ROTATION_KINDS),
             ("key_target", self.key_target, KEY_TARGETS),
             ("value_target", self.value_target, VALUE_TARGETS),
+            ("key_layout", self.key_layout, KEY_LAYOUTS),
         ):
             if value not in choices:
                 raise ValueError(f"{name}={value!r} must be one of {choices}")
@@ -80,16 +94,23 @@ class CalibrationOptions:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         clip_index(self.k_clip_ratio, 16)
         clip_index(self.v_clip_ratio, 16)
+        if self.key_layout == "channel" and (not is_power_of_two(self.key_group) or self.key_group < MIN_GROUP_SIZE):
+            raise ValueError(f"key_group={self.key_group} must be a power of two >= {MIN_GROUP_SIZE}")
 
 
 # How a run is carried out, not what it computes: the artifact is the same bytes whatever they
 # are, so the provenance does not record them.
 RUN_ONLY_OPTIONS = ("tensor_parallel_size",)
+# Options a format-v1 (key_layout "token") artifact does not record, so that it stays byte for byte
+# what it was before per-channel keys existed.
+CHANNEL_ONLY_OPTIONS = ("key_layout", "key_group")
 
 
 def recorded_options(opts: CalibrationOptions) -> dict:
-    """The options an artifact's provenance records (all but RUN_ONLY_OPTIONS)."""
-    return {k: v for k, v in dataclasses.asdict(opts).items() if k not in RUN_ONLY_OPTIONS}
+    """The options an artifact's provenance records (all but RUN_ONLY_OPTIONS; the per-channel key
+    options only when key_layout is "channel")."""
+    skip = RUN_ONLY_OPTIONS + (CHANNEL_ONLY_OPTIONS if opts.key_layout == "token" else ())
+    return {k: v for k, v in dataclasses.asdict(opts).items() if k not in skip}
 
 
 def _git_sha() -> str:
@@ -184,6 +205,9 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
     k_clip = np.full(len(used), opts.k_clip_ratio)
     v_clip = np.full(len(used), opts.v_clip_ratio)
     codec = dict(group_size=group_size, levels=opts.levels)
+    key_codec = codec  # the key error's codec: format v1's rows, or per channel over key_group tokens
+    if opts.key_layout == "channel":
+        key_codec = dict(codec, key_layout="channel", key_group=opts.key_group)
     errors = {kind: {"key_logit": [], "value_output": []} for kind in report_rot}
     clip_search = {"key_logit": [], "value_output": []}
     heldout_layers = [acts for acts in _layer_activations(params, cfg, heldout, tp) if acts[0] in slot]
@@ -191,13 +215,13 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
         i = slot[layer]
         probs = causal_probabilities(q, k)
         if opts.fit_clip:
-            k_err = [key_logit_error(q, k, k_rot[i], clip_ratio=c, **codec) for c in CLIP_GRID]
+            k_err = [key_logit_error(q, k, k_rot[i], clip_ratio=c, **key_codec) for c in CLIP_GRID]
             v_err = [value_output_error(probs, v, v_rot[i], clip_ratio=c, **codec) for c in CLIP_GRID]
             k_clip[i], v_clip[i] = CLIP_GRID[int(np.argmin(k_err))], CLIP_GRID[int(np.argmin(v_err))]
             clip_search["key_logit"].append(k_err)
             clip_search["value_output"].append(v_err)
         for kind, (rk, rv) in report_rot.items():
-            errors[kind]["key_logit"].append(key_logit_error(q, k, rk[i], clip_ratio=k_clip[i], **codec))
+            errors[kind]["key_logit"].append(key_logit_error(q, k, rk[i], clip_ratio=k_clip[i], **key_codec))
             errors[kind]["value_output"].append(
                 value_output_error(probs, v, rv[i], clip_ratio=v_clip[i], **codec))
     report_eigenvalues = {"key": cov_eigs(cov[opts.key_target]), "value": cov_eigs(cov[opts.value_target])}
@@ -229,7 +253,7 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
         k_clip_ratio=k_clip.astype(np.float32),
         v_clip_ratio=v_clip.astype(np.float32),
         model=ModelFingerprint(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim),
-        codec=codec,
+        codec=codec if opts.key_layout == "token" else dict(codec, key_layout="channel"),
         provenance=provenance,
     )
     out = Path(opts.output_dir)

@@ -91,3 +91,80 @@ def test_head_dim_must_be_a_power_of_two(tmp_path, text_file, capsys):
     odd = _tiny_llama(tmp_path / "odd", head_dim=24)
     assert _run(odd, text_file, tmp_path / "o") == 2
     assert "head_dim=24" in capsys.readouterr().err
+
+
+
+def _format_version(directory):
+    from safetensors import safe_open
+
+    from shared_math.artifact import artifact_file
+
+    with safe_open(str(artifact_file(directory)), framework="np") as f:
+        return f.metadata()["format_version"]
+
+
+def test_cli_key_layout_channel(tiny_dir, text_file, tmp_path):
+    """--key-layout channel: the artifact records key_layout 'channel' as format v2 and --fit-clip
+    fits the key clips of the per-channel codec (the key error over groups of --key-group tokens);
+    values and rotations are the v1 run's; without the flag the artifact stays format v1."""
+    assert _run(tiny_dir, text_file, tmp_path / "v1", "--fit-clip") == 0
+    assert _run(tiny_dir, text_file, tmp_path / "v2", "--fit-clip", "--key-layout", "channel",
+                "--key-group", "16") == 0
+    v1, v2 = read_artifact(tmp_path / "v1"), read_artifact(tmp_path / "v2")
+    assert v1.codec == {"group_size": 16, "levels": "minmax"} and v1.key_layout == "token"
+    assert _format_version(tmp_path / "v1") == "1"
+    assert "key_layout" not in v1.provenance["options"] and "key_group" not in v1.provenance["options"]
+    assert v2.codec == {"group_size": 16, "levels": "minmax", "key_layout": "channel"}
+    assert v2.key_layout == "channel" and _format_version(tmp_path / "v2") == "2"
+    assert v2.provenance["options"]["key_layout"] == "channel" and v2.provenance["options"]["key_group"] == 16
+    for name in ("k_rotation", "v_rotation", "v_clip_ratio"):
+        assert np.array_equal(getattr(v1, name), getattr(v2, name))
+    r1, r2 = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("v1", "v2"))
+    assert r1["clip_search"]["value_output"] == r2["clip_search"]["value_output"]
+    assert r1["clip_search"]["key_logit"] != r2["clip_search"]["key_logit"]  # another key codec
+    for layer, errs in enumerate(r2["clip_search"]["key_logit"]):  # the fitted clip minimises it
+        assert v2.k_clip_ratio[layer] == np.float32(r2["clip_grid"][int(np.argmin(errs))])
+    assert _run(tiny_dir, text_file, tmp_path / "d", "--key-layout", "channel") == 0  # default group 64
+    assert read_artifact(tmp_path / "d").provenance["options"]["key_group"] == 64
+
+
+def test_key_logit_error_per_channel_over_groups():
+    """The per-channel key error quantizes each channel over whole groups of key_group tokens with
+    shared_math's encode_channels (clip index over the group's values), a partial group not at all."""
+    from calibration.fit import key_logit_error
+    from shared_math.codec import decode_channels, encode_channels
+
+    rng = np.random.default_rng(0)
+    t, hq, hkv, d, g = 40, 4, 2, 32, 16
+    q, k = rng.standard_normal((t, hq, d)), rng.standard_normal((t, hkv, d))
+    k[5, :, 3] = 30.0  # an outlier that a clip below 1 cuts within its group
+    eye = np.broadcast_to(np.eye(d), (hkv, d, d))
+    kr = k.transpose(1, 0, 2).astype(np.float32)
+    for clip in (1.0, 0.88):
+        expect = kr.copy()
+        pages = kr[:, :32].reshape(hkv, 2, g, d)  # 2 whole groups; tokens 32..39 stay unquantized
+        expect[:, :32] = decode_channels(*encode_channels(pages, clip_ratio=clip, levels="minmax")).reshape(hkv, 32, d)
+        err = k.transpose(1, 0, 2) - expect
+        qr = q.reshape(t, hkv, hq // hkv, d).transpose(1, 0, 2, 3).reshape(hkv, t * hq // hkv, d)
+        mask = np.repeat(np.tril(np.ones((t, t), bool)), hq // hkv, axis=0)
+        ref = np.sum(np.where(mask, qr @ err.transpose(0, 2, 1), 0) ** 2) / \
+            np.sum(np.where(mask, qr @ k.transpose(1, 2, 0), 0) ** 2)
+        got = key_logit_error(q, k, eye, group_size=16, clip_ratio=clip, levels="minmax",
+                              key_layout="channel", key_group=g)
+        np.testing.assert_allclose(got, ref, rtol=1e-12)
+    # the clip index is over a group's 16 values, not the 32 channels: c = 0.96 → k = 15 = no clip
+    errs = {c: key_logit_error(q, k, eye, group_size=16, clip_ratio=c, levels="minmax", key_layout="channel",
+                               key_group=g) for c in (1.0, 0.96, 0.88)}
+    assert errs[0.96] == errs[1.0] != errs[0.88]
+
+
+def test_cli_key_layout_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--output-dir", str(tmp_path), "--key-layout", "page"])
+    assert "invalid choice: 'page'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--output-dir", str(tmp_path), "--key-group", "32"])
+    assert "--key-group applies only with --key-layout channel" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--output-dir", str(tmp_path), "--key-layout", "channel", "--key-group", "48"])
+    assert "key_group=48" in capsys.readouterr().err
