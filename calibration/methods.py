@@ -65,13 +65,17 @@ The methods and their source configurations (`parse_method` builds them from a s
               SALIENT_INDEX_BITS position index per token and (layer, KV head).
               `keys=channel` (`kgroup=G`, default 64; `krot=artifact|none|eigen|hadamard`, default artifact): an
               experiment — keys quantized per channel over groups of G consecutive history tokens
-              (KIVI's key codec, `quantize_key_channels`: min/max INT2, clip 1, fp16 scale and
-              minimum per (group, channel)), groups aligned on the history's start (the sink's
+              (KIVI's key codec, `quantize_key_channels`: min/max INT2, fp16 scale and minimum per
+              (group, channel); clip 1 with a format-v1 artifact, as in runs 14-15; with an artifact
+              calibrated for per-channel keys — codec `key_layout "channel"`, `python -m calibration
+              --key-layout channel` — its per-layer key clip ratios (or `clip=`'s), each over a
+              channel's G values of a group: k = min(⌊c·G⌋, G − 1)), groups aligned on the history's start (the sink's
               end) and made of whole pages (G a multiple of the page size); values exactly as the
               default (R_V, per-token codec, fitted clip); the same BF16 windows. krot=artifact
               rotates keys (and queries) by the artifact's R_K = U·H·P first, krot=none not at all,
               krot=eigen by U alone (R_K·(H·P)ᵀ, P from the stored key eigenvalues), krot=hadamard
-              by H·P alone.
+              by H·P alone. `keys=` defaults to the artifact's key layout (`token` for format v1);
+              `keys=token` with a per-channel artifact is refused (its key clips are over groups).
               Causality: a history key is read quantized only once its whole group is in the
               history (query t: keys [S0, S0 + G·⌊H_t/G⌋)); the history's trailing partial group
               (0–3 pages at G = 64) is read and counted as BF16 keys. Bytes: per whole group and
@@ -328,9 +332,10 @@ def _minmax_rows(x: np.ndarray, group_size: int) -> np.ndarray:
     return decode(*encode(x, group_size=group_size, clip_ratio=1.0, levels="minmax"), group_size=group_size)
 
 
-def quantize_key_channels(x: np.ndarray, group_size: int, start: int = 0) -> np.ndarray:
+def quantize_key_channels(x: np.ndarray, group_size: int, start: int = 0, clip_ratio: float = 1.0) -> np.ndarray:
     """KIVI's key codec, format v2's key pages: per channel over consecutive groups of G tokens from
-    position `start` (`shared_math.codec.encode_channels`, clip ratio 1, min/max levels).
+    position `start` (`shared_math.codec.encode_channels`, min/max levels; clip ratio 1 — KIVI's and
+    runs 14-15's — unless given, then over each channel's G values of a group).
 
     x float32 [B, T, Hkv, D] → the dequantized keys [B, T, Hkv, D]. Positions before `start` and
     those of a trailing partial group are returned unchanged."""
@@ -341,7 +346,7 @@ def quantize_key_channels(x: np.ndarray, group_size: int, start: int = 0) -> np.
     out = x.copy()
     if full:
         pages = x[:, start:start + full].reshape(b, full // group_size, group_size, h, d).transpose(0, 1, 3, 2, 4)
-        decoded = decode_channels(*encode_channels(pages, clip_ratio=1.0, levels="minmax"))  # [B, T/G, Hkv, G, D]
+        decoded = decode_channels(*encode_channels(pages, clip_ratio=clip_ratio, levels="minmax"))  # [B, T/G, Hkv, G, D]
         out[:, start:start + full] = decoded.transpose(0, 1, 3, 2, 4).reshape(b, full, h, d)
     return out
 
@@ -396,6 +401,7 @@ class TieredMethod:
     salient: int = 0  # history tokens per (layer, KV head) kept in BF16 for the answer (0: none)
     salient_window: int = DEFAULT_SALIENT_WINDOW  # W: the prompt's last W queries choose them
     key_group: int = 0  # > 0: keys per channel over groups of this many history tokens (`keys=channel`)
+    key_clip: tuple[float, ...] | None = None  # per-layer clip ratios of those keys (None: clip 1)
 
     def __post_init__(self):
         if self.salient < 0 or self.salient_window < 1:
@@ -419,7 +425,8 @@ class TieredMethod:
 
     def quantize_keys(self, layer: int, x: np.ndarray) -> np.ndarray:
         if self.key_group:  # KIVI's per-channel codec on groups that start where the history starts
-            return quantize_key_channels(x, self.key_group, start=self.windows.sink)
+            clip = 1.0 if self.key_clip is None else self.key_clip[layer]
+            return quantize_key_channels(x, self.key_group, start=self.windows.sink, clip_ratio=clip)
         return self.quantizer.quantize_keys(layer, x)
 
     def quantize_values(self, layer: int, x: np.ndarray) -> np.ndarray:
@@ -472,9 +479,10 @@ class TieredMethod:
                               "page_size": self.windows.page_size}
         if self.key_group:
             out["keys"] = (f"per channel over groups of {self.key_group} tokens aligned on the history's start "
-                           "(KIVI's codec: min/max INT2, clip 1, fp16 scale+minimum per group and channel); a "
+                           f"(KIVI's codec: min/max INT2, {'clip 1' if self.key_clip is None else 'the artifact clips'}, "
+                           "fp16 scale+minimum per group and channel); a "
                            "history key is read quantized once its whole group is in the history, BF16 until then")
-            out["k_clip_ratio"] = 1.0
+            out["k_clip_ratio"] = 1.0 if self.key_clip is None else list(self.key_clip)
             if self.k_rotation is None:
                 out["rotation"] = "values: artifact R_V per layer and KV head; keys: none"
         if self.salient:
@@ -920,7 +928,10 @@ def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int
     observe = _int(options.get("observe", str(DEFAULT_SALIENT_WINDOW)), "observe")
     if "observe" in options and not salient:
         raise ValueError(f"method {spec!r}: observe= applies only with salient=N > 0")
-    keys = options.get("keys", "token")
+    keys = options.get("keys", artifact.key_layout)
+    if keys == "token" and artifact.key_layout == "channel":
+        raise ValueError(f"method {spec!r}: keys=token with an artifact calibrated for per-channel keys "
+                         "(its key clip ratios are over a channel's group of tokens)")
     if keys not in KEY_LAYOUTS:
         raise ValueError(f"method {spec!r}: keys={keys!r} must be one of {list(KEY_LAYOUTS)}")
     if keys != "channel" and ("kgroup" in options or "krot" in options):
@@ -939,7 +950,8 @@ def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int
     return TieredMethod(spec, name, codec, windows, k_rotation,
                         np.asarray(artifact.v_rotation, np.float32), rotation=rotation,
                         source="OSCAR: artifact rotations, clip ratios and codec", salient=salient,
-                        salient_window=observe, key_group=key_group)
+                        salient_window=observe, key_group=key_group,
+                        key_clip=codec.k_clip_ratios if key_group and artifact.key_layout == "channel" else None)
 
 
 def salient_positions(q_window: np.ndarray, keys: np.ndarray, candidates: tuple[int, int], n: int) -> np.ndarray:

@@ -160,3 +160,38 @@ def test_passkey_answer_reads_whole_groups_only():
     default, channel, plain = (got[m.name] for m in methods)
     assert np.array_equal(default[0], channel[0]) and np.array_equal(default[0], plain[0])  # prompt pass
     assert np.abs(channel[1:] - default[1:]).max() > 1e-4 and np.abs(plain[1:] - channel[1:]).max() > 1e-4
+
+
+def _channel_artifact(art):
+    """The test artifact as if calibrated with `--key-layout channel` (its key clips 0.9 … 0.96)."""
+    return dataclasses.replace(art, codec=dict(art.codec, key_layout="channel"))
+
+
+def test_channel_artifact_key_clips_are_used_over_each_group(art):
+    """An artifact calibrated for per-channel keys: keys=channel clips each channel over a group's G
+    values with the layer's key clip ratio; a v1 artifact keeps clip 1 (runs 14-15), bit for bit."""
+    channel = _channel_artifact(art)
+    fitted, v1 = build("oscar:keys=channel", channel), build("oscar:keys=channel", art)
+    assert v1.key_clip is None and v1.describe()["k_clip_ratio"] == 1.0
+    assert fitted.key_clip == tuple(float(c) for c in art.k_clip_ratio)
+    assert fitted.describe()["k_clip_ratio"] == list(fitted.key_clip)
+    sink = fitted.windows.sink
+    x = _keys(sink + 2 * 64 + 10)
+    for layer in range(2):
+        c = float(art.k_clip_ratio[layer])
+        got = fitted.quantize_keys(layer, x)
+        assert np.array_equal(got, quantize_key_channels(x, 64, start=sink, clip_ratio=c))
+        assert not np.array_equal(got, v1.quantize_keys(layer, x))  # k = ⌊c·64⌋ < 63: a clip
+        assert np.array_equal(v1.quantize_keys(layer, x), quantize_key_channels(x, 64, start=sink))
+    # the clip index is over the group's tokens: c = 0.99 → ⌊0.99·64⌋ = 63 = no clip at G = 64
+    assert np.array_equal(build("oscar:keys=channel:clip=0.99/0.92", channel).quantize_keys(0, x),
+                          v1.quantize_keys(0, x))
+    # values stay the artifact's (per token, its value clips)
+    assert np.array_equal(fitted.quantize_values(1, x), v1.quantize_values(1, x))
+
+
+def test_channel_artifact_keys_default_to_channel_and_refuse_token(art):
+    channel = _channel_artifact(art)
+    assert build("oscar", channel).key_group == 64 and build("oscar", art).key_group == 0
+    with pytest.raises(ValueError, match="keys=token with an artifact calibrated for per-channel keys"):
+        build("oscar:keys=token", channel)
