@@ -161,6 +161,9 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         oscar_config = runtime.config
+        if oscar_config.key_layout == "channel":
+            print(f"[oscar] format v2: keys quantized per channel over pages of {oscar_config.page_size} tokens",
+                  file=sys.stderr)
         t0 = time.perf_counter()
         seq_id, logits, _ = runtime.admit(prompt)
         step = lambda token: runtime.step([seq_id], [token])[0]  # noqa: E731
