@@ -108,6 +108,23 @@ def demote_pages_rows(bf16_pool, codes, scale, minimum, src_pages, dst_pages, *,
                  for pool, value in zip((codes, scale, minimum), encoded))
 
 
+def _demote_by_groups(bf16_pool, codes, scale, minimum, src_pages, dst_pages, groups, encode):
+    """For each (clip_index, layers) of `groups`: the BF16 pages [layers, src_pages] encoded by
+    encode(pages [NL, N, K, L, D], clip_index) → arrays shaped as the pools' [NL, N, …] entries, and
+    scattered to [layers, dst_pages]; a pair with either id out of range is skipped."""
+    num_src, num_dst = bf16_pool.shape[1], codes.shape[1]
+    valid = (src_pages >= 0) & (src_pages < num_src) & (dst_pages >= 0) & (dst_pages < num_dst)
+    src = jnp.where(valid, src_pages, 0)
+    dst = jnp.where(valid, dst_pages, num_dst)  # past the end: dropped
+    pools = [codes, scale, minimum]
+    for clip_index, layers in groups:
+        index = jnp.asarray(layers, jnp.int32)[:, None]  # [NL, 1]
+        pages = bf16_pool[index, src[None, :]]  # [NL, N, K, L, D]
+        pools = [pool.at[index, dst[None, :]].set(value, mode="drop")
+                 for pool, value in zip(pools, encode(pages, clip_index))]
+    return tuple(pools)
+
+
 @functools.partial(jax.jit, static_argnames=("group_size", "groups", "levels"))
 def demote_layer_groups(bf16_pool, codes, scale, minimum, src_pages, dst_pages, *, group_size: int,
                         groups: tuple[tuple[int, tuple[int, ...]], ...], levels: str):
@@ -116,20 +133,13 @@ def demote_layer_groups(bf16_pool, codes, scale, minimum, src_pages, dst_pages, 
     one scatter per pool, where a loop over the layers would run one program per layer (a calibrated
     artifact's clip ratios differ layer to layer: 3 groups instead of 30 launches for SmolLM2).
     Same bytes: every row is encoded with its layer's clip index."""
-    _, num_src, num_heads, page_size, d = bf16_pool.shape
-    num_dst = codes.shape[1]
-    valid = (src_pages >= 0) & (src_pages < num_src) & (dst_pages >= 0) & (dst_pages < num_dst)
-    src = jnp.where(valid, src_pages, 0)
-    dst = jnp.where(valid, dst_pages, num_dst)  # past the end: dropped
-    pools = [codes, scale, minimum]
-    for clip_index, layers in groups:
-        index = jnp.asarray(layers, jnp.int32)[:, None]  # [NL, 1]
-        rows = bf16_pool[index, src[None, :]]  # [NL, N, K, L, D]
-        encoded = encode_rows(rows.reshape(-1, d), group_size=group_size, clip_index=clip_index, levels=levels)
-        shape = rows.shape[:-1]
-        pools = [pool.at[index, dst[None, :]].set(value.reshape(shape + value.shape[-1:]), mode="drop")
-                 for pool, value in zip(pools, encoded)]
-    return tuple(pools)
+    d = bf16_pool.shape[-1]
+
+    def encode(pages, clip_index):
+        encoded = encode_rows(pages.reshape(-1, d), group_size=group_size, clip_index=clip_index, levels=levels)
+        return [value.reshape(pages.shape[:-1] + value.shape[-1:]) for value in encoded]
+
+    return _demote_by_groups(bf16_pool, codes, scale, minimum, src_pages, dst_pages, groups, encode)
 
 
 @functools.partial(jax.jit, static_argnames=("groups", "levels"))
@@ -140,20 +150,13 @@ def demote_channel_key_pages(bf16_pool, codes, scale, minimum, src_pages, dst_pa
     ((clip_index, layers), …) as in `demote_layer_groups`. Pools: bf16 [Y, P, K, L, D], codes
     u8[Y, P', K, L, D/4], scale / minimum f16[Y, P', K, D]. A pair with either id out of range is
     skipped."""
-    _, num_src, num_heads, page_size, d = bf16_pool.shape
-    num_dst = codes.shape[1]
-    valid = (src_pages >= 0) & (src_pages < num_src) & (dst_pages >= 0) & (dst_pages < num_dst)
-    src = jnp.where(valid, src_pages, 0)
-    dst = jnp.where(valid, dst_pages, num_dst)  # past the end: dropped
-    pools = [codes, scale, minimum]
-    for clip_index, layers in groups:
-        index = jnp.asarray(layers, jnp.int32)[:, None]  # [NL, 1]
-        pages = bf16_pool[index, src[None, :]]  # [NL, N, K, L, D]
+    page_size, d = bf16_pool.shape[-2:]
+
+    def encode(pages, clip_index):
         encoded = encode_channel_pages(pages.reshape(-1, page_size, d), clip_index=clip_index, levels=levels)
-        lead = pages.shape[:3]
-        pools = [pool.at[index, dst[None, :]].set(value.reshape(lead + value.shape[1:]), mode="drop")
-                 for pool, value in zip(pools, encoded)]
-    return tuple(pools)
+        return [value.reshape(pages.shape[:3] + value.shape[1:]) for value in encoded]
+
+    return _demote_by_groups(bf16_pool, codes, scale, minimum, src_pages, dst_pages, groups, encode)
 
 
 @functools.partial(jax.jit, static_argnames=("clip_index", "levels", "layer"))
