@@ -3,28 +3,41 @@
 `OscarKVCache` stacks every layer's pools ([Y, P, K, L, ·]). A kernel handed one layer as a slice
 (`pool[layer]`) makes XLA materialise that slice, and writing it back with `.at[layer].set` made
 XLA copy whole stacked pools around the Pallas calls (216 copies per decode step at Qwen3-8B shapes,
-many times the step's bandwidth floor). Instead the kernels take the stacked
-pool and a static layer index: the layer axis is squeezed out of the block (so the kernel bodies
-see [P, K, L, ·] refs), read-only pools are never copied, and written pools are aliased in place.
+many times the step's bandwidth floor). Instead a kernel takes the stacked pool viewed as one pool
+of Y·P pages (`flat_pool`, a bitcast) and the first page of its layer as an operand
+(`layer_page_base`), added to every page id it reads from a table: read-only pools are never
+copied, written pools are aliased in place, and the kernel is the same for every layer. The
+layer is data, not part of the kernel, so XLA compiles each kernel once per program rather than
+once per layer (its kernel cache is keyed by the kernel's IR; benchmarks/DECISIONS.md C1).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 
-def layer_block_spec(block_shape, index_map, layer: int | None) -> pl.BlockSpec:
-    """`pl.BlockSpec(block_shape, index_map)` of a per-layer pool, or of layer `layer` of a stacked
-    pool (one more leading axis, squeezed, at the static index `layer`)."""
-    if layer is None:
-        return pl.BlockSpec(block_shape, index_map)
-    return pl.BlockSpec((None,) + tuple(block_shape), lambda *grid: (layer,) + tuple(index_map(*grid)))
-
-
 def per_layer_shape(shape, layer: int | None) -> tuple[int, ...]:
-    """The shape one layer of a pool has inside the kernel."""
+    """The shape of one layer of a pool."""
     return tuple(shape) if layer is None else tuple(shape[1:])
+
+
+def flat_pool(pool, layer: int | None):
+    """The pool as the kernels index it: [P, ·] as it is, stacked [Y, P, ·] as [Y·P, ·] (row-major,
+    so XLA's reshape is a bitcast: no copy)."""
+    return pool if layer is None else pool.reshape((-1,) + tuple(pool.shape[2:]))
+
+
+def layer_page_base(pool_shape, layer: int | None) -> jax.Array:
+    """int32[1]: the first page of layer `layer` in the flat pool (0 for a per-layer pool)."""
+    pages = per_layer_shape(pool_shape, layer)[0]
+    return jnp.full((1,), 0 if layer is None else layer * pages, jnp.int32)
+
+
+def layer_page_base_spec() -> pl.BlockSpec:
+    """The BlockSpec of `layer_page_base`'s operand (read in the kernel as `ref[0]`)."""
+    return pl.BlockSpec((1,), lambda *_: (0,))
 
 
 def layer_views(pools: dict, layer: int | None) -> dict:

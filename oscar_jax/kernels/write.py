@@ -41,7 +41,7 @@ from oscar_jax.kernels.codec import (
     resolve_order_statistic,
     store_block,
 )
-from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
+from oscar_jax.kernels.layered import flat_pool, layer_page_base, layer_page_base_spec, per_layer_shape
 from shared_math.rotation import BF16_SPLIT_PARTS, split_bf16
 from shared_math.spec import CODES_PER_BYTE
 from shared_math.tiling import (
@@ -116,10 +116,11 @@ def _full_spec(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _pool_spec(shape, layer: int | None):
-    """A whole pool as one block, or the whole of layer `layer` of a stacked pool (kernels.layered)."""
-    block = per_layer_shape(shape, layer)
-    return layer_block_spec(block, lambda *_: (0,) * len(block), layer)
+def _page_pool(pool, layer: int | None):
+    """A pool as the scatter kernels take it (`kernels.layered`): the stacked pools as one pool of
+    Y·P pages, a layer's pages found through `layer_page_base`; its BlockSpec, the whole pool."""
+    pool = flat_pool(pool, layer)
+    return pool, _full_spec(pool.shape)
 
 
 def _token_block_rows(num_tokens: int, block_tokens: int | None, rotate: bool, x_dtype=None,
@@ -241,17 +242,19 @@ def write_int2_rows(
 # ---------------------------------------------------------------- scatter into the page pools
 
 
-def _destinations(page_ref, slot_ref, mask, *, num_pages: int, page_size: int):
-    """Page ids and slots [R, 1] of this block's tokens, and which of them to write. Skipped
-    tokens point at page `num_pages` (one past the pool): masked on the GPU, dropped by the
-    interpreter's scatter (a negative id would wrap around there)."""
+def _destinations(page_ref, slot_ref, page_base_ref, mask, *, num_pages: int, pool_pages: int, page_size: int):
+    """Pages of the pool and slots [R, 1] of this block's tokens, and which of them to write. A
+    token's page id lies in its layer's [0, num_pages), at page_base_ref[0] of the pool's
+    `pool_pages` (`kernels.layered`). Skipped tokens point at page `pool_pages` (one past the
+    pool): masked on the GPU, dropped by the interpreter's scatter (a negative id would wrap
+    around there)."""
     flat_mask = None if mask is None else mask.reshape(mask.shape[0])
     page = load_block(page_ref, flat_mask)[:, None]
     slot = load_block(slot_ref, flat_mask)[:, None]
     valid = (page >= 0) & (page < num_pages) & (slot >= 0) & (slot < page_size)
     if mask is not None:
         valid = valid & mask
-    return jnp.where(valid, page, num_pages), jnp.where(valid, slot, 0), valid
+    return jnp.where(valid, page + page_base_ref[0], pool_pages), jnp.where(valid, slot, 0), valid
 
 def _scatter_rows(pool_ref, head, page, slot, valid, value):
     """pool_ref [P, K, L, W] ← value [R, W] at (page[r], head, slot[r], :) where valid[r]."""
@@ -268,20 +271,22 @@ def _scatter_rows(pool_ref, head, page, slot, valid, value):
 
 def _write_pages_kernel(
     x_ref,  # [R, D] float (tokens of one kv head)
-    *refs,  # [rotation_ref (_rotation_operand)], page_ref [R], slot_ref [R], 3 aliased pool inputs (unused),
-    #         codes_ref [P, K, L, D/4], scale_ref [P, K, L, D/G], minimum_ref [P, K, L, D/G]
+    *refs,  # [rotation_ref (_rotation_operand)], page_ref [R], slot_ref [R], page_base_ref [1],
+    #         3 aliased pool inputs (unused), codes_ref [Y·P, K, L, D/4], scale_ref [Y·P, K, L, D/G],
+    #         minimum_ref [Y·P, K, L, D/G]
     num_tokens: int,
+    num_pages: int,
     rotate: bool,
     encode_args: dict,
     planes: bool = False,
 ):
     rotation_ref = refs[0] if rotate else None
-    page_ref, slot_ref, _, _, _, codes_ref, scale_ref, minimum_ref = refs[int(rotate) :]
-    num_pages, _, page_size, _ = codes_ref.shape
+    page_ref, slot_ref, page_base_ref, _, _, _, codes_ref, scale_ref, minimum_ref = refs[int(rotate) :]
+    pool_pages, _, page_size, _ = codes_ref.shape
     head = pl.program_id(0)
     mask = _token_mask(x_ref.shape[0], num_tokens, grid_axis=1)
     page, slot, valid = _destinations(
-        page_ref, slot_ref, mask, num_pages=num_pages, page_size=page_size
+        page_ref, slot_ref, page_base_ref, mask, num_pages=num_pages, pool_pages=pool_pages, page_size=page_size
     )
     packed, scale, minimum = _encode_token_rows(x_ref, rotation_ref, mask, planes, encode_args)
     _scatter_rows(codes_ref, head, page, slot, valid, packed)
@@ -333,21 +338,26 @@ def write_pages_rows(
         rotation, rotation_spec = _rotation_operand(rotation, x.dtype)  # R_K of head h
         in_specs.append(rotation_spec)
         operands.append(rotation)
+    stacked_shapes = [pool.shape for pool in (codes, scale, minimum)]
+    (codes, codes_spec), (scale, scale_spec), (minimum, minimum_spec) = (
+        _page_pool(pool, layer) for pool in (codes, scale, minimum))
     in_specs += [
         pl.BlockSpec((rows,), lambda h, i: (i,)),  # page ids of the R tokens
         pl.BlockSpec((rows,), lambda h, i: (i,)),  # slots of the R tokens
-        _pool_spec(codes.shape, layer),  # codes pool (aliased to output 0)
-        _pool_spec(scale.shape, layer),  # scale pool (aliased to output 1)
-        _pool_spec(minimum.shape, layer),  # minimum pool (aliased to output 2)
+        layer_page_base_spec(),
+        codes_spec,  # codes pool (aliased to output 0)
+        scale_spec,  # scale pool (aliased to output 1)
+        minimum_spec,  # minimum pool (aliased to output 2)
     ]
-    operands += [page_ids, slots, codes, scale, minimum]
-    return pl.pallas_call(
+    operands += [page_ids, slots, layer_page_base(stacked_shapes[0], layer), codes, scale, minimum]
+    outputs = pl.pallas_call(
         functools.partial(
-            _write_pages_kernel, num_tokens=num_tokens, rotate=rotate, encode_args=encode_args, planes=planes
+            _write_pages_kernel, num_tokens=num_tokens, num_pages=per_layer_shape(stacked_shapes[0], layer)[0],
+            rotate=rotate, encode_args=encode_args, planes=planes,
         ),
         grid=(num_heads, pl.cdiv(num_tokens, rows)),
         in_specs=in_specs,
-        out_specs=[_pool_spec(codes.shape, layer), _pool_spec(scale.shape, layer), _pool_spec(minimum.shape, layer)],
+        out_specs=[codes_spec, scale_spec, minimum_spec],
         out_shape=[
             jax.ShapeDtypeStruct(codes.shape, codes.dtype),
             jax.ShapeDtypeStruct(scale.shape, scale.dtype),
@@ -359,20 +369,23 @@ def write_pages_rows(
         name=f"oscar_write_pages_d{d}_g{group_size}_k{clip_index}_{levels}_rot{int(rotate)}_r{rows}"
              + ("_planes" if planes else ""),
     )(*operands)
+    return [out.reshape(shape) for out, shape in zip(outputs, stacked_shapes)]
 
 def _write_bf16_pages_kernel(
     x_ref,  # [R, D] float (tokens of one kv head)
     page_ref,  # [R] int32
     slot_ref,  # [R] int32
+    page_base_ref,  # [1] int32
     _pool_in_ref,  # aliased to pool_ref
-    pool_ref,  # [P, K, L, D] bfloat16
+    pool_ref,  # [Y·P, K, L, D] bfloat16
     *,
     num_tokens: int,
+    num_pages: int,
 ):
-    num_pages, _, page_size, _ = pool_ref.shape
+    pool_pages, _, page_size, _ = pool_ref.shape
     mask = _token_mask(x_ref.shape[0], num_tokens, grid_axis=1)
     page, slot, valid = _destinations(
-        page_ref, slot_ref, mask, num_pages=num_pages, page_size=page_size
+        page_ref, slot_ref, page_base_ref, mask, num_pages=num_pages, pool_pages=pool_pages, page_size=page_size
     )
     x = load_block(x_ref, mask).astype(pool_ref.dtype)  # round-to-nearest-even
     _scatter_rows(pool_ref, pl.program_id(0), page, slot, valid, x)
@@ -393,23 +406,28 @@ def write_bf16_pages_rows(
     With `layer`, pool is stacked [Y, P, K, L, D] and only layer `layer` is written (in place)."""
     num_tokens, num_heads, d = x.shape
     rows = _token_block_rows(num_tokens, block_tokens, rotate=False)
+    stacked_shape = pool.shape
+    pool, pool_spec = _page_pool(pool, layer)
     in_specs = [
         pl.BlockSpec((rows, None, d), lambda h, i: (i, h, 0)),  # x: R tokens of head h
         pl.BlockSpec((rows,), lambda h, i: (i,)),  # page ids
         pl.BlockSpec((rows,), lambda h, i: (i,)),  # slots
-        _pool_spec(pool.shape, layer),  # pool (aliased to the output)
+        layer_page_base_spec(),
+        pool_spec,  # pool (aliased to the output)
     ]
-    return pl.pallas_call(
-        functools.partial(_write_bf16_pages_kernel, num_tokens=num_tokens),
+    out = pl.pallas_call(
+        functools.partial(_write_bf16_pages_kernel, num_tokens=num_tokens,
+                          num_pages=per_layer_shape(stacked_shape, layer)[0]),
         grid=(num_heads, pl.cdiv(num_tokens, rows)),
         in_specs=in_specs,
-        out_specs=_pool_spec(pool.shape, layer),
+        out_specs=pool_spec,
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         input_output_aliases={len(in_specs) - 1: 0},  # the pool, the last operand
         interpret=resolve_interpret(interpret),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name=f"oscar_write_bf16_pages_d{d}_r{rows}",
-    )(x, page_ids, slots, pool)
+    )(x, page_ids, slots, layer_page_base(stacked_shape, layer), pool)
+    return out.reshape(stacked_shape)
 
 
 # ------------------------------------------------------------------------------- demotion

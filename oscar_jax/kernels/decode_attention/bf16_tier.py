@@ -12,7 +12,7 @@ from jax.experimental.pallas import triton as pl_triton
 from oscar_jax.kernels.decode_attention.common import (
     MASK_VALUE, cdiv, dot_nn, dot_nt, finalize_rows, online_softmax_step, partials_outputs,
 )
-from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
+from oscar_jax.kernels.layered import flat_pool, layer_page_base, layer_page_base_spec, per_layer_shape
 from shared_math.tiling import base2_score_scale, num_splits
 
 
@@ -20,9 +20,10 @@ def _bf16_tier_kernel(
     page_table_ref,  # [S·PAGES_PER_SPLIT] int32: the BF16 slots of sequence b (padded)
     sink_tokens_ref,  # [B] int32
     recent_tokens_ref,  # [B] int32
+    page_base_ref,  # [1] int32: the layer's first page in the pools (kernels.layered)
     q_ref,  # [BLOCK_M, D] compute dtype: query rows of KV head h
-    k_ref,  # [P, L, D] bf16: the K pool of KV head h
-    v_ref,  # [P, L, D] bf16: the V pool of KV head h
+    k_ref,  # [Y·P, L, D] bf16: the K pool of KV head h
+    v_ref,  # [Y·P, L, D] bf16: the V pool of KV head h
     o_ref,  # [BLOCK_M, D] float32: normalised partial output of this split
     lse_ref,  # [BLOCK_M] float32: its log-sum-exp (−inf when the split holds no token)
     *,
@@ -39,6 +40,7 @@ def _bf16_tier_kernel(
 
     n_sink = sink_tokens_ref[b]
     n_recent = recent_tokens_ref[b]
+    page_base = page_base_ref[0]
     recent_pages = cdiv(n_recent, PAGE_SIZE)
     # One past the last slot holding a token: the loop stops there (slots beyond are never read).
     slot_end = jnp.where(recent_pages > 0, SINK_SLOTS + recent_pages, cdiv(n_sink, PAGE_SIZE))
@@ -57,7 +59,7 @@ def _bf16_tier_kernel(
         is_sink = slot < SINK_SLOTS
         position = jnp.where(is_sink, slot, slot - SINK_SLOTS) * PAGE_SIZE + offset
         valid = position < jnp.where(is_sink, n_sink, n_recent)  # [N]
-        page = jnp.where(valid, page_table_ref[slot], 0)  # [N] never dereference unused slots
+        page = jnp.where(valid, page_table_ref[slot], 0) + page_base  # [N] never dereference unused slots
         k = k_ref[page, offset, :].astype(compute_dtype)  # [N, D]
         v = v_ref[page, offset, :]  # [N, D]
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v)).astype(compute_dtype)
@@ -101,7 +103,7 @@ def bf16_tier_partials(
     Inputs are validated by the public op; the asserts guard internal invariants only.
     """
     batch, num_kv_heads, rows, head_dim = q.shape
-    num_pages, _, page_size, _ = per_layer_shape(k_bf16.shape, layer)
+    _, _, page_size, _ = per_layer_shape(k_bf16.shape, layer)
     assert rows % block_m == 0 and pages_per_split % pages_per_block == 0
     splits = num_splits(page_table.shape[1], pages_per_split)
     table_len = splits * pages_per_split
@@ -114,7 +116,8 @@ def bf16_tier_partials(
         PAGES_PER_BLOCK=pages_per_block,
         SCORE_SCALE=base2_score_scale(softmax_scale),
     )
-    pool_spec = layer_block_spec((num_pages, None, page_size, head_dim), lambda b, h, r, s: (0, h, 0, 0), layer)
+    k_pool, v_pool = flat_pool(k_bf16, layer), flat_pool(v_bf16, layer)
+    pool_spec = pl.BlockSpec((k_pool.shape[0], None, page_size, head_dim), lambda b, h, r, s: (0, h, 0, 0))
     grid = (batch, num_kv_heads, rows // block_m, splits)
     return pl.pallas_call(
         kernel,
@@ -123,6 +126,7 @@ def bf16_tier_partials(
             pl.BlockSpec((None, table_len), lambda b, h, r, s: (b, 0)),  # page table of b
             pl.BlockSpec((batch,), lambda b, h, r, s: (0,)),  # sink_tokens (read at b)
             pl.BlockSpec((batch,), lambda b, h, r, s: (0,)),  # recent_tokens (read at b)
+            layer_page_base_spec(),
             pl.BlockSpec((None, None, block_m, head_dim), lambda b, h, r, s: (b, h, r, 0)),  # q
             pool_spec,  # K pool of KV head h
             pool_spec,  # V pool
@@ -131,4 +135,4 @@ def bf16_tier_partials(
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"oscar_bf16_tier_attention_{block_m=}_{pages_per_split=}_{pages_per_block=}",
-    )(page_table, sink_tokens, recent_tokens, q, k_bf16, v_bf16)
+    )(page_table, sink_tokens, recent_tokens, layer_page_base(k_bf16.shape, layer), q, k_pool, v_pool)

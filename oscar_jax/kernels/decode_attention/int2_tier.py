@@ -19,7 +19,7 @@ from oscar_jax.kernels.decode_attention.common import (
 from oscar_jax.kernels.decode_attention.int2_planes import (
     _code_pairs, _code_planes, _int2_query_terms, _pair_plane_operand, code_offset, int2_pieces, operand_factors,
 )
-from oscar_jax.kernels.layered import layer_block_spec, per_layer_shape
+from oscar_jax.kernels.layered import flat_pool, layer_page_base, layer_page_base_spec, per_layer_shape
 from shared_math.ptx import BYTES_PER_PAIR, plane_factor
 from shared_math.spec import CODES_PER_BYTE
 from shared_math.tiling import (
@@ -125,13 +125,14 @@ def _int2_metadata(ref, index, valid, num_groups):
 def _int2_tier_kernel(
     page_table_ref,  # [S·PAGES_PER_SPLIT] int32: the history slots of sequence b (padded)
     history_tokens_ref,  # [B] int32
+    page_base_ref,  # [1] int32: the layer's first page in the pools (kernels.layered)
     q_ref,  # [BLOCK_M, D] compute dtype: query rows of KV head h
-    k_codes_ref,  # [P, L, D/4] uint8: K codes pool of KV head h
-    k_scale_ref,  # [P, L, D/GROUP] float16
-    k_min_ref,  # [P, L, D/GROUP] float16
-    v_codes_ref,  # [P, L, D/4] uint8
-    v_scale_ref,  # [P, L, D/GROUP] float16
-    v_min_ref,  # [P, L, D/GROUP] float16
+    k_codes_ref,  # [Y·P, L, D/4] uint8: K codes pool of KV head h
+    k_scale_ref,  # [Y·P, L, D/GROUP] float16
+    k_min_ref,  # [Y·P, L, D/GROUP] float16
+    v_codes_ref,  # [Y·P, L, D/4] uint8
+    v_scale_ref,  # [Y·P, L, D/GROUP] float16
+    v_min_ref,  # [Y·P, L, D/GROUP] float16
     o_ref,  # [BLOCK_M, D] float32: normalised partial output of this split
     lse_ref,  # [BLOCK_M] float32
     *,
@@ -160,6 +161,7 @@ def _int2_tier_kernel(
     n_history, first_slot, last_slot, num_blocks = _history_split(
         history_tokens_ref[b], split, PAGE_SIZE, PAGES_PER_SPLIT, PAGES_PER_BLOCK)
     offset = lax.iota(jnp.int32, PAGE_SIZE)  # [L]
+    page_base = page_base_ref[0]
     q_pieces, q_group_sums, q_bias_sums = _int2_query_terms(q_ref, pieces, num_groups)
 
     def body(i, carry):
@@ -168,7 +170,7 @@ def _int2_tier_kernel(
         for j in range(PAGES_PER_BLOCK):  # static: the pages' loads are independent
             slot = first_slot + i * PAGES_PER_BLOCK + j
             valid = slot * PAGE_SIZE + offset < n_history  # [L]
-            page = jnp.where(slot < last_slot, page_table_ref[slot], 0)  # never dereference unused slots
+            page = jnp.where(slot < last_slot, page_table_ref[slot], 0) + page_base  # never dereference unused slots
             k_planes = _code_planes(lambda c0, w: k_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype,
                                      UNPACK_ASM)
             k_scale = _int2_metadata(k_scale_ref, (page, slice(None)), valid, num_groups)
@@ -207,7 +209,7 @@ def _int2_tier_kernel(
 
 
 def _int2_tier_gather_kernel(
-    page_table_ref, history_tokens_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref, v_codes_ref, v_scale_ref,
+    page_table_ref, history_tokens_ref, page_base_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref, v_codes_ref, v_scale_ref,
     v_min_ref, o_ref, lse_ref, *, GROUP_SIZE: int, PAGE_SIZE: int, PAGES_PER_SPLIT: int, PAGES_PER_BLOCK: int,
     SCORE_SCALE: float, UNPACK_ASM: bool = False, FMA_ASM: bool = False,
 ):
@@ -225,13 +227,14 @@ def _int2_tier_gather_kernel(
     token = lax.iota(jnp.int32, block_n)
     offset = token % PAGE_SIZE  # [N]
     slot_in_block = token // PAGE_SIZE  # [N]
+    page_base = page_base_ref[0]
     q_pieces, q_group_sums, q_bias_sums = _int2_query_terms(q_ref, pieces, num_groups)
 
     def body(i, carry):
         o_pieces, m, l = carry
         slot = first_slot + i * PAGES_PER_BLOCK + slot_in_block  # [N]
         valid = slot * PAGE_SIZE + offset < n_history  # [N]
-        page = jnp.where(valid, page_table_ref[slot], 0)  # [N] never dereference unused slots
+        page = jnp.where(valid, page_table_ref[slot], 0) + page_base  # [N] never dereference unused slots
         k_planes = _code_planes(lambda c0, w: k_codes_ref[page, offset, pl.ds(c0, w)], pieces, compute_dtype,
                                  UNPACK_ASM)
         k_scale = _int2_metadata(k_scale_ref, (page, offset), valid, num_groups)
@@ -321,7 +324,7 @@ def int2_tier_partials(
     rows = q_rows if rows is None else rows
     if not 0 < rows <= q_rows or rows % block_m:
         raise ValueError(f"rows={rows} must be a multiple of block_m={block_m} in (0, {q_rows}] (q's rows)")
-    num_pages, _, page_size, packed = per_layer_shape(k_codes.shape, layer)
+    _, _, page_size, packed = per_layer_shape(k_codes.shape, layer)
     num_groups = k_scale.shape[-1]
     assert pages_per_split % pages_per_block == 0
     assert packed * CODES_PER_BYTE == head_dim and num_groups * group_size == head_dim
@@ -354,12 +357,16 @@ def int2_tier_partials(
         **({"TOKENS_ON_M": bool(tokens_on_m)} if whole_pages else {}),
         **({"CHANNELS_ON_M": True} if channels_on_m else {}),
     )
-    codes_spec = layer_block_spec((num_pages, None, page_size, packed), lambda b, h, r, s: (0, h, 0, 0), layer)
+    page_base = layer_page_base(k_codes.shape, layer)
+    k_codes, k_scale, k_min, v_codes, v_scale, v_min = (
+        flat_pool(pool, layer) for pool in (k_codes, k_scale, k_min, v_codes, v_scale, v_min))
+    num_pages = k_codes.shape[0]  # of every layer
+    codes_spec = pl.BlockSpec((num_pages, None, page_size, packed), lambda b, h, r, s: (0, h, 0, 0))
     v_spec = codes_spec
     if channels_on_m:  # the V pool as 16-bit pairs of its bytes: a bitcast, not a copy
         v_codes = lax.bitcast_convert_type(v_codes.reshape(*v_codes.shape[:-1], pair_rows, BYTES_PER_PAIR), jnp.uint16)
-        v_spec = layer_block_spec((num_pages, None, page_size, pair_rows), lambda b, h, r, s: (0, h, 0, 0), layer)
-    meta_spec = layer_block_spec((num_pages, None, page_size, num_groups), lambda b, h, r, s: (0, h, 0, 0), layer)
+        v_spec = pl.BlockSpec((num_pages, None, page_size, pair_rows), lambda b, h, r, s: (0, h, 0, 0))
+    meta_spec = pl.BlockSpec((num_pages, None, page_size, num_groups), lambda b, h, r, s: (0, h, 0, 0))
     grid = (batch, num_kv_heads, rows // block_m, splits)
     return pl.pallas_call(
         kernel,
@@ -367,6 +374,7 @@ def int2_tier_partials(
         in_specs=[
             pl.BlockSpec((None, table_len), lambda b, h, r, s: (b, 0)),  # page table of b
             pl.BlockSpec((batch,), lambda b, h, r, s: (0,)),  # history_tokens (read at b)
+            layer_page_base_spec(),
             pl.BlockSpec((None, None, block_m, head_dim), lambda b, h, r, s: (b, h, r, 0)),  # q
             codes_spec,  # K codes pool of KV head h
             meta_spec,  # K scale
@@ -382,5 +390,5 @@ def int2_tier_partials(
             f"oscar_int2_tier_attention_{group_size=}_{block_m=}_{pages_per_split=}_{pages_per_block=}"
             + ("_asm" if unpack_asm else "") + ("_fma" if fma_asm else "") + ("_pairs" if channels_on_m else ""),
             max_registers),
-    )(page_table, history_tokens, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
+    )(page_table, history_tokens, page_base, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
 
