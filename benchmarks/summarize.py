@@ -4,7 +4,9 @@
 
 Reads `<results>/{decode,write,e2e,copy}_h200.json` (written by `benchmarks.bench_h200`); any of
 them may be missing, and then the keys that depend on it are null and a warning is printed. A
-file that is present but malformed raises `ResultsError` naming the file and the key.
+file that is present but malformed raises `ResultsError` naming the file and the key. Reads also
+every `<results>/serve_*.json` (written by `benchmarks.bench_serve`) for BENCHMARKS.md's Serving
+section only (never the summary); one without bench_serve's shape is listed there as skipped.
 
 Writes:
   <results>/summary_h200.json             exactly the keys of `SUMMARY_KEYS`
@@ -50,6 +52,9 @@ CUDNN = "cudnn_bf16"
 FA2 = "flash2_bf16"
 BF16_VARIANTS = ("cudnn_bf16", "flash2_bf16", "bf16_paged_pallas", "cudnn_bf16_rows_as_queries",
                  "flash2_bf16_rows_as_queries")  # = bench_decode.BF16_VARIANTS (a test keeps them equal)
+SERVE_GLOB = "serve_*.json"  # bench_serve's files: BENCHMARKS.md's Serving section, never the summary
+SERVE_KINDS = ("int2", "bf16")
+PLOT_FILES = ("decode_time_vs_context.png", "decode_bandwidth.png", "e2e_step_vs_floor.png")  # make_plots' files
 DECODE_POINTS = {"128k_b1": (131072, 1), "128k_b8": (131072, 8), "32k_b1": (32768, 1), "32k_b8": (32768, 8)}
 SUMMARY_KEYS = (
     "decode_speedup_vs_best_bf16",
@@ -212,6 +217,35 @@ def load_results(results_dir: Path, warnings: list[str]) -> dict:
             raise ResultsError(f"{path.name}: not valid JSON ({err})") from err
         VALIDATORS[section](data, path.name)
         out[section] = data
+    return out
+
+
+def validate_serve(data, name: str) -> None:
+    """bench_serve's shape: environment, setup, and runs that name their kind, prompt, rate and tokens/s."""
+    if not isinstance(data, dict):
+        raise ResultsError(f"{name}: the top level must be an object")
+    _get(data, "environment", (dict,), name)
+    _get(data, "setup", (dict,), name)
+    for i, run in enumerate(_get(data, "results", (list,), name)):
+        where = f"{name}: results[{i}]"
+        _get(run, "kind", (str,), where)
+        _get(run, "prompt_len", (int,), where)
+        _get(run, "output_tokens_per_s", NUM, where)
+        if not isinstance(run.get("rate"), (int, float, str)) or _rate(run["rate"]) is None:
+            raise ResultsError(f"{where}.rate: expected a number or 'inf', got {run.get('rate')!r:.60}")
+
+
+def load_serve(results_dir: Path) -> list[tuple[str, dict | None, str | None]]:
+    """(file name, data, None) of every serve_*.json sorted by name, or (name, None, why it was skipped)."""
+    out = []
+    for path in sorted(Path(results_dir).glob(SERVE_GLOB)):
+        try:
+            data = json.loads(path.read_text())
+            validate_serve(data, path.name)
+        except (json.JSONDecodeError, ResultsError) as err:
+            out.append((path.name, None, str(err) if isinstance(err, ResultsError) else f"not valid JSON ({err})"))
+            continue
+        out.append((path.name, data, None))
     return out
 
 
@@ -546,6 +580,123 @@ def _f(value, fmt="{:.1f}", none="—"):
     return none if value is None else fmt.format(value)
 
 
+def _rate(value):
+    """'all at once' for an infinite rate (inf / Infinity / 'inf'), else 'N/s'; None if not a rate."""
+    try:
+        rate = float(value)
+    except (TypeError, ValueError):
+        return None
+    return "all at once" if math.isinf(rate) else f"{rate:g}/s"
+
+
+def _pct(run: dict, key: str, stat: str = "p50", scale: float = 1.0):
+    """run[key][stat] × scale, or None where the run did not record it."""
+    entry = run.get(key)
+    value = entry.get(stat) if isinstance(entry, dict) else None
+    return value * scale if isinstance(value, NUM) and not isinstance(value, bool) else None
+
+
+def _per_kind(values, fmt: str) -> str:
+    """'int2 7 / bf16 1' of a {kind: value} object."""
+    return " / ".join(f"{kind} {_f(v, fmt)}" for kind, v in (values or {}).items()) or "—"
+
+
+def _serve_conditions(data: dict) -> str:
+    env, setup = data["environment"], data["setup"]
+    memory = setup.get("kv_cache_memory_bytes")
+    return (f"GPU {env.get('gpu', '?')}, git `{(env.get('git_sha') or '?')[:7]}`, {env.get('date_utc', '?')}; "
+            f"prompt {', '.join(str(p) for p in setup.get('prompt_lens') or []) or '—'} tokens, output "
+            f"{setup.get('output_len', '—')} tokens; KV cache {_f(memory and memory / 2**30, '{:.2f}')} GiB; decode "
+            f"buckets `{setup.get('decode_buckets', '—')}`, prefill split `{setup.get('prefill_split', '—')}`; "
+            f"capacity (sequences) {_per_kind(data.get('capacity'), '{}')}; compile "
+            f"{_per_kind(data.get('compile_s'), '{:.1f}')} s.")
+
+
+def _serve_row(run: dict) -> list:
+    return [run["kind"], run["prompt_len"], _rate(run["rate"]), run.get("requests", "—"),
+            _f(run["output_tokens_per_s"], "{:.2f}"), _f(_pct(run, "ttft_s"), "{:.2f}"),
+            _f(_pct(run, "ttft_s", "p99"), "{:.2f}"), _f(_pct(run, "itl_s", scale=1e3), "{:.2f}"),
+            _f(_pct(run, "itl_s", "p99", 1e3), "{:.2f}"), _f(_pct(run, "decode_step_s", scale=1e3), "{:.2f}"),
+            _f(_pct(run, "prefill_step_s", scale=1e3), "{:.1f}"),
+            _f(_pct(run, "prefill_step_device_share", scale=100), "{:.1f} %")]
+
+
+def _serve_ratios(runs: list[dict]) -> list[str]:
+    """INT2 / BF16 output tokens/s per (prompt, rate) both kinds ran at; a line per kind that never ran."""
+    by_point = {}
+    for run in runs:
+        by_point.setdefault((run["prompt_len"], _rate(run["rate"])), {})[run["kind"]] = run["output_tokens_per_s"]
+    pairs = [f"{_f(_ratio(k['int2'], k['bf16']), '{:.2f}×')} at prompt {p}, {rate}"
+             for (p, rate), k in by_point.items() if "int2" in k and "bf16" in k]
+    lines = [f"INT2 / BF16 output tokens/s: {'; '.join(pairs)}."] if pairs else []
+    kinds = {run["kind"] for run in runs}
+    lines += [f"{kind.upper()} run missing: the run was cut off." for kind in SERVE_KINDS if kind not in kinds]
+    if not pairs and set(SERVE_KINDS) <= kinds:
+        lines.append("INT2 / BF16 output tokens/s: no prompt length and rate that both kinds ran at.")
+    return lines
+
+
+def _serve_targets(targets) -> str:
+    """The file's own targets (bench_serve.targets): value against target, met / not met."""
+    items = []
+    for name, t in (targets or {}).items():
+        t = t if isinstance(t, dict) else {"value": t}
+        value = t.get("value")
+        text = f"`{name}` {_f(value, '{:.2f}') if isinstance(value, (int, float)) else value}"
+        where = f", prompt {t['prompt_len']}" if "prompt_len" in t else ""
+        if "target" in t:
+            text += f" (target {t['target']}{where})"
+        status = "reported" if "met" not in t else ("met" if t["met"] else "**not met**")
+        items.append(f"{text}: {status}")
+    return "Targets (`targets` of the file): " + ("; ".join(items) if items else "none evaluated") + "."
+
+
+def _serve_http(http) -> list[str]:
+    if not isinstance(http, dict):
+        return []
+    engine, client = http.get("engine") or {}, http.get("http") or {}
+    return [f"HTTP (streaming client) at prompt {http.get('prompt_len')}, {http.get('requests')} requests: "
+            f"{_f(client.get('output_tokens_per_s'), '{:.2f}')} output tokens/s against the engine's "
+            f"{_f(engine.get('output_tokens_per_s'), '{:.2f}')}; ITL p50 HTTP / engine "
+            f"{_f(http.get('itl_ratio'), '{:.2f}×')}."]
+
+
+def serve_markdown(serve: list[tuple[str, dict | None, str | None]]) -> list[str]:
+    """BENCHMARKS.md's Serving section: per bench_serve file its conditions, a row per run, the INT2 / BF16
+    ratio, its targets; files without bench_serve's shape listed as skipped."""
+    if not serve:
+        return []
+    lines = ["## Serving (`bench_serve`)", "",
+             "From `benchmarks/results/serve_*.json` (written by `python -m benchmarks.bench_serve`: the engine at "
+             "Qwen3-8B shapes with random weights, prompts of random token ids, INT2 and BF16 caches in the same "
+             "memory). Output tok/s = all output tokens / the time from the first arrival to the last token; "
+             "decode step = the median of steps without a prefill chunk; prefill step = steps carrying a prefill "
+             "chunk, with the share of their wall time blocked on the device.", ""]
+    header = ["kind", "prompt", "rate", "requests", "output tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms",
+              "ITL p99 ms", "decode step p50 ms", "prefill step p50 ms", "prefill device share p50"]
+    for name, data, skipped in serve:
+        if data is not None:
+            try:
+                lines += _serve_file(name, data, header)
+                continue
+            except (TypeError, ValueError, AttributeError, KeyError) as err:  # a field of another shape
+                skipped = f"{name}: cannot be read as bench_serve's ({type(err).__name__}: {err})"
+        lines += [f"### `{name}`", "", f"Skipped: not bench_serve's shape ({skipped}).", ""]
+    return lines
+
+
+def _serve_file(name: str, data: dict, header: list[str]) -> list[str]:
+    lines = [f"### `{name}`", "", _serve_conditions(data), ""]
+    lines += _table(header, [_serve_row(run) for run in data["results"]])
+    ran = {run["prompt_len"] for run in data["results"]}
+    unrun = [str(p) for p in data["setup"].get("prompt_lens") or [] if p not in ran]
+    notes = ([f"No run at prompt {', '.join(unrun)} (in the setup's prompt_lens)."] if unrun else [])
+    notes += _serve_ratios(data["results"]) + _serve_http(data.get("http")) + [_serve_targets(data.get("targets"))]
+    for line in notes:
+        lines += [line, ""]
+    return lines
+
+
 def _capacity_provenance(cap: dict) -> str:
     """' Measured at git X with <allocator settings>.' where the capacity block records them."""
     parts = []
@@ -569,7 +720,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[Path], md_dir: Path,
-                    command: str) -> str:
+                    command: str, serve: list | None = None) -> str:
     decode, write, e2e = results.get("decode"), results.get("write"), results.get("e2e")
     lines = ["# OSCAR-JAX benchmarks (H200)", "",
              f"Generated by `{command}` from the raw files in `benchmarks/results/` (written by "
@@ -750,6 +901,9 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
                       f"{_f(ratio.get('whole_sequences'), '{:.2f}×')} in whole sequences built; tokens/s at capacity "
                       f"{_f(summary.get('throughput_at_capacity_100k_int2_over_bf16'), '{:.2f}×')}.", ""]
 
+    # ---- serving (bench_serve's files)
+    lines += serve_markdown(serve or [])
+
     # ---- summary and plots
     lines += ["## Summary (`summary_h200.json`)", "", "```json", json.dumps(summary, indent=1), "```", ""]
     if plots:
@@ -771,13 +925,15 @@ def summarize(results_dir, markdown_path=None, *, plots: bool = True,
     results = load_results(results_dir, warnings)
     summary, provenance = summarize_results(results, warnings)
     results_dir.mkdir(parents=True, exist_ok=True)
-    written = make_plots(results, results_dir, warnings) if plots else []
+    # --no-plots keeps (and still shows) the PNGs a previous run drew
+    written = (make_plots(results, results_dir, warnings) if plots
+               else [path for path in (results_dir / name for name in PLOT_FILES) if path.exists()])
     (results_dir / "summary_h200.json").write_text(json.dumps(summary, indent=1) + "\n")
     (results_dir / "summary_h200_provenance.json").write_text(json.dumps(provenance, indent=1) + "\n")
     if markdown_path is not None:
         markdown_path = Path(markdown_path)
         markdown_path.write_text(render_markdown(results, summary, provenance, written,
-                                                 markdown_path.resolve().parent, command))
+                                                 markdown_path.resolve().parent, command, load_serve(results_dir)))
     return summary
 
 
@@ -786,7 +942,8 @@ def main(argv=None) -> None:
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"), help="directory of the raw files")
     parser.add_argument("--markdown", type=Path, default=Path(__file__).resolve().parents[1] / "BENCHMARKS.md",
                         help="where to write BENCHMARKS.md (default: the repo root)")
-    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="draw no plots; BENCHMARKS.md shows the ones already there")
     args = parser.parse_args(argv)
     try:
         summary = summarize(args.results, args.markdown, plots=not args.no_plots)

@@ -322,3 +322,86 @@ def test_a_config_takes_the_bandwidths_of_its_own_run(tmp_path):
         bad["decode"]["configs"][4][key] = 0
         with pytest.raises(S.ResultsError, match=rf"configs\[4\]: {key} must be > 0"):
             S.summarize(write_files(tmp_path, bad), md)
+
+
+def _pcts(p50, p99):
+    return {"p50": p50, "p99": p99, "mean": p50}
+
+
+def _serve_run(kind, tokens_per_s, *, prompt_len=32768, rate=float("inf"), prefill=True):
+    run = {"kind": kind, "prompt_len": prompt_len, "rate": rate, "requests": 4, "output_tokens": 512,
+           "output_tokens_per_s": tokens_per_s, "duration_s": 512 / tokens_per_s, "ttft_s": _pcts(1.5, 3.25),
+           "itl_s": _pcts(0.0125, 0.5), "decode_step_s": _pcts(0.01, 0.02), "max_decode_batch": 4,
+           "host_share_at_batch_32": None, "steps": 200, "max_num_seqs": 4}
+    if prefill:  # older files have no prefill figures
+        run.update(prefill_step_s=_pcts(0.25, 0.5), prefill_step_device_share=_pcts(0.5, 0.9))
+    return run
+
+
+def _serve_file(runs, capacity, targets):
+    setup = {"model": {"num_layers": 2}, "prompt_lens": [32768], "output_len": 128, "rates": ["inf"],
+             "kv_cache_memory_bytes": 8 * 2**30, "prefill_chunk": 2048, "sink": 64, "recent": 256, "page_size": 64,
+             "decode_buckets": "max", "prefill_split": "whole"}
+    return {"environment": dict(ENV, gpu="NVIDIA H100 80GB HBM3", git_sha="3a4677ad99afb39b"), "setup": setup,
+            "capacity": capacity, "compile_s": {k: 90.25 for k in capacity}, "results": runs, "http": None,
+            "targets": targets}
+
+
+def test_the_serving_section_from_bench_serves_files(tmp_path):
+    """Per serve_*.json: conditions, a row per run, INT2 / BF16 tokens/s at the same (prompt, rate), the
+    file's targets; an int2-only file says its BF16 run is missing; another shape is skipped, not fatal;
+    the summary does not change."""
+    write_files(tmp_path, fake_results())
+    S.summarize(tmp_path, tmp_path / "before.md", plots=False)
+    summary_before = (tmp_path / "summary_h200.json").read_text()
+    provenance_before = (tmp_path / "summary_h200_provenance.json").read_text()
+    both = _serve_file([_serve_run("int2", 60.0), _serve_run("bf16", 20.0, prefill=False),
+                        _serve_run("int2", 30.0, rate=2.0)], {"int2": 8, "bf16": 1},
+                       {"int2_over_bf16_output_tokens_per_s": {"prompt_len": 32768, "value": 3.0, "target": 3.5,
+                                                               "met": False},
+                        "itl_p99_over_median_step": {"value": 1.25, "target": 1.5, "met": True}})
+    int2_only = _serve_file([_serve_run("int2", 45.0)], {"int2": 16}, {})
+    (tmp_path / "serve_a_both.json").write_text(json.dumps(both))  # inf is written as Infinity, as bench_serve does
+    (tmp_path / "serve_b_int2_only.json").write_text(json.dumps(int2_only))
+    (tmp_path / "serve_c_other.json").write_text(json.dumps({"environment": ENV, "setup": {}, "runs": []}))
+    md = tmp_path / "BENCHMARKS.md"
+    S.summarize(tmp_path, md, plots=False)
+    text = md.read_text()
+    assert (tmp_path / "summary_h200.json").read_text() == summary_before
+    assert (tmp_path / "summary_h200_provenance.json").read_text() == provenance_before
+    section = text[text.index("## Serving (`bench_serve`)"):text.index("## Summary")]
+    assert text.replace(section, "") == (tmp_path / "before.md").read_text()  # nothing else changed
+    a, b, c = (section.index(f"### `serve_{n}.json`") for n in ("a_both", "b_int2_only", "c_other"))
+    assert a < b < c
+    first, second, third = section[a:b], section[b:c], section[c:]
+    assert ("GPU NVIDIA H100 80GB HBM3, git `3a4677a`" in first and "KV cache 8.00 GiB" in first
+            and "decode buckets `max`, prefill split `whole`" in first and "capacity (sequences) int2 8 / bf16 1" in first
+            and "compile int2 90.2 / bf16 90.2 s" in first)
+    # kind, prompt, rate, requests, tok/s, TTFT p50/p99 s, ITL p50/p99 ms, decode step ms, prefill ms, device share
+    assert "| int2 | 32768 | all at once | 4 | 60.00 | 1.50 | 3.25 | 12.50 | 500.00 | 10.00 | 250.0 | 50.0 % |" in first
+    assert "| bf16 | 32768 | all at once | 4 | 20.00 | 1.50 | 3.25 | 12.50 | 500.00 | 10.00 | — | — |" in first
+    assert "| int2 | 32768 | 2/s | 4 | 30.00 |" in first
+    assert "INT2 / BF16 output tokens/s: 3.00× at prompt 32768, all at once." in first  # 60 / 20, not 30 / 20
+    assert "2/s" not in first.split("INT2 / BF16 output tokens/s:")[1]
+    assert "`int2_over_bf16_output_tokens_per_s` 3.00 (target 3.5, prompt 32768): **not met**" in first
+    assert "`itl_p99_over_median_step` 1.25 (target 1.5): met" in first
+    assert "run missing" not in first
+    assert "| int2 | 32768 | all at once | 4 | 45.00 |" in second
+    assert "BF16 run missing: the run was cut off." in second and "INT2 / BF16 output tokens/s" not in second
+    assert "capacity (sequences) int2 16;" in second and "Targets (`targets` of the file): none evaluated." in second
+    assert "Skipped: not bench_serve's shape (serve_c_other.json: missing key 'results')." in third
+
+
+def test_without_serve_files_there_is_no_serving_section_and_no_plots_keeps_the_pngs(tmp_path):
+    write_files(tmp_path, fake_results())
+    (tmp_path / "decode_bandwidth.png").write_bytes(b"png")
+    (tmp_path / "serve_bad.json").write_text("{not json")
+    md = tmp_path / "BENCHMARKS.md"
+    S.summarize(tmp_path, md, plots=False)
+    text = md.read_text()
+    assert "Skipped: not bench_serve's shape (not valid JSON" in text
+    assert (tmp_path / "decode_bandwidth.png").read_bytes() == b"png"  # not redrawn, still shown
+    assert "![decode_bandwidth](decode_bandwidth.png)" in text and "decode_time_vs_context.png" not in text
+    (tmp_path / "serve_bad.json").unlink()
+    S.summarize(tmp_path, md, plots=False)
+    assert "## Serving" not in md.read_text()
