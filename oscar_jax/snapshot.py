@@ -22,7 +22,7 @@ import numpy as np
 from shared_math.allocator import Demotion, Sequence
 from oscar_jax.cache import POOL_NAMES
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: prefix keys chained page by page (shared_math.allocator)
 
 
 def _replicas(runtime) -> int:

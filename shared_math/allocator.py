@@ -5,8 +5,10 @@ reserved scratch page, never handed out: padded page-table entries point at it a
 writes land in it, so no live page is ever touched by padding.
 
 Prefix sharing. A full sink page and an INT2 history page depend only on the tokens up to their
-last position (rotations are fixed), so they are registered under
-`(namespace, hash(tokens[:page_end]))`. A later request in the same namespace whose prompt
+last position (rotations are fixed), so they are registered under a key of
+`(namespace, tokens[:page_end])`: a chain of SHA-256 digests, one link per page (the key of page k
+hashes the key of page k − 1 with the page's own tokens), so each page's key is computed once, from
+its own tokens, however long the prompt (hashing every prefix anew cost O(length²) per chunk). A later request in the same namespace whose prompt
 starts with those tokens reuses them (reference counted) instead of recomputing them; recent
 pages are always private. Namespaces keep tenants apart: prefix hits across users are a timing
 side channel, so a request only ever sees pages registered under its own namespace.
@@ -35,8 +37,14 @@ class PoolExhausted(RuntimeError):
     """No free or reclaimable page is left in a pool."""
 
 
-def _prefix_key(namespace: str | None, tokens: np.ndarray) -> bytes:
-    h = hashlib.sha256(repr(namespace).encode())
+def _namespace_key(namespace: str | None) -> bytes:
+    """The root of a namespace's key chain (the key of the empty prefix)."""
+    return hashlib.sha256(repr(namespace).encode()).digest()
+
+
+def _chained_key(previous: bytes, tokens) -> bytes:
+    """The key of a prefix: the key of the prefix before one page, and that page's tokens."""
+    h = hashlib.sha256(previous)
     h.update(np.asarray(tokens, np.int64).tobytes())
     return h.digest()
 
@@ -102,6 +110,9 @@ class Sequence:
     sink_pages: list[int]
     history_pages: list[int]
     recent_pages: list[int]
+    # The prefix keys of tokens[:page_size·(k + 1)], k = 0, 1, …, as far as computed
+    # (PageAllocator._page_end_key); tokens are only ever appended, so they stay valid.
+    page_keys: list[bytes] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @property
     def length(self) -> int:
@@ -138,7 +149,15 @@ class PageAllocator:
     # ------------------------------------------------------------------ pages per position
 
     def _page_end_key(self, seq: Sequence, end: int) -> bytes:
-        return _prefix_key(seq.namespace, np.asarray(seq.tokens[:end]))
+        """The registry key of the page holding tokens up to `end` (a page boundary ≤ length)."""
+        page, keys = self.config.page_size, seq.page_keys
+        if end % page or not 0 < end <= seq.length:
+            raise ValueError(f"page end {end} must be a multiple of page_size={page} in (0, {seq.length}]")
+        while len(keys) < end // page:
+            first = len(keys) * page
+            keys.append(_chained_key(keys[-1] if keys else _namespace_key(seq.namespace),
+                                     seq.tokens[first : first + page]))
+        return keys[end // page - 1]
 
     def _need_pages(self, seq: Sequence) -> None:
         """Allocate pages so every position < seq.length has a home."""

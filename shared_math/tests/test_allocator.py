@@ -141,3 +141,32 @@ def test_random_admit_extend_finish_keeps_invariants(ops):
         a.finish(sid)
     a.check_invariants()
     assert all(a.bf16.refs == 0) and all(a.int2.refs == 0)
+
+
+def test_prefix_keys_chain_page_by_page_and_hash_each_page_once(monkeypatch):
+    """A page's key names (namespace, every token up to its end): equal for equal prefixes, apart
+    for another namespace or any earlier token; and it is computed once per page from that page's
+    tokens, so registering a long prompt chunk by chunk hashes each token once (not every prefix
+    again at every chunk: O(length²) host work per chunk at 100K tokens)."""
+    from shared_math import allocator as allocator_module
+
+    config = OscarConfig(head_dim=64, sink=16, recent=32, page_size=16)
+    alloc = PageAllocator(config, num_bf16_pages=64, num_int2_pages=64)
+    hashed = []
+    chained = allocator_module._chained_key
+    monkeypatch.setattr(allocator_module, "_chained_key", lambda prev, tokens: hashed.append(len(tokens))
+                        or chained(prev, tokens))
+    tokens = list(range(1000, 1000 + 16 * 12))
+    a = alloc.sequences[alloc.admit(tokens, namespace="a", share_prefix=False).seq_id]
+    for _ in range(3):  # as a runtime publishing after every chunk does
+        keys = [alloc._page_end_key(a, end) for end in range(16, len(tokens) + 1, 16)]
+    assert hashed == [16] * 12  # each page once, from its own 16 tokens
+    assert len(set(keys)) == 12
+    fork = tokens[:16 * 5] + [7] + tokens[16 * 5 + 1:]  # differs from token 80 on
+    b = alloc.sequences[alloc.admit(fork, namespace="a", share_prefix=False).seq_id]
+    c = alloc.sequences[alloc.admit(tokens, namespace="c", share_prefix=False).seq_id]
+    for end in range(16, len(tokens) + 1, 16):
+        assert (alloc._page_end_key(b, end) == alloc._page_end_key(a, end)) == (end <= 16 * 5), end
+        assert alloc._page_end_key(c, end) != alloc._page_end_key(a, end), end
+    with pytest.raises(ValueError, match="page end 24 must be a multiple of page_size=16"):
+        alloc._page_end_key(a, 24)
