@@ -11,8 +11,9 @@ by kernel name (the `--top` largest), so a slow chunk shows which kernels take i
 reference a chunk cannot beat: the same model over the chunk alone with a dense BF16 cache (XLA
 attention, no prefix, no tiers), timed the same way. `--splits` repeats the three passes for each
 split of the chunk's cache partials (OscarKVCache.prefill_pages_per_split): the tiling policy's
-default against one split over the whole history table — a chunk's row blocks already fill the
-grid, while the default's splits size the partials by the table, not by the tokens it holds.
+default (one split over the whole table since DECISIONS.md P2; "whole" names it explicitly) or a
+page count, e.g. the decode-style splits it replaced (a chunk's row blocks already fill the grid,
+so splits by the table only size partials to write and merge).
 
 `--tiny` runs the same plumbing on a 2-layer model at toy sizes (the CPU test does).
 """
@@ -104,15 +105,14 @@ def split_pages(policy: str, runtime) -> int | None:
     """pages_per_split of a prefill chunk's cache partials under `policy`: "default" (None, the
     tiling policy of shared_math.tiling), "whole" (one split over the whole page table), or a
     number of pages."""
-    from shared_math.tiling import default_pages_per_block
+    from shared_math.tiling import default_pages_per_block, whole_table_pages_per_split
 
     if policy == "default":
         return None
     if policy == "whole":  # the longer of the two tiers' tables (the BF16 cache's is all BF16)
         config = runtime.config
         slots = max(runtime.history_slots, (config.sink + config.recent) // config.page_size)
-        block = default_pages_per_block(config.page_size)
-        return -(-slots // block) * block
+        return whole_table_pages_per_split(slots, default_pages_per_block(config.page_size))
     try:
         return int(policy)
     except ValueError:
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=32768)
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--top", type=int, default=25, help="kernels kept per profiled chunk (default: %(default)s)")
-    p.add_argument("--splits", default=",".join(SPLIT_POLICIES),
+    p.add_argument("--splits", default="default",
                    help="comma-separated split policies of the chunk's cache partials, each timed: "
                         "default, whole (one split over the history table) or a page count (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model at toy sizes (the plumbing only)")

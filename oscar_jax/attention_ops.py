@@ -184,13 +184,13 @@ def _table_slots(bf16_page_table, history_page_table) -> tuple[int, int]:
 
 
 def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, page_size,
-                    sequence_heads=None, interpret=False):
+                    sequence_heads=None, interpret=False, prefill=False):
     """(pages_per_split, bf16_pages_per_split, pages_per_block): shared_math.tiling.resolve_tiling
-    (`sequence_heads` = B × Hkv for a decode call); interpreted, with both left to the default, one
+    (`sequence_heads` = B × Hkv for a decode call, `prefill` for a prefill call); interpreted, with both left to the default, one
     split of blocks of up to INTERPRET_BLOCK_TOKENS tokens (kernels.codec says why)."""
     bf16_slots, history_slots = _table_slots(bf16_page_table, history_page_table)
     return resolve_tiling(pages_per_split, pages_per_block, bf16_slots=bf16_slots, history_slots=history_slots,
-                          page_size=page_size, sequence_heads=sequence_heads,
+                          page_size=page_size, sequence_heads=sequence_heads, prefill=prefill,
                           interpret_block_tokens=INTERPRET_BLOCK_TOKENS if interpret else None)
 
 
@@ -497,7 +497,7 @@ def prefill_attention(
     interpret = resolve_interpret(interpret)
     page_size = _page_size(views[0])
     tiling = _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, page_size,
-                             interpret=interpret)
+                             interpret=interpret, prefill=True)
     cache_kv_heads, _ = _validate_cache(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         key_layout=key_layout,

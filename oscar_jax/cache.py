@@ -82,7 +82,7 @@ class OscarKVCache:
     # is created: a static field, so a jit traced for one never serves the other.
     kernels: str | None = _static(default=None)
     # Pages per split of a prefill chunk's cache partials (both tiers; None: the tiling policy of
-    # shared_math.tiling.resolve_splits). A chunk's row blocks already give the grid its programs.
+    # shared_math.tiling.resolve_splits, one split over the whole table).
     prefill_pages_per_split: int | None = _static(default=None)
 
     @classmethod

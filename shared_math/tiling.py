@@ -105,11 +105,18 @@ def bf16_tier_pages_per_split(bf16_slots: int, history_slots: int, pages_per_spl
     return max(pages_per_block, next_power_of_two(-(-bf16_slots // TARGET_SPLITS)))
 
 
+def whole_table_pages_per_split(table_slots: int, pages_per_block: int) -> int:
+    """One split over a whole page table: its slots rounded up to whole blocks."""
+    return max(1, -(-table_slots // pages_per_block)) * pages_per_block
+
+
 def resolve_splits(pages_per_split, pages_per_block, bf16_slots: int, history_slots: int,
-                   page_size: int, sequence_heads: int | None = None) -> tuple:
+                   page_size: int, sequence_heads: int | None = None, prefill: bool = False) -> tuple:
     """(pages_per_split, bf16_pages_per_split, pages_per_block) of a decode / prefill call, the
     defaults filled in for None: the block from the page size, the split from the longer page
-    table — for a decode call with an INT2 tier (`sequence_heads` = B × Hkv given) by
+    table — for a prefill call (`prefill`) one split over the whole table: a chunk's row blocks
+    already fill the grid, and splits by the table only size partials to write and merge
+    (DECISIONS.md P2); for a decode call with an INT2 tier (`sequence_heads` = B × Hkv given) by
     decode_pages_per_split — the BF16 tier's split by bf16_tier_pages_per_split. Values that are
     not positive integers are passed through untouched for the backend's validation to name."""
     if pages_per_block is None:
@@ -117,7 +124,9 @@ def resolve_splits(pages_per_split, pages_per_block, bf16_slots: int, history_sl
     given = (pages_per_block,) if pages_per_split is None else (pages_per_block, pages_per_split)
     if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 for x in given):
         return pages_per_split, pages_per_split, pages_per_block
-    if pages_per_split is None and sequence_heads and history_slots and history_slots >= bf16_slots:
+    if pages_per_split is None and prefill:
+        pages_per_split = whole_table_pages_per_split(max(bf16_slots, history_slots), pages_per_block)
+    elif pages_per_split is None and sequence_heads and history_slots and history_slots >= bf16_slots:
         pages_per_split = decode_pages_per_split(history_slots, pages_per_block, page_size, sequence_heads)
     elif pages_per_split is None:
         pages_per_split = default_pages_per_split(max(bf16_slots, history_slots), pages_per_block, page_size)
@@ -331,15 +340,17 @@ def check_tiling(pages_per_split, pages_per_block, page_size: int) -> None:
 
 
 def resolve_tiling(pages_per_split, pages_per_block, *, bf16_slots: int, history_slots: int, page_size: int,
-                   sequence_heads: int | None = None, interpret_block_tokens: int | None = None) -> tuple:
+                   sequence_heads: int | None = None, interpret_block_tokens: int | None = None,
+                   prefill: bool = False) -> tuple:
     """(pages_per_split, bf16_pages_per_split, pages_per_block) of a call, the defaults filled in by
-    resolve_splits (`sequence_heads` = B × Hkv for a decode call). `interpret_block_tokens` (an
+    resolve_splits (`sequence_heads` = B × Hkv for a decode call; `prefill` for a prefill call). `interpret_block_tokens` (an
     interpreted call): with both left to the default, interpreted_tiling's one split of blocks of up
     to that many tokens. Bad values pass through for check_tiling to name."""
     if interpret_block_tokens and pages_per_split is None and pages_per_block is None and page_size > 0:
         pages_per_split, pages_per_block = interpreted_tiling(
             max(bf16_slots, history_slots), page_size, interpret_block_tokens)
-    return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size, sequence_heads)
+    return resolve_splits(pages_per_split, pages_per_block, bf16_slots, history_slots, page_size, sequence_heads,
+                          prefill)
 
 
 def prefill_launch(pages_per_split: int, bf16_pages_per_split: int, pages_per_block: int, page_size: int, *,

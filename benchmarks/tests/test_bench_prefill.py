@@ -15,7 +15,7 @@ def test_tiny_run_times_every_chunk_and_profiles_the_first_and_last(tmp_path, mo
 
     monkeypatch.setattr(benchmarks.harness, "environment", lambda: {"gpu": "none"})
     out = tmp_path / "prefill.json"
-    assert bench_prefill.main(["--tiny", "--out", str(out), "--top", "3"]) == 0
+    assert bench_prefill.main(["--tiny", "--out", str(out), "--top", "3", "--splits", "default,whole"]) == 0
     result = json.loads(out.read_text())
     setup = tiny_setup()
     assert result["prompt_len"] == 3 * setup.prefill_chunk + setup.page_size

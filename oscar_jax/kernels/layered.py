@@ -8,7 +8,7 @@ of Y·P pages (`flat_pool`, a bitcast) and the first page of its layer as an ope
 (`layer_page_base`), added to every page id it reads from a table: read-only pools are never
 copied, written pools are aliased in place, and the kernel is the same for every layer. The
 layer is data, not part of the kernel, so XLA compiles each kernel once per program rather than
-once per layer (its kernel cache is keyed by the kernel's IR; benchmarks/DECISIONS.md C1).
+once per layer (its kernel cache is keyed by the kernel's IR; benchmarks/DECISIONS.md K1).
 """
 
 from __future__ import annotations

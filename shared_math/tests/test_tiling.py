@@ -373,3 +373,19 @@ def test_prefill_launch_is_the_plain_tier_launch():
     assert launch.fma_asm
     with pytest.raises(ValueError, match="pages_per_split=3 must be a multiple of pages_per_block=2"):
         prefill_launch(3, 2, 2, 64)
+
+
+@pytest.mark.parametrize("given,bf16_slots,history_slots,page_size,expected", [
+    ((None, None), 6, 2043, 64, (2043, 1, 1)),     # 128K INT2 cache: one split over the history table
+    ((None, None), 6, 0, 64, (6, 6, 1)),           # a chunk with no history: the BF16 table's
+    ((None, None), 1563, 0, 64, (1563, 1563, 1)),  # the BF16-only cache: its whole table
+    ((None, None), 21, 61, 8, (62, 2, 2)),         # pages of 8: whole blocks of 2 pages
+    ((8, None), 6, 2043, 64, (8, 1, 1)),           # an explicit split is kept
+])
+def test_resolve_splits_of_a_prefill_call(given, bf16_slots, history_slots, page_size, expected):
+    """A prefill chunk's cache partials take one split over the whole table (DECISIONS.md P2)."""
+    from shared_math.tiling import check_tiling, resolve_splits
+
+    got = resolve_splits(*given, bf16_slots, history_slots, page_size, prefill=True)
+    assert got == expected
+    check_tiling(got[0], got[2], page_size)
