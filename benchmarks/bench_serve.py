@@ -16,7 +16,9 @@ the default request count fills the int2 cache (`--num-requests`), so the BF16 r
 
 Reported per (kind, prompt length, arrival rate): output tokens/s (all output tokens over the
 time from the first arrival to the last token), time to first token and inter-token latency
-p50/p99, the median step time of decode-only steps, and the host share of steps at a decode batch
+p50/p99, the median step time of decode-only steps and the tokens/s while only decoding (decode
+rows over those steps' wall time: what the cache's batch buys, apart from the prefill both caches
+pay alike; INT2 over BF16 is reported in `targets`), and the host share of steps at a decode batch
 ≥ 32 (host time = step wall time − time blocked on the model's launches: scheduling, page
 tables, sampling, detokenization, during which the device idles). Once through HTTP (`--http`,
 the shortest prompt, all at once, int2): the same figures measured by a streaming client, so the
@@ -173,6 +175,10 @@ def summarize_run(run: dict, output_len: int) -> dict:
         "duration_s": end - run["t0"],
         "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
         "decode_step_s": percentiles([s.total_s for s in decode_steps]),
+        # tokens a second while only decoding (rows over the wall time of decode-only steps): what
+        # the cache's batch buys, apart from the prefill both caches pay alike (DECISIONS.md)
+        "decode_tokens_per_s": (sum(s.decode_rows for s in decode_steps) / sum(s.total_s for s in decode_steps)
+                                if decode_steps else None),
         "max_decode_batch": max((s.decode_rows for s in decode_steps), default=0),
         # steps carrying a prefill chunk: their wall time and the share blocked on the device
         "prefill_step_s": percentiles([s.total_s for s in prefill_steps]),
@@ -244,6 +250,9 @@ def targets(results: list[dict], http: dict | None) -> dict:
         speedup = at_once["int2"]["output_tokens_per_s"] / at_once["bf16"]["output_tokens_per_s"]
         out["int2_over_bf16_output_tokens_per_s"] = {"prompt_len": longest, "value": speedup,
                                                      "target": TARGET_SPEEDUP, "met": speedup >= TARGET_SPEEDUP}
+        if at_once["int2"].get("decode_tokens_per_s") and at_once["bf16"].get("decode_tokens_per_s"):
+            out["int2_over_bf16_decode_tokens_per_s"] = {
+                "prompt_len": longest, "value": at_once["int2"]["decode_tokens_per_s"] / at_once["bf16"]["decode_tokens_per_s"]}
     shares = [r["host_share_at_batch_32"]["p50"] for r in results if r["host_share_at_batch_32"]]
     if shares:
         worst = max(shares)

@@ -617,7 +617,7 @@ def _serve_row(run: dict) -> list:
             _f(run["output_tokens_per_s"], "{:.2f}"), _f(_pct(run, "ttft_s"), "{:.2f}"),
             _f(_pct(run, "ttft_s", "p99"), "{:.2f}"), _f(_pct(run, "itl_s", scale=1e3), "{:.2f}"),
             _f(_pct(run, "itl_s", "p99", 1e3), "{:.2f}"), _f(_pct(run, "decode_step_s", scale=1e3), "{:.2f}"),
-            _f(_pct(run, "prefill_step_s", scale=1e3), "{:.1f}"),
+            _f(run.get("decode_tokens_per_s"), "{:.1f}"), _f(_pct(run, "prefill_step_s", scale=1e3), "{:.1f}"),
             _f(_pct(run, "prefill_step_device_share", scale=100), "{:.1f} %")]
 
 
@@ -670,10 +670,11 @@ def serve_markdown(serve: list[tuple[str, dict | None, str | None]]) -> list[str
              "From `benchmarks/results/serve_*.json` (written by `python -m benchmarks.bench_serve`: the engine at "
              "Qwen3-8B shapes with random weights, prompts of random token ids, INT2 and BF16 caches in the same "
              "memory). Output tok/s = all output tokens / the time from the first arrival to the last token; "
-             "decode step = the median of steps without a prefill chunk; prefill step = steps carrying a prefill "
+             "decode step = the median of steps without a prefill chunk, decode tok/s = their rows over their wall time "
+             "(files before it was recorded: —); prefill step = steps carrying a prefill "
              "chunk, with the share of their wall time blocked on the device.", ""]
     header = ["kind", "prompt", "rate", "requests", "output tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms",
-              "ITL p99 ms", "decode step p50 ms", "prefill step p50 ms", "prefill device share p50"]
+              "ITL p99 ms", "decode step p50 ms", "decode tok/s", "prefill step p50 ms", "prefill device share p50"]
     for name, data, skipped in serve:
         if data is not None:
             try:

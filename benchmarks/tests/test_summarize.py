@@ -333,8 +333,9 @@ def _serve_run(kind, tokens_per_s, *, prompt_len=32768, rate=float("inf"), prefi
            "output_tokens_per_s": tokens_per_s, "duration_s": 512 / tokens_per_s, "ttft_s": _pcts(1.5, 3.25),
            "itl_s": _pcts(0.0125, 0.5), "decode_step_s": _pcts(0.01, 0.02), "max_decode_batch": 4,
            "host_share_at_batch_32": None, "steps": 200, "max_num_seqs": 4}
-    if prefill:  # older files have no prefill figures
-        run.update(prefill_step_s=_pcts(0.25, 0.5), prefill_step_device_share=_pcts(0.5, 0.9))
+    if prefill:  # older files have no prefill figures, nor decode tokens/s
+        run.update(prefill_step_s=_pcts(0.25, 0.5), prefill_step_device_share=_pcts(0.5, 0.9),
+                   decode_tokens_per_s=400.0)
     return run
 
 
@@ -378,8 +379,8 @@ def test_the_serving_section_from_bench_serves_files(tmp_path):
             and "decode buckets `max`, prefill split `whole`" in first and "capacity (sequences) int2 8 / bf16 1" in first
             and "compile int2 90.2 / bf16 90.2 s" in first)
     # kind, prompt, rate, requests, tok/s, TTFT p50/p99 s, ITL p50/p99 ms, decode step ms, prefill ms, device share
-    assert "| int2 | 32768 | all at once | 4 | 60.00 | 1.50 | 3.25 | 12.50 | 500.00 | 10.00 | 250.0 | 50.0 % |" in first
-    assert "| bf16 | 32768 | all at once | 4 | 20.00 | 1.50 | 3.25 | 12.50 | 500.00 | 10.00 | — | — |" in first
+    assert "| int2 | 32768 | all at once | 4 | 60.00 | 1.50 | 3.25 | 12.50 | 500.00 | 10.00 | 400.0 | 250.0 | 50.0 % |" in first
+    assert "| bf16 | 32768 | all at once | 4 | 20.00 | 1.50 | 3.25 | 12.50 | 500.00 | 10.00 | — | — | — |" in first
     assert "| int2 | 32768 | 2/s | 4 | 30.00 |" in first
     assert "INT2 / BF16 output tokens/s: 3.00× at prompt 32768, all at once." in first  # 60 / 20, not 30 / 20
     assert "2/s" not in first.split("INT2 / BF16 output tokens/s:")[1]
