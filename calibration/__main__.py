@@ -42,7 +42,8 @@ def parse_args(argv=None) -> CalibrationOptions:
                         "ratios are over a channel's values in a group (FORMAT.md § Format v2)")
     p.add_argument("--key-group", type=int, default=None,
                    help=f"with --key-layout channel: tokens per key group for the key clip fit and the "
-                        f"report (default {DEFAULT_KEY_GROUP}, the emulation's oscar:keys=channel kgroup)")
+                        f"report, recorded as the codec's key_group: the page of a cache built from the "
+                        f"artifact (default {DEFAULT_KEY_GROUP})")
     a = p.parse_args(argv)
     if a.key_group is not None and a.key_layout != "channel":
         p.error("--key-group applies only with --key-layout channel")

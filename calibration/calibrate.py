@@ -253,7 +253,7 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
         k_clip_ratio=k_clip.astype(np.float32),
         v_clip_ratio=v_clip.astype(np.float32),
         model=ModelFingerprint(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim),
-        codec=codec if opts.key_layout == "token" else dict(codec, key_layout="channel"),
+        codec=codec if opts.key_layout == "token" else dict(codec, key_layout="channel", key_group=opts.key_group),
         provenance=provenance,
     )
     out = Path(opts.output_dir)

@@ -936,7 +936,12 @@ def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int
         raise ValueError(f"method {spec!r}: keys={keys!r} must be one of {list(KEY_LAYOUTS)}")
     if keys != "channel" and ("kgroup" in options or "krot" in options):
         raise ValueError(f"method {spec!r}: kgroup= and krot= apply only with keys=channel")
-    key_group = _int(options.get("kgroup", str(DEFAULT_KEY_GROUP)), "kgroup") if keys == "channel" else 0
+    # An artifact calibrated for per-channel keys fixes the group its key clips were fitted over.
+    default_group = artifact.key_group if artifact.key_layout == "channel" else DEFAULT_KEY_GROUP
+    key_group = _int(options.get("kgroup", str(default_group)), "kgroup") if keys == "channel" else 0
+    if key_group and artifact.key_layout == "channel" and key_group != artifact.key_group:
+        raise ValueError(f"method {spec!r}: kgroup={key_group} with an artifact whose key clip ratios were fitted "
+                         f"over groups of {artifact.key_group} tokens (codec key_group)")
     krot = options.get("krot", "artifact")
     if krot not in KEY_ROTATIONS:
         raise ValueError(f"method {spec!r}: krot={krot!r} must be one of {list(KEY_ROTATIONS)}")

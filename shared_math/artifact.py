@@ -19,8 +19,10 @@ from typing import Any
 import numpy as np
 
 from shared_math.spec import (
+    DEFAULT_CHANNEL_PAGE_SIZE,
     KEY_LAYOUTS,
     LEVELS,
+    MIN_GROUP_SIZE,
     READABLE_FORMAT_VERSIONS,
     check_format_version,
     format_version_of,
@@ -70,7 +72,7 @@ class RotationArtifact:
     k_clip_ratio: np.ndarray
     v_clip_ratio: np.ndarray
     model: ModelFingerprint
-    codec: dict[str, Any]  # {"group_size": G, "levels": "minmax" | "moments"[, "key_layout": "channel"]}
+    codec: dict[str, Any]  # {"group_size": G, "levels": "minmax" | "moments"[, "key_layout": "channel", "key_group": page]}
     provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -88,6 +90,14 @@ class RotationArtifact:
     @property
     def key_layout(self) -> str:
         return str(self.codec.get("key_layout", "token"))
+
+    @property
+    def key_group(self) -> int | None:
+        """Per-channel keys: the tokens a key clip ratio was fitted over (the cache's page; artifacts
+        written before the field: DEFAULT_CHANNEL_PAGE_SIZE, calibration's default then). None for v1."""
+        if self.key_layout == "token":
+            return None
+        return int(self.codec.get("key_group", DEFAULT_CHANNEL_PAGE_SIZE))
 
     def tensors(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in TENSOR_NAMES}
@@ -140,10 +150,18 @@ def validate_artifact(artifact: RotationArtifact, expected_model: ModelFingerpri
             raise ArtifactError(f"{name} must lie in (0, 1], got min {value.min()} max {value.max()}")
     codec = artifact.codec
     if not isinstance(codec, dict) or not {"group_size", "levels"} <= set(codec) <= {"group_size", "levels",
-                                                                                     "key_layout"}:
-        raise ArtifactError(f"codec metadata must be {{'group_size', 'levels'[, 'key_layout']}}, got {codec!r}")
+                                                                                     "key_layout", "key_group"}:
+        raise ArtifactError(f"codec metadata must be {{'group_size', 'levels'[, 'key_layout', 'key_group']}}, "
+                            f"got {codec!r}")
     if codec.get("key_layout", "token") not in KEY_LAYOUTS:
         raise ArtifactError(f"codec key_layout={codec['key_layout']!r} must be one of {KEY_LAYOUTS}")
+    if "key_group" in codec:
+        group = codec["key_group"]
+        if codec.get("key_layout", "token") != "channel":
+            raise ArtifactError(f"codec key_group={group!r} needs key_layout 'channel' (keys per channel)")
+        if (isinstance(group, bool) or not isinstance(group, int) or group < MIN_GROUP_SIZE
+                or group & (group - 1)):
+            raise ArtifactError(f"codec key_group={group!r} must be a power of two >= {MIN_GROUP_SIZE}")
     try:
         validate_codec_shape(m.head_dim, codec["group_size"])
     except ValueError as e:

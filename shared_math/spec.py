@@ -168,11 +168,18 @@ class OscarConfig:
                       recent: int | None = None, page_size: int | None = None) -> "OscarConfig":
         """The cache configuration a runtime builds from a rotation artifact
         (shared_math.artifact.RotationArtifact): head_dim, codec (group size, levels, key layout)
-        and clip ratios from the artifact, tiers from the arguments (None: the defaults, a page of
-        DEFAULT_CHANNEL_PAGE_SIZE tokens for per-channel keys; group_size None: the artifact's). The clip ratios here are layer 0's; per-layer ratios travel with the
+        and clip ratios from the artifact, tiers from the arguments (None: the defaults; for
+        per-channel keys the page is the artifact's key_group, the tokens its key clips were fitted
+        over, and another page_size is refused; group_size None: the artifact's). The clip ratios here are layer 0's; per-layer ratios travel with the
         cache's pools, which every runtime fills from the artifact's arrays."""
         head_dim = artifact.model.head_dim
         defaults = cls(head_dim=head_dim)
+        if artifact.key_layout == "channel":
+            if page_size not in (None, artifact.key_group):
+                raise ValueError(f"page_size={page_size}: the artifact's key clip ratios were fitted over groups of "
+                                 f"{artifact.key_group} tokens (codec key_group), and per-channel keys are grouped "
+                                 f"over a page; use page_size={artifact.key_group} or calibrate for {page_size}")
+            page_size = artifact.key_group
         return cls(
             head_dim=head_dim,
             group_size=group_size or artifact.group_size,
@@ -181,7 +188,7 @@ class OscarConfig:
             levels=artifact.levels,
             sink=defaults.sink if sink is None else sink,
             recent=defaults.recent if recent is None else recent,
-            page_size=page_size or (defaults.page_size if artifact.key_layout == "token" else DEFAULT_CHANNEL_PAGE_SIZE),
+            page_size=page_size or defaults.page_size,
             key_layout=artifact.key_layout,
         )
 

@@ -114,7 +114,7 @@ def test_cli_key_layout_channel(tiny_dir, text_file, tmp_path):
     assert v1.codec == {"group_size": 16, "levels": "minmax"} and v1.key_layout == "token"
     assert _format_version(tmp_path / "v1") == "1"
     assert "key_layout" not in v1.provenance["options"] and "key_group" not in v1.provenance["options"]
-    assert v2.codec == {"group_size": 16, "levels": "minmax", "key_layout": "channel"}
+    assert v2.codec == {"group_size": 16, "levels": "minmax", "key_layout": "channel", "key_group": 16}
     assert v2.key_layout == "channel" and _format_version(tmp_path / "v2") == "2"
     assert v2.provenance["options"]["key_layout"] == "channel" and v2.provenance["options"]["key_group"] == 16
     for name in ("k_rotation", "v_rotation", "v_clip_ratio"):

@@ -61,7 +61,7 @@ def model():
 
     params = init_params(CFG, jax.random.PRNGKey(1), std=0.08)
     art = make_artifact(ModelFingerprint(2, 6, 2, 64))
-    art = dataclasses.replace(art, codec={**art.codec, "key_layout": "channel"},
+    art = dataclasses.replace(art, codec={**art.codec, "key_layout": "channel", "key_group": 16},
                               k_clip_ratio=np.array([1.0, 0.9], np.float32))  # per-layer clips over a page
     return params, art
 

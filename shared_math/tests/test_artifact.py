@@ -63,7 +63,9 @@ def test_format_versions_by_key_layout(tmp_path):
     from safetensors import safe_open
 
     for layout, version, codec in (("token", "1", {"group_size": 16, "levels": "minmax"}),
-                                   ("channel", "2", {"group_size": 16, "levels": "minmax", "key_layout": "channel"})):
+                                   ("channel", "2", {"group_size": 16, "levels": "minmax", "key_layout": "channel"}),
+                                   ("channel", "2", {"group_size": 16, "levels": "minmax", "key_layout": "channel",
+                                                     "key_group": 32})):
         art = dataclasses.replace(make_artifact(), codec=codec)
         file = write_artifact(tmp_path / f"{layout}.safetensors", art)
         with safe_open(str(file), framework="np") as f:
@@ -124,6 +126,11 @@ def _set(d, key, value):
          "format_version=1 cannot hold key_layout='channel'"),
         (None, lambda m: _set(m, "codec", json.dumps({"group_size": 16, "levels": "minmax", "key_layout": "diag"})),
          "key_layout='diag'"),
+        (None, lambda m: _set(m, "codec", json.dumps({"group_size": 16, "levels": "minmax", "key_group": 64})),
+         "key_group=64 needs key_layout 'channel'"),
+        *[(None, lambda m, g=g: (_set(m, "format_version", "2"), _set(m, "codec", json.dumps(
+            {"group_size": 16, "levels": "minmax", "key_layout": "channel", "key_group": g}))),
+           f"key_group={g!r} must be a power of two >= 16") for g in (24, 8, True, "64")],
         (None, lambda m: _set(m, "codec", json.dumps({"group_size": 16, "levels": "minmax", "bits": 2})),
          "codec metadata must be"),
         (None, lambda m: m.pop("provenance"), r"missing metadata \['provenance'\]"),

@@ -97,9 +97,10 @@ def test_caches_refuse_per_channel_keys_until_they_store_them():
         require_token_keys(OscarConfig(head_dim=64, key_layout="channel"), "cache")
 
 
-def test_per_channel_key_artifacts_default_to_pages_of_64():
-    """A key page is one group per channel, so its size sets the key bits: an artifact calibrated for
-    per-channel keys gets pages of 64 (2.5 bits a key element) unless the caller picks another."""
+def test_per_channel_key_artifacts_fix_the_page_to_their_key_group():
+    """A key page is one group per channel, so its size sets the key bits and the group the key clips
+    were fitted over: a per-channel artifact's page is its codec's key_group (64 when written before
+    the field: 2.5 bits a key element), and another page_size is refused, naming both."""
     from shared_math.spec import DEFAULT_CHANNEL_PAGE_SIZE
     from shared_math.tests.test_artifact import make_artifact
 
@@ -107,6 +108,10 @@ def test_per_channel_key_artifacts_default_to_pages_of_64():
     art.codec["key_layout"] = "channel"
     config = OscarConfig.from_artifact(art)
     assert config.key_layout == "channel" and config.page_size == DEFAULT_CHANNEL_PAGE_SIZE == 64
-    assert OscarConfig.from_artifact(art, page_size=16, sink=16, recent=32).page_size == 16
-    del art.codec["key_layout"]
-    assert OscarConfig.from_artifact(art).page_size == 16
+    assert art.key_group == 64 and OscarConfig.from_artifact(art, page_size=64).page_size == 64
+    with pytest.raises(ValueError, match="page_size=16: the artifact's key clip ratios were fitted over groups of 64"):
+        OscarConfig.from_artifact(art, page_size=16, sink=16, recent=32)
+    art.codec["key_group"] = 16
+    assert OscarConfig.from_artifact(art, sink=16, recent=32).page_size == 16
+    del art.codec["key_layout"], art.codec["key_group"]
+    assert OscarConfig.from_artifact(art).page_size == 16 and art.key_group is None
