@@ -100,7 +100,7 @@ def build_engine(setup: Setup, kind: str, params, *, max_model_len: int, log=pri
         per_seq = (split.sink_pages + split.recent_pages + 1) * bf16_bytes
     seqs = max(1, setup.memory_bytes // per_seq)
     num_bf16, num_int2 = pages_for_memory(kind, setup.memory_bytes, cfg, config, seqs, log=log)
-    if kind == "int2":  # fewer where the codes pools were kept below what the kernels index
+    if kind == "int2" and split.history_pages:  # fewer where the codes pools were kept below what the kernels index
         seqs = max(1, min(seqs, (num_int2 - 1) // split.history_pages))
     runtime = OscarRuntime(params, cfg, identity_artifact(cfg), max_batch=seqs, max_seq_len=max_model_len,
                            sink=setup.sink, recent=recent, page_size=page, prefill_chunk=setup.prefill_chunk,

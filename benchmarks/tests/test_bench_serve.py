@@ -108,3 +108,15 @@ def test_the_prefill_split_reaches_the_cache(kind):
             block = default_pages_per_block(runtime.config.page_size)
             assert split % block == 0 and split - block < max(runtime.history_slots, bf16_slots) <= split
             assert (bf16_slots if kind == "bf16" else runtime.history_slots) > 2  # the table that sets it
+
+
+def test_an_int2_cache_for_prompts_inside_the_bf16_windows_is_built():
+    """max_model_len within sink + recent: no history page a sequence (the capacity is the windows')."""
+    import jax
+
+    from oscar_jax.model import init_params
+
+    setup = bench_serve.tiny_setup()
+    params = init_params(setup.model, jax.random.key(0))
+    engine, seqs = bench_serve.build_engine(setup, "int2", params, max_model_len=setup.sink + setup.recent)
+    assert seqs >= 1 and engine.runtime.max_batch == seqs
