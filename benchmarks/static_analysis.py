@@ -11,6 +11,7 @@ an instruction-bound kernel's time without a GPU run.
     python -m benchmarks.static_analysis            # the Pallas INT2 kernel over num_warps 1, 2, 4
     python -m benchmarks.static_analysis --sass DIR  # also keep .ttir / .ttgir / .ptx / .sass there
     python -m benchmarks.static_analysis --encode    # the codec's encode kernels, by planes or not
+    python -m benchmarks.static_analysis --compile-times  # seconds from Triton IR to cubin per decode kernel
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 import warnings
 
 from shared_math.tiling import base2_score_scale
@@ -198,12 +200,14 @@ def compile_triton_ir(text: str, num_warps: int, num_stages: int):
 
 
 def compile_pallas_for_h200(fn, *args) -> dict[str, dict]:
-    """{kernel name: {"registers", "spills", "shared", "compiled"}} for every Pallas kernel of fn."""
+    """{kernel name: {"registers", "spills", "shared", "compiled", "compile_s"}} for every Pallas kernel
+    of fn; compile_s: this machine's seconds from Triton IR to cubin."""
     results = {}
     for name, text, num_warps, num_stages in pallas_triton_kernels(fn, *args):
+        started = time.perf_counter()
         compiled = compile_triton_ir(text, num_warps, num_stages)
         results[name] = {**resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
-                         "num_warps": num_warps, "compiled": compiled}
+                         "num_warps": num_warps, "compiled": compiled, "compile_s": time.perf_counter() - started}
     return results
 
 
@@ -434,6 +438,11 @@ def _print_encode_tables() -> None:
                  "kernel (bf16 rows, rotated) | k")
 
 
+def _flat(case):
+    fn, call_args = case
+    return (fn, *call_args)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-warps", default="default,2",
@@ -441,12 +450,18 @@ def main(argv=None) -> None:
     parser.add_argument("--unpack", default="jnp,asm", help="comma-separated: jnp (default kernel), asm (unpack_asm)")
     parser.add_argument("--sass", default=None, help="directory to keep the IR, PTX and SASS in")
     parser.add_argument("--encode", action="store_true", help="the codec's encode kernels instead (NOTES v23)")
+    parser.add_argument("--compile-times", action="store_true",
+                        help="the seconds each default decode kernel takes from Triton IR to cubin on this machine")
     parser.add_argument("--channels-on-m", action="store_true",
                         help="the INT2 kernels with the values' dot transposed (channels_on_m, NOTES v26)")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.encode:
         _print_encode_tables()
+        return
+    if args.compile_times:
+        for name, usage in compile_pallas_for_h200(*_flat(qwen3_decode_case(None))).items():
+            print(f"{usage['compile_s']:6.2f} s  {name}")
         return
     page = 64
     print("| kernel | unpack | warps | registers | spill B | SASS per loop iteration per warp "

@@ -151,3 +151,16 @@ def test_main_tables_the_page_loops_of_both_backends():
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "int2" in line]
     assert [row.split("|")[1].strip() for row in rows] == ["oscar_int2", "torch int2 (Triton)"]
     assert all(int(row.split("|")[6]) > 0 for row in rows)  # SASS instructions of the loop
+
+
+def test_main_times_the_compile_of_each_default_decode_kernel():
+    """--compile-times: one line per kernel of the default decode call (two tiers and the merge),
+    each with the positive seconds its Triton IR took to become a cubin here."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.static_analysis", "--compile-times"],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines() if line.strip()]
+    assert sorted(words[2].split("_tier")[0] for words in lines) == ["oscar_bf16", "oscar_int2", "oscar_merge"]
+    assert all(float(words[0]) > 0 and words[1] == "s" for words in lines)
