@@ -137,18 +137,16 @@ def shortest_path_profile(sass_text: str) -> dict:
             "loops": loops, "opcodes": dict(opcodes.most_common())}
 
 
-def pallas_triton_kernels(fn, *args) -> list[tuple[str, str, int, int]]:
-    """Lower jax.jit(fn)(*args) for an H200: (name, Triton IR text, num_warps, num_stages) of
-    every Pallas kernel in it."""
+def _visit_triton_calls(fn, args, visit) -> None:
+    """Lower jax.jit(fn)(*args) for an H200 and call visit(backend_config) on the MLIR DictAttr of
+    every Pallas Triton kernel in it, in program order, while the lowered module is alive."""
     import jax
     from jax._src.lib.mlir import ir as jax_ir
-    from jax._src.pallas.triton import lowering as triton_lowering
 
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(**H200))
     with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated", DeprecationWarning)
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    kernels = []
 
     def walk(op):
         for region in op.regions:
@@ -157,15 +155,36 @@ def pallas_triton_kernels(fn, *args) -> list[tuple[str, str, int, int]]:
                     attributes = child.operation.attributes
                     if child.operation.name == "stablehlo.custom_call" and "triton" in str(
                             attributes["call_target_name"]):
-                        config = jax_ir.DictAttr(attributes["mhlo.backend_config"])
-                        with triton_lowering._new_ir_context():
-                            text = jax_ir.Module.parse(jax_ir.StringAttr(config["ir"]).value_bytes).operation.get_asm()
-                        kernels.append((jax_ir.StringAttr(config["name"]).value, text,
-                                        jax_ir.IntegerAttr(config["num_warps"]).value,
-                                        jax_ir.IntegerAttr(config["num_stages"]).value))
+                        visit(jax_ir.DictAttr(attributes["mhlo.backend_config"]))
                     walk(child.operation)
 
     walk(lowered.compiler_ir("stablehlo").operation)
+
+
+def triton_backend_configs(fn, *args) -> list[str]:
+    """The backend config of every Pallas Triton kernel in jax.jit(fn)(*args) lowered for an H200,
+    as text: what XLA keys its kernel cache by (the serialized kernel IR, its name, launch and grid)."""
+    configs = []
+    _visit_triton_calls(fn, args, lambda config: configs.append(str(config)))
+    return configs
+
+
+def pallas_triton_kernels(fn, *args) -> list[tuple[str, str, int, int]]:
+    """Lower jax.jit(fn)(*args) for an H200: (name, Triton IR text, num_warps, num_stages) of
+    every Pallas kernel in it."""
+    from jax._src.lib.mlir import ir as jax_ir
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    kernels = []
+
+    def visit(config):
+        with triton_lowering._new_ir_context():
+            text = jax_ir.Module.parse(jax_ir.StringAttr(config["ir"]).value_bytes).operation.get_asm()
+        kernels.append((jax_ir.StringAttr(config["name"]).value, text,
+                        jax_ir.IntegerAttr(config["num_warps"]).value,
+                        jax_ir.IntegerAttr(config["num_stages"]).value))
+
+    _visit_triton_calls(fn, args, visit)
     return kernels
 
 

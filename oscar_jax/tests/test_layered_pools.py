@@ -120,74 +120,20 @@ def test_mismatched_layer_axes_raise():
                              softmax_scale=0.1, layer=0)
 
 
-def test_layered_kernels_compile_for_h200():
-    """The squeezed layer axis must survive the Triton lowering (interpret mode does not apply it)."""
-    from oscar_jax.tests.test_decode_attention import compile_triton_kernels_for_h200
-
+def _h200_step_inputs():
+    """A stacked cache (layer 1 real) and the query, rows and ids of a decode step at d = G = 128."""
     rng = np.random.default_rng(3)
     cache = build_cache(rng, (337, 65), num_kv_heads=2, head_dim=128, group_size=128)
     stacked = _stack(cache.arrays[:8], 1, rng)
-    q = jnp.zeros((2, 8, 128), jnp.bfloat16)
-    rows = jnp.zeros((2, 2, 128), jnp.float32)
-    ids = jnp.zeros((2,), jnp.int32)
-
-    def step(q, rows, ids, *pools_and_tables):
-        pools = list(pools_and_tables[:8])
-        pools[0] = ops.write_bf16_pages(pools[0], rows, ids, ids + jnp.arange(2), layer=1, interpret=False)
-        pools[2:5] = ops.write_pages(*pools[2:5], rows, ids, ids + jnp.arange(2), group_size=128, clip_ratio=0.96,
-                                     layer=1, interpret=False)
-        return ops.decode_attention(q, *pools, *pools_and_tables[8:], sink_slots=SINK_SLOTS, group_size=128,
-                                    softmax_scale=0.1, layer=1, interpret=False)
-
-    kernels = compile_triton_kernels_for_h200(step, q, rows, ids, *stacked, *cache.arrays[8:])
-    assert len(kernels) == 5, sorted(kernels)  # two writes, two tiers, the merge
-    for name, usage in kernels.items():
-        assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
+    return (jnp.zeros((2, 8, 128), jnp.bfloat16), jnp.zeros((2, 2, 128), jnp.float32), jnp.zeros((2,), jnp.int32),
+            *stacked, *cache.arrays[8:])
 
 
-def _triton_backend_configs(fn, *args) -> list[str]:
-    """The backend config of every Triton kernel in jax.jit(fn)(*args) lowered for an H200, as
-    XLA keys its kernel cache (the serialized kernel IR, its name, launch and grid)."""
-    import warnings
-
-    from jax._src.lib.mlir import ir as jax_ir
-
-    from benchmarks.static_analysis import H200
-
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(**H200))
-    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated", DeprecationWarning)
-        module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
-    configs = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for child in block.operations:
-                    attributes = child.operation.attributes
-                    if child.operation.name == "stablehlo.custom_call" and "triton" in str(
-                            attributes["call_target_name"]):
-                        configs.append(str(jax_ir.DictAttr(attributes["mhlo.backend_config"])))
-                    walk(child.operation)
-
-    walk(module.operation)
-    return configs
-
-
-def test_every_layer_runs_the_same_kernels():
-    """The layer is an operand, not part of a kernel: a step over all layers holds each kernel once
-    (XLA compiles each distinct kernel once per program), so compile time does not grow with depth."""
-    pytest.importorskip("triton")
-    rng = np.random.default_rng(3)
-    cache = build_cache(rng, (337, 65), num_kv_heads=2, head_dim=128, group_size=128)
-    stacked = _stack(cache.arrays[:8], 1, rng)
-    q = jnp.zeros((2, 8, 128), jnp.bfloat16)
-    rows = jnp.zeros((2, 2, 128), jnp.float32)
-    ids = jnp.zeros((2,), jnp.int32)
-
+def _step_layers(layers):
+    """A decode step over the stacked pools: each layer's two writes and its attention."""
     def step(q, rows, ids, *pools_and_tables):
         pools, outputs = list(pools_and_tables[:8]), []
-        for layer in range(LAYERS):
+        for layer in layers:
             pools[0] = ops.write_bf16_pages(pools[0], rows, ids, ids + jnp.arange(2), layer=layer, interpret=False)
             pools[2:5] = ops.write_pages(*pools[2:5], rows, ids, ids + jnp.arange(2), group_size=128,
                                          clip_ratio=0.96, layer=layer, interpret=False)
@@ -195,6 +141,26 @@ def test_every_layer_runs_the_same_kernels():
                                                 group_size=128, softmax_scale=0.1, layer=layer, interpret=False))
         return outputs, pools
 
-    configs = _triton_backend_configs(step, q, rows, ids, *stacked, *cache.arrays[8:])
+    return step
+
+
+def test_layered_kernels_compile_for_h200():
+    """The flattened layer axis and the page base must survive the Triton lowering (interpret mode
+    does not apply it)."""
+    from oscar_jax.tests.test_decode_attention import compile_triton_kernels_for_h200
+
+    kernels = compile_triton_kernels_for_h200(_step_layers([1]), *_h200_step_inputs())
+    assert len(kernels) == 5, sorted(kernels)  # two writes, two tiers, the merge
+    for name, usage in kernels.items():
+        assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
+
+
+def test_every_layer_runs_the_same_kernels():
+    """The layer is an operand, not part of a kernel: a step over all layers holds each kernel once
+    (XLA compiles each distinct kernel once per program), so compile time does not grow with depth."""
+    pytest.importorskip("triton")
+    from benchmarks.static_analysis import triton_backend_configs
+
+    configs = triton_backend_configs(_step_layers(range(LAYERS)), *_h200_step_inputs())
     assert len(configs) == 5 * LAYERS  # two writes, two tiers, the merge per layer
     assert len(set(configs)) == 5, "a kernel differs between layers: XLA would compile it once per layer"
