@@ -151,12 +151,14 @@ from shared_math.rotation import bit_reversal_permutation
 from shared_math.spec import (
     BF16_BYTES,
     CODES_PER_BYTE,
+    DEFAULT_CHANNEL_PAGE_SIZE,
     DEFAULT_K_CLIP_RATIO,
     DEFAULT_PAGE_SIZE,
     DEFAULT_RECENT,
     DEFAULT_SINK,
     DEFAULT_V_CLIP_RATIO,
     FP16_MAX,
+    KEY_LAYOUTS,
     LEVELS,
     METADATA_BYTES,
     MIN_GROUP_SIZE,
@@ -175,10 +177,11 @@ KIVI_RESIDUAL = 128  # KIVI's published full-precision residual length
 BF16_BITS = 8 * BF16_BYTES
 DEFAULT_SALIENT_WINDOW = 32  # observation window of `salient=N`: the prompt's last W queries (the question)
 SALIENT_INDEX_BITS = 32  # position index stored per salient token and (layer, KV head): a conservative cost
-KEY_LAYOUTS = ("token", "channel")  # `oscar:keys=`: the format's per-token key rows, or KIVI's per-channel groups
 KEY_ROTATIONS = ("artifact", "none", "eigen", "hadamard")  # `oscar:krot=` (keys=channel only): the artifact's
 # R_K = U·H·P, no key rotation, U alone (the artifact's eigenbasis, R_K·(H·P)ᵀ) or H·P alone (no U)
-DEFAULT_KEY_GROUP = 64  # `oscar:kgroup=`: tokens per per-channel key group (4 pages of 16)
+# `oscar:kgroup=` with a v1 artifact: tokens per per-channel key group, the format's default page for
+# per-channel keys (4 emulated pages of 16); a per-channel artifact fixes its own (codec key_group).
+DEFAULT_KEY_GROUP = DEFAULT_CHANNEL_PAGE_SIZE
 
 
 class HistoryIntervals(NamedTuple):
