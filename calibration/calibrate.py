@@ -13,9 +13,10 @@ layer present): a local layer gets the identity rotations, zero eigenvalues and 
 the provenance names the unused layers (`unused_layers`, with `unused_layers_reason`).
 
 Keys per channel (`key_layout="channel"`, format v2; FORMAT.md § Format v2): the artifact's codec
-records `"key_layout": "channel"` (shared_math.artifact writes format_version 2), and the key clip
-ratios (fitted or given) are over a channel's values in a group of `key_group` tokens, default
-DEFAULT_KEY_GROUP = 64 — the emulation's `oscar:keys=channel` group (calibration.methods). The key
+records `"key_layout": "channel"` and `"key_group"` (shared_math.artifact writes format_version 2),
+and the key clip ratios (fitted or given) are over a channel's values in a group of `key_group`
+tokens (default: the format's default page for per-channel keys, DEFAULT_KEY_GROUP), the page a
+cache built from the artifact uses. The key
 logit error then quantizes the rotated held-out keys per channel over consecutive groups of
 key_group tokens (shared_math.codec.encode_channels); a trailing partial group is left unquantized.
 Values are unchanged. Without it (`key_layout="token"`) everything is format v1, byte for byte.
@@ -253,7 +254,7 @@ def calibrate(opts: CalibrationOptions, command: str | None = None) -> tuple[Rot
         k_clip_ratio=k_clip.astype(np.float32),
         v_clip_ratio=v_clip.astype(np.float32),
         model=ModelFingerprint(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim),
-        codec=codec if opts.key_layout == "token" else dict(codec, key_layout="channel", key_group=opts.key_group),
+        codec=key_codec,
         provenance=provenance,
     )
     out = Path(opts.output_dir)

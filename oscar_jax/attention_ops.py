@@ -186,8 +186,9 @@ def _table_slots(bf16_page_table, history_page_table) -> tuple[int, int]:
 def _resolve_tiling(pages_per_split, pages_per_block, bf16_page_table, history_page_table, page_size,
                     sequence_heads=None, interpret=False, prefill=False):
     """(pages_per_split, bf16_pages_per_split, pages_per_block): shared_math.tiling.resolve_tiling
-    (`sequence_heads` = B × Hkv for a decode call, `prefill` for a prefill call); interpreted, with both left to the default, one
-    split of blocks of up to INTERPRET_BLOCK_TOKENS tokens (kernels.codec says why)."""
+    (`sequence_heads` = B × Hkv for a decode call, `prefill` for a prefill call); interpreted, with
+    both left to the default, one split of blocks of up to INTERPRET_BLOCK_TOKENS tokens
+    (kernels.codec says why)."""
     bf16_slots, history_slots = _table_slots(bf16_page_table, history_page_table)
     return resolve_tiling(pages_per_split, pages_per_block, bf16_slots=bf16_slots, history_slots=history_slots,
                           page_size=page_size, sequence_heads=sequence_heads, prefill=prefill,
@@ -209,10 +210,11 @@ def _layer_views(cache: tuple, layer):
     return tuple(views[name] for name in POOL_ARGUMENTS) + tuple(cache[len(POOL_ARGUMENTS):])
 
 
-def _require_xla_for_channel_keys(key_layout: str, use_xla: bool) -> None:
+def require_xla_for_channel_keys(key_layout: str, use_xla: bool) -> None:
+    """Format v2's per-channel key pages: the XLA path only, until the kernels read them."""
     if key_layout == "channel" and not use_xla:
         raise NotImplementedError(
-            "key_layout='channel' (format v2's per-channel key pages) runs on the XLA path only "
+            "key_layout='channel' (format v2) runs on the XLA path only "
             "(OSCAR_JAX_KERNELS=xla, the default on a CPU): the Pallas kernels read keys per token")
 
 
@@ -377,7 +379,7 @@ def decode_attention(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         key_layout=key_layout,
     )
-    _require_xla_for_channel_keys(key_layout, use_xla)
+    require_xla_for_channel_keys(key_layout, use_xla)
     bf16_slots, history_slots = _table_slots(bf16_page_table, history_page_table)
     # A register cap reaches a compiled kernel only through the opt-in hook (kernels.register_cap):
     # without it the default is the compiler's choice.
@@ -502,7 +504,7 @@ def prefill_attention(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         key_layout=key_layout,
     )
-    _require_xla_for_channel_keys(key_layout, use_xla)
+    require_xla_for_channel_keys(key_layout, use_xla)
     launch = prefill_launch(*tiling, page_size, fma_asm=not interpret)  # the INT2 fmas by PTX when compiled
     if num_kv_heads != cache_kv_heads:
         raise ValueError(f"k_new has {num_kv_heads} KV heads but the cache has {cache_kv_heads}")

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax import ops
+from oscar_jax.attention_ops import require_xla_for_channel_keys
 from oscar_jax.xla import kernels as current_kernels
 from oscar_jax.xla import use_kernels, use_xla
 from oscar_jax.xla import write as xla_write
@@ -54,6 +55,11 @@ class StepPlan:
     bf16_write_slot: jax.Array  # [B, T]
     int2_write_page: jax.Array  # [B, T]
     int2_write_slot: jax.Array  # [B, T]
+
+
+def _layer_groups(clip_indices) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """((clip_index, layers), …): the layers of each clip index, what a demotion's bytes depend on."""
+    return tuple((k, tuple(i for i, j in enumerate(clip_indices) if j == k)) for k in sorted(set(clip_indices)))
 
 
 def _static(**kwargs):
@@ -101,10 +107,7 @@ class OscarKVCache:
     ) -> "OscarKVCache":
         """Zero-filled pools. k_rotation [Y, K, D, D]; clip ratios one per layer. interpret=None: the
         ops run `oscar_jax.xla.kernels()` as it stands now (the XLA path on a CPU backend)."""
-        if config.key_layout == "channel" and not (interpret is None and current_kernels() == "xla"):
-            raise NotImplementedError(
-                "OscarKVCache with key_layout='channel' (format v2) runs on the XLA path only "
-                "(OSCAR_JAX_KERNELS=xla, the default on a CPU): the Pallas kernels read keys per token")
+        require_xla_for_channel_keys(config.key_layout, interpret is None and current_kernels() == "xla")
         d, page, g = config.head_dim, config.page_size, config.group_size
         k_rotation = jnp.asarray(k_rotation, jnp.float32)
         if k_rotation.shape != (num_layers, num_kv_heads, d, d):
@@ -203,21 +206,17 @@ class OscarKVCache:
         for prefix, clips in (("k", self.k_clip_ratio), ("v", self.v_clip_ratio)):
             bf16 = getattr(self, f"{prefix}_bf16")
             pools = [getattr(self, f"{prefix}_{n}") for n in ("codes", "scale", "min")]
+            pages = jnp.asarray(src_pages, jnp.int32), jnp.asarray(dst_pages, jnp.int32)
             if prefix == "k" and cfg.key_layout == "channel":  # format v2 (the XLA path, as create checked)
-                indices = [cfg.k_clip_index_for(c) for c in clips]
-                groups = tuple((k, tuple(i for i, j in enumerate(indices) if j == k)) for k in sorted(set(indices)))
-                pools = xla_write.demote_channel_key_pages(bf16, *pools, jnp.asarray(src_pages, jnp.int32),
-                                                           jnp.asarray(dst_pages, jnp.int32), groups=groups,
-                                                           levels=cfg.levels)
+                groups = _layer_groups([cfg.k_clip_index_for(c) for c in clips])
+                pools = xla_write.demote_channel_key_pages(bf16, *pools, *pages, groups=groups, levels=cfg.levels)
                 updates.update({f"{prefix}_{n}": p for n, p in zip(("codes", "scale", "min"), pools)})
                 continue
             indices = [clip_index(c, cfg.head_dim) for c in clips]
             if len(set(indices)) > 1 and use_xla(self.interpret):
                 # Layers grouped by clip index (what the bytes depend on): one encode per group.
-                groups = tuple((k, tuple(i for i, j in enumerate(indices) if j == k)) for k in sorted(set(indices)))
-                pools = xla_write.demote_layer_groups(bf16, *pools, jnp.asarray(src_pages, jnp.int32),
-                                                      jnp.asarray(dst_pages, jnp.int32), group_size=cfg.group_size,
-                                                      groups=groups, levels=cfg.levels)
+                pools = xla_write.demote_layer_groups(bf16, *pools, *pages, group_size=cfg.group_size,
+                                                      groups=_layer_groups(indices), levels=cfg.levels)
                 updates.update({f"{prefix}_{n}": p for n, p in zip(("codes", "scale", "min"), pools)})
                 continue
             for ratio in sorted(set(clips)):

@@ -170,8 +170,9 @@ class OscarConfig:
         (shared_math.artifact.RotationArtifact): head_dim, codec (group size, levels, key layout)
         and clip ratios from the artifact, tiers from the arguments (None: the defaults; for
         per-channel keys the page is the artifact's key_group, the tokens its key clips were fitted
-        over, and another page_size is refused; group_size None: the artifact's). The clip ratios here are layer 0's; per-layer ratios travel with the
-        cache's pools, which every runtime fills from the artifact's arrays."""
+        over, and another page_size is refused; group_size None: the artifact's). The clip ratios
+        here are layer 0's; per-layer ratios travel with the cache's pools, which every runtime
+        fills from the artifact's arrays."""
         head_dim = artifact.model.head_dim
         defaults = cls(head_dim=head_dim)
         if artifact.key_layout == "channel":
