@@ -20,7 +20,9 @@ p50/p99, the median step time of decode-only steps and the tokens/s while only d
 rows over those steps' wall time: what the cache's batch buys, apart from the prefill both caches
 pay alike; INT2 over BF16 is reported in `targets`), and the host share of steps at a decode batch
 ≥ 32 (host time = step wall time − time blocked on the model's launches: scheduling, page
-tables, sampling, detokenization, during which the device idles). Once through HTTP (`--http`,
+tables, sampling, detokenization; without overlap (`--no-overlap`) the device idles all that
+time, with the engine's default overlap it is an upper bound on the device's idle time, since
+the next step is launched before the host reads back the last one). Once through HTTP (`--http`,
 the shortest prompt, all at once, int2): the same figures measured by a streaming client, so the
 server's overhead shows against the engine's. The issue's targets are evaluated in `targets`:
 INT2 ≥ 3.5× BF16 output tokens/s at the longest prompt with all requests at once; host time ≤ 10 %
@@ -61,6 +63,7 @@ class Setup:
     page_size: int = 64
     decode_buckets: str = "default"  # "max": one decode shape, every batch padded to max_num_seqs
     prefill_split: str = "default"  # a chunk's cache partials: bench_prefill.split_pages's policy
+    overlap: bool = True  # EngineConfig.overlap
 
 
 def tiny_setup() -> Setup:
@@ -111,7 +114,7 @@ def build_engine(setup: Setup, kind: str, params, *, max_model_len: int, log=pri
     buckets = (running,) if setup.decode_buckets == "max" else None
     engine = Engine(runtime, None, EngineConfig(max_num_seqs=running, max_num_batched_tokens=setup.prefill_chunk + running,
                                                 prefill_chunk=setup.prefill_chunk, enable_prefix_caching=False,
-                                                decode_buckets=buckets))
+                                                decode_buckets=buckets, overlap=setup.overlap))
     return engine, seqs
 
 
@@ -297,7 +300,8 @@ def run(setup: Setup, *, kinds=("int2", "bf16"), http: bool = True, seed: int = 
                           "output_len": setup.output_len, "rates": [str(r) for r in setup.rates],
                           "kv_cache_memory_bytes": setup.memory_bytes, "prefill_chunk": setup.prefill_chunk,
                           "sink": setup.sink, "recent": setup.recent, "page_size": setup.page_size,
-                          "decode_buckets": setup.decode_buckets, "prefill_split": setup.prefill_split},
+                          "decode_buckets": setup.decode_buckets, "prefill_split": setup.prefill_split,
+                          "overlap": setup.overlap},
                 "capacity": capacity, "compile_s": compile_s, "results": results, "http": http_result,
                 "targets": targets(results, http_result)}
 
@@ -364,11 +368,14 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-split", default="default",
                    help="the split of a prefill chunk's cache partials: default (the tiling policy), whole (one "
                         "split over the page table) or a page count (default: %(default)s)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="read each decode step's tokens back before the next launch (EngineConfig.overlap off)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model at toy sizes (the plumbing only)")
     args = p.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.tiny:
-        setup = dataclasses.replace(tiny_setup(), decode_buckets=args.decode_buckets, prefill_split=args.prefill_split)
+        setup = dataclasses.replace(tiny_setup(), decode_buckets=args.decode_buckets, prefill_split=args.prefill_split,
+                                    overlap=not args.no_overlap)
     else:
         from benchmarks.bench_e2e import qwen3_8b_config
         from oscar_jax.model import num_params
@@ -378,7 +385,8 @@ def main(argv=None) -> int:
                   else device_memory_for_cache(2 * num_params(model), int(args.reserve_gib * GIB)))
         setup = Setup(model, tuple(int(v) for v in args.prompt_lens.split(",")), args.output_len,
                       _floats(args.rates), memory, args.prefill_chunk, args.num_requests,
-                      decode_buckets=args.decode_buckets, prefill_split=args.prefill_split)
+                      decode_buckets=args.decode_buckets, prefill_split=args.prefill_split,
+                      overlap=not args.no_overlap)
     from benchmarks.harness import environment
 
     env = environment()

@@ -332,21 +332,31 @@ class OscarRuntime:
                              f"(live: {sorted(self.allocator.sequences)[:16]})")
         return self.allocator.sequences[seq_id]
 
-    def step(self, seq_ids, tokens, *, batch_size: int | None = None) -> jax.Array:
+    def step(self, seq_ids, tokens, *, batch_size: int | None = None, known=None) -> jax.Array:
         """Append one token to each sequence and decode: logits f32 [B, V].
 
         batch_size pads the batch to that many rows (rows past len(seq_ids) read and write
         nothing; their logits are meaningless), so callers that vary the batch compile once per
-        padded size. Nothing changes when a check fails: each sequence at most once, every one
+        padded size. tokens: host ints, one per sequence, or an int32 jax.Array of `batch_size`
+        rows already on the device (a previous step's samples, not read back), with `known` the
+        values the host has of them (one per sequence, None where unknown: `set_tokens` gives
+        those later). Nothing changes when a check fails: each sequence at most once, every one
         admitted and fully prefilled, and the pools able to hold the step's new pages (else
         PoolExhausted).
         """
         seq_ids = list(seq_ids)
-        tokens = np.asarray(tokens, np.int32).reshape(-1)
-        if len(tokens) != len(seq_ids):
-            raise ValueError(f"{len(tokens)} tokens for {len(seq_ids)} sequences")
+        on_device = isinstance(tokens, jax.Array)
+        if not on_device:
+            tokens = np.asarray(tokens, np.int32).reshape(-1)
         if not seq_ids:
             raise ValueError("step needs at least one sequence")
+        rows = len(seq_ids) if batch_size is None else batch_size
+        if rows < len(seq_ids):
+            raise ValueError(f"{batch_size=} is smaller than the {len(seq_ids)} sequences")
+        if on_device and tokens.shape != (rows,):
+            raise ValueError(f"tokens on the device must be one per padded row, shape ({rows},); got {tokens.shape}")
+        if not on_device and len(tokens) != len(seq_ids):
+            raise ValueError(f"{len(tokens)} tokens for {len(seq_ids)} sequences")
         seen = set()
         for sid in seq_ids:
             seq = self._sequence(sid)
@@ -358,9 +368,6 @@ class OscarRuntime:
                                  "prompt tokens written)")
             if seq.length >= self.max_seq_len:
                 raise ValueError(f"sequence {sid} reached max_seq_len={self.max_seq_len}")
-        rows = len(seq_ids) if batch_size is None else batch_size
-        if rows < len(seq_ids):
-            raise ValueError(f"{batch_size=} is smaller than the {len(seq_ids)} sequences")
         need, free = self.pages_needed(seq_ids), self.free_pages()
         for tier, n, f in zip(("BF16", "INT2"), need, free):
             if n > f:
@@ -368,9 +375,15 @@ class OscarRuntime:
                                     "preempt a sequence first")
         positions = np.zeros(rows, np.int32)
         positions[: len(seq_ids)] = [self.allocator.sequences[s].length for s in seq_ids]
-        padded_tokens = np.zeros(rows, np.int32)
-        padded_tokens[: len(seq_ids)] = tokens
-        demotions = [self.allocator.extend(sid, tok) for sid, tok in zip(seq_ids, tokens)]
+        if on_device:
+            host_tokens = [None] * len(seq_ids) if known is None else list(known)
+            if len(host_tokens) != len(seq_ids):
+                raise ValueError(f"{len(host_tokens)} known tokens for {len(seq_ids)} sequences")
+            padded_tokens = tokens.astype(jnp.int32)
+        else:
+            padded_tokens = np.zeros(rows, np.int32)
+            padded_tokens[: len(seq_ids)] = host_tokens = tokens
+        demotions = [self.allocator.extend(sid, tok) for sid, tok in zip(seq_ids, host_tokens)]
         tables = self._padded(self.allocator.tables(seq_ids, self.history_slots), rows)
         writes = self._no_write((rows, 1))
         for i, (sid, position) in enumerate(zip(seq_ids, positions)):
@@ -396,6 +409,11 @@ class OscarRuntime:
                 self.allocator.demoted(d)
         self.cache = cache
         return logits
+
+    def set_tokens(self, seq_ids, positions, tokens) -> None:
+        """The values of tokens a `step` took on the device (host ints, one per sequence)."""
+        for sid, position, token in zip(seq_ids, positions, tokens, strict=True):
+            self.allocator.set_token(sid, position, token)
 
     @staticmethod
     def _demotion_pages(count: int) -> tuple[np.ndarray, np.ndarray]:

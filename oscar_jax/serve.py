@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="bytes of K/V pages (both tiers)")
     p.add_argument("--num-bf16-pages", type=int, default=None, help="BF16 pages (sink and recent tiers)")
     p.add_argument("--num-int2-pages", type=int, default=None, help="INT2 pages (history tier)")
+    p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each decode step before reading back the previous one's tokens, so scheduling "
+                        "and detokenization run while the device computes (default: on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prefix pages within a tenant (cache_salt) (default: on)")
     p.add_argument("--oscar-rotation-path", type=Path, default=None,
@@ -213,7 +216,7 @@ def build_engine(args, *, log=print):
     engine = Engine(runtime, tokenizer, EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk=args.prefill_chunk, enable_prefix_caching=prefix_caching,
-        decode_buckets=args.decode_buckets))
+        decode_buckets=args.decode_buckets, overlap=args.overlap_schedule))
     bf16_bytes, int2_bytes = page_bytes(cfg, runtime.config)
     alloc = runtime.allocator
     log(f"[oscar] cache {args.kv_cache_dtype}: {alloc.bf16.num_pages - 1} BF16 pages + {alloc.int2.num_pages - 1} "

@@ -16,6 +16,11 @@ side channel, so a request only ever sees pages registered under its own namespa
 Pages whose reference count drops to zero stay registered (a later request may hit them) until
 the pool needs them back; a page with a live reference is never reclaimed. When nothing can be
 reclaimed, allocation raises PoolExhausted.
+
+A token may be appended before its value is known (`extend(seq_id, None)`: a serving engine that
+launches the next decode step while the previous step's sampled tokens are still on the device);
+`set_token` fills it in. An unknown token is never hashed into a key: a sink page it completes is
+registered when its value arrives.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import numpy as np
 
 from shared_math.spec import OscarConfig
 from shared_math.tiers import demotes_on_append, tier_split
+
+UNKNOWN_TOKEN = -1  # a token appended before its value is known (`PageAllocator.set_token`)
 
 SCRATCH_PAGE = 0  # reserved in both pools
 BF16, INT2 = "bf16", "int2"
@@ -103,6 +110,13 @@ class _Pool:
         return len(self.free) + len(self.cached)
 
 
+def _token(token) -> int:
+    value = int(token)
+    if value < 0:
+        raise ValueError(f"token id {token!r} is negative")
+    return value
+
+
 @dataclasses.dataclass
 class Sequence:
     namespace: str | None
@@ -155,6 +169,9 @@ class PageAllocator:
             raise ValueError(f"page end {end} must be a multiple of page_size={page} in (0, {seq.length}]")
         while len(keys) < end // page:
             first = len(keys) * page
+            if UNKNOWN_TOKEN in seq.tokens[first : first + page]:
+                raise RuntimeError(f"the page ending at {first + page} holds a token whose value is not known yet "
+                                   "(set_token first)")
             keys.append(_chained_key(keys[-1] if keys else _namespace_key(seq.namespace),
                                      seq.tokens[first : first + page]))
         return keys[end // page - 1]
@@ -222,8 +239,9 @@ class PageAllocator:
         self._register_full_pages(seq)
         return AdmitPlan(seq_id, reused, len(tokens))
 
-    def extend(self, seq_id: int, token: int) -> Demotion | None:
-        """Append one token. Returns the demotion the device must run after this step, if any.
+    def extend(self, seq_id: int, token: int | None) -> Demotion | None:
+        """Append one token (None: its value is not known yet, `set_token` gives it later).
+        Returns the demotion the device must run after this step, if any.
 
         Until `demoted()` is called the page tables keep the pre-demotion view (the source page
         is still the oldest recent page), which is what this step's attention must read.
@@ -233,7 +251,7 @@ class PageAllocator:
             raise RuntimeError(f"sequence {seq_id} has a demotion pending: call demoted() first")
         cfg = self.config
         demote = demotes_on_append(seq.length, cfg)
-        seq.tokens.append(int(token))
+        seq.tokens.append(UNKNOWN_TOKEN if token is None else _token(token))
         split = tier_split(seq.length, cfg)  # the split after this step's demotion
         taken: list[tuple[_Pool, int]] = []
         try:
@@ -253,13 +271,24 @@ class PageAllocator:
                     if page in pages and pool is self.bf16:
                         pages.remove(page)
             raise
-        if seq.length % cfg.page_size == 0 and seq.length <= split.sink_tokens:
+        if seq.length % cfg.page_size == 0 and seq.length <= split.sink_tokens and token is not None:
             self._register_full_pages(seq)  # a sink page just filled up
         if not demote:
             return None
         demotion = Demotion(seq_id, seq.recent_pages[0], taken[-1][1])
         self._pending[seq_id] = demotion
         return demotion
+
+    def set_token(self, seq_id: int, position: int, token: int) -> None:
+        """Give the value of a token appended as unknown (`extend(seq_id, None)`)."""
+        seq = self._seq(seq_id)
+        if not 0 <= position < seq.length or seq.tokens[position] != UNKNOWN_TOKEN:
+            raise ValueError(f"position {position} of sequence {seq_id} holds no unknown token "
+                             f"(length {seq.length})")
+        seq.tokens[position] = _token(token)
+        end = position + 1
+        if end % self.config.page_size == 0 and end <= tier_split(seq.length, self.config).sink_tokens:
+            self._register_full_pages(seq)  # the sink page this token completed
 
     def demoted(self, demotion: Demotion) -> None:
         """The device has quantized the page: move it from the recent to the history tier."""

@@ -23,6 +23,15 @@ One `step`:
      chunk (its length padded to a power of two), sampling on the device, then on the host:
      stop tokens, stop strings, max_tokens, the context limit, and incremental detokenization.
 
+Overlap (`EngineConfig.overlap`, on by default, as SGLang's overlap scheduler and vLLM's async
+scheduling): a decode launch's sampled tokens stay on the device, and the next step's launch
+takes them from there (`_feed`) before the host reads them back, so the host's work of a step
+runs while the device computes the next one. A request's output token therefore arrives one step
+after its launch. What the host cannot know yet costs at most one row: a request whose pending
+token is certainly its last (max_tokens, the context limit) is not launched again; one that
+turns out to have sampled a stop token was, and that row's token is dropped. Preemption first
+reads back the launch in flight. Outputs are the same, token for token, with and without overlap.
+
 Prefix sharing goes through the runtime's allocator with the tenant as the namespace, so two
 tenants never share a page. The engine is single-threaded; `oscar_jax.serving.server` drives it
 from one thread.
@@ -37,10 +46,12 @@ import itertools
 import secrets
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax.runtime import OscarRuntime
-from oscar_jax.serving.sampling import SamplingParams, sample_batch
+from oscar_jax.serving.sampling import SamplingParams, sample_batch, sample_on_device
 from shared_math.tiers import tier_split
 
 
@@ -58,6 +69,9 @@ class EngineConfig:
     prefill_chunk: int = 512
     enable_prefix_caching: bool = True
     decode_buckets: tuple[int, ...] | None = None  # default: powers of two, then max_num_seqs
+    # Launch each decode step before reading back the previous one's tokens, so the host's work
+    # (scheduling, page tables, stop checks, detokenization) runs while the device computes.
+    overlap: bool = True
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -123,6 +137,23 @@ class RequestOutput:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Launch:
+    """A decode launch: its rows (request, the request's sequence at launch, whether the row's
+    token is a new output rather than a replayed one), its sampled tokens on the device, and the
+    rows it fed from the launch before it (request, sequence, position, that launch's row)."""
+
+    rows: list[tuple["Request", int, bool]]
+    tokens: jax.Array
+    unknown: list[tuple["Request", int, int, int]]
+
+
+@jax.jit
+def _feed(previous: jax.Array, previous_rows: jax.Array, host: jax.Array) -> jax.Array:
+    """A decode launch's input tokens: previous[previous_rows[i]] where that row is ≥ 0, else host[i]."""
+    return jnp.where(previous_rows >= 0, previous[jnp.maximum(previous_rows, 0)], host)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepTiming:
     """One step's wall time and the part of it spent blocked on the device's model launches; the
     rest is host work (scheduling, page tables, sampling launch, detokenization) during which the
@@ -166,6 +197,9 @@ class Engine:
         self._order = itertools.count()
         self._aborted: list[RequestOutput] = []
         self.last_step: StepTiming | None = None
+        self._inflight: _Launch | None = None  # the decode launch whose tokens are not read back yet
+        self._pending: dict[str, int] = {}  # request id → its row in `_inflight`, for rows that emit
+        self._waited = 0.0
 
     # ------------------------------------------------------------------ requests
 
@@ -217,7 +251,7 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborted)
+        return bool(self.waiting or self.running or self._aborted or self._inflight)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -269,23 +303,31 @@ class Engine:
         self.running.append(request)
         return True
 
+    def _surely_ends(self, request: Request) -> bool:
+        """Whether the token in flight for this request is certainly its last (max_tokens or the
+        context limit), so it must not decode again."""
+        return (request.request_id in self._pending
+                and (len(request.output_ids) + 1 >= request.params.max_tokens
+                     or request.length + 1 >= self.max_model_len))
+
+    def _decodes(self) -> list[Request]:
+        return [r for r in self.running if r.state is State.DECODE and not self._surely_ends(r)]
+
+    def _fits(self, decodes: list[Request]) -> bool:
+        need = self.runtime.pages_needed([r.seq_id for r in decodes])
+        return all(n <= f for n, f in zip(need, self.runtime.free_pages()))
+
     def step(self) -> list[RequestOutput]:
-        """One scheduling round and its device work; the outputs of every request that advanced."""
-        started, waited = time.perf_counter(), 0.0
-
-        def wait(array):
-            nonlocal waited
-            t = time.perf_counter()
-            array.block_until_ready()
-            waited += time.perf_counter() - t
-            return array
-
+        """One scheduling round and its device work; the outputs of every request that advanced.
+        With `overlap`, the decode launch's tokens are read back in the next step, after that
+        step's launch: until then its outputs are pending."""
+        started, self._waited = time.perf_counter(), 0.0
         outputs, self._aborted = self._aborted, []
-        decodes = [r for r in self.running if r.state is State.DECODE]
-        while decodes:
-            need = self.runtime.pages_needed([r.seq_id for r in decodes])
-            if all(n <= f for n, f in zip(need, self.runtime.free_pages())):
-                break
+        decodes = self._decodes()
+        if decodes and self._inflight is not None and not self._fits(decodes):
+            outputs += self._resolve()  # preemption needs every output known
+            decodes = self._decodes()
+        while decodes and not self._fits(decodes):
             victim = max(self.running, key=lambda r: r.order)
             self._preempt(victim)
             if victim in decodes:
@@ -314,28 +356,70 @@ class Engine:
                 if not take(self.waiting.popleft()):
                     break
 
-        if decodes:
-            ids = [r.seq_id for r in decodes]
-            # the first output token not yet in the cache: the newest one, or one being replayed
-            fed = [self.runtime.length(r.seq_id) - len(r.prompt_ids) for r in decodes]
-            logits = wait(self.runtime.step(ids, [r.output_ids[n] for r, n in zip(decodes, fed)],
-                                            batch_size=self._bucket(len(ids))))
-            tokens = sample_batch(logits, [r.params for r in decodes], [r.seed for r in decodes],
-                                  [len(r.output_ids) for r in decodes])
-            for request, n, token in zip(decodes, fed, tokens):
-                if n + 1 == len(request.output_ids):  # caught up: these logits are new
-                    outputs.append(self._append(request, int(token)))
+        launched = self._launch(decodes) if decodes else None
+        if self._inflight is not None:
+            outputs += self._resolve(launched)
+        self._inflight = launched
+        self._pending = {} if launched is None else {
+            r.request_id: row for row, (r, _, emit) in enumerate(launched.rows) if emit}
         for request, start, stop in chunks:
-            logits = wait(self.runtime.prefill(request.seq_id, start, stop))
+            logits = self._wait(self.runtime.prefill(request.seq_id, start, stop))
             if stop == len(request.prompt_ids):
                 request.state = State.DECODE
                 if not request.output_ids:  # else a recomputation: the first token is known
                     token = sample_batch(logits[None], [request.params], [request.seed], [0])[0]
                     outputs.append(self._append(request, int(token)))
+        if not self.config.overlap and self._inflight is not None:
+            outputs += self._resolve()
         self.stats.steps += 1
         self.stats.running, self.stats.waiting = len(self.running), len(self.waiting)
         self.last_step = StepTiming(len(decodes), sum(stop - start for _, start, stop in chunks),
-                                    time.perf_counter() - started, waited)
+                                    time.perf_counter() - started, self._waited)
+        return outputs
+
+    def _wait(self, array):
+        t = time.perf_counter()
+        array.block_until_ready()
+        self._waited += time.perf_counter() - t
+        return array
+
+    def _launch(self, decodes: list[Request]) -> _Launch:
+        """Dispatch one decode step of `decodes` and its sampling, reading nothing back. A row is fed
+        the request's first output token not yet in the cache: a known one (the newest, or one being
+        replayed after a preemption), or the token the launch in flight samples for it."""
+        rows = self._bucket(len(decodes))
+        host = np.zeros(rows, np.int32)
+        prev_rows = np.full(rows, -1, np.int32)
+        emits, unknown = [], []
+        for i, r in enumerate(decodes):
+            n = self.runtime.length(r.seq_id) - len(r.prompt_ids)  # output tokens in the cache
+            if n < len(r.output_ids):
+                host[i] = r.output_ids[n]
+            else:  # the launch in flight samples it
+                prev_rows[i] = self._pending[r.request_id]
+                unknown.append((r, r.seq_id, self.runtime.length(r.seq_id), int(prev_rows[i])))
+            emits.append(n + 1 == len(r.output_ids) + (r.request_id in self._pending))
+        tokens = _feed(self._inflight.tokens, jnp.asarray(prev_rows), jnp.asarray(host)) if unknown else host
+        known = [None if prev_rows[i] >= 0 else int(host[i]) for i in range(len(decodes))]
+        logits = self.runtime.step([r.seq_id for r in decodes], tokens if unknown else host[: len(decodes)],
+                                   batch_size=rows, known=known if unknown else None)
+        counters = [self.runtime.length(r.seq_id) - len(r.prompt_ids) for r in decodes]  # index of the token drawn
+        sampled = sample_on_device(logits, [r.params for r in decodes], [r.seed for r in decodes], counters)
+        return _Launch([(r, r.seq_id, emit) for r, emit in zip(decodes, emits)], sampled, unknown)
+
+    def _resolve(self, following: _Launch | None = None) -> list[RequestOutput]:
+        """Read back the launch in flight: its new tokens become outputs, and the allocator learns
+        the values that `following` (launched since) took from it on the device."""
+        launch, self._inflight = self._inflight, None
+        self._pending = {}
+        values = np.asarray(self._wait(launch.tokens))
+        for request, seq_id, position, row in following.unknown if following is not None else ():
+            if request.seq_id == seq_id:
+                self.runtime.set_tokens([seq_id], [position], [int(values[row])])
+        outputs = []
+        for row, (request, seq_id, emit) in enumerate(launch.rows):
+            if emit and request.seq_id == seq_id and request.state is State.DECODE:
+                outputs.append(self._append(request, int(values[row])))
         return outputs
 
     # ------------------------------------------------------------------ outputs

@@ -88,13 +88,14 @@ def seed_words(seed: int) -> np.ndarray:
     return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
 
 
-def sample_batch(logits: jax.Array, params: list[SamplingParams], seeds: list[int], counters: list[int]) -> np.ndarray:
-    """Tokens for the first len(params) rows of `logits` [B, V] (B ≥ len(params); the padding rows
-    are drawn greedily and dropped), as a host int32 array."""
+def sample_on_device(logits: jax.Array, params: list[SamplingParams], seeds: list[int],
+                     counters: list[int]) -> jax.Array:
+    """Tokens int32 [B] of every row of `logits` [B, V], left on the device: the first
+    len(params) rows as their requests ask (counter: the index of the token drawn), the padding
+    rows greedily."""
     rows = logits.shape[0]
-    n = len(params)
     if all(p.greedy for p in params):
-        return np.asarray(greedy_tokens(logits))[:n]
+        return greedy_tokens(logits)
     temperature = np.zeros(rows, np.float32)
     top_p = np.ones(rows, np.float32)
     top_k = np.zeros(rows, np.int32)
@@ -102,6 +103,10 @@ def sample_batch(logits: jax.Array, params: list[SamplingParams], seeds: list[in
     count = np.zeros(rows, np.int32)
     for i, (p, seed, c) in enumerate(zip(params, seeds, counters)):
         temperature[i], top_p[i], top_k[i], words[i], count[i] = p.temperature, p.top_p, p.top_k, seed_words(seed), c
-    out = sample_tokens(logits, jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k),
-                        jnp.asarray(words), jnp.asarray(count))
-    return np.asarray(out)[:n]
+    return sample_tokens(logits, jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k),
+                         jnp.asarray(words), jnp.asarray(count))
+
+
+def sample_batch(logits: jax.Array, params: list[SamplingParams], seeds: list[int], counters: list[int]) -> np.ndarray:
+    """`sample_on_device`'s tokens of the first len(params) rows, as a host int32 array."""
+    return np.asarray(sample_on_device(logits, params, seeds, counters))[: len(params)]

@@ -90,16 +90,44 @@ def test_continuous_batching_matches_each_request_alone(model, references):
     assert engine.stats.preemptions == 0
 
 
-def test_a_long_prompt_never_stalls_running_decodes(model):
+def tokens_known(engine):
+    """After every step each live sequence holds its prompt and outputs, every value known."""
+    sequences = engine.runtime.allocator.sequences
+    for r in engine.running:
+        tokens = sequences[r.seq_id].tokens
+        assert tokens == (r.prompt_ids + r.output_ids)[: len(tokens)], r.request_id
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decodes_crossing_demotions_match_each_request_alone(model, overlap):
+    # Outputs of 70 tokens cross the recent window's demotions; prompts join while others decode,
+    # so launches mix rows fed from the device with rows fed from the host.
     engine = Engine(runtime(model), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=CHUNK + 4,
-                                                       prefill_chunk=CHUNK))
+                                                       prefill_chunk=CHUNK, overlap=overlap))
+    params = SamplingParams(max_tokens=70, temperature=0, ignore_eos=True)
+    lengths = (64, 3, 40, 17)
+    for i, n in enumerate(lengths):
+        engine.add_request(prompt(n, i), params, f"r{i}")
+    results = run(engine, tokens_known)
+    for i, n in enumerate(lengths):
+        assert results[f"r{i}"][0] == alone(model, prompt(n, i), params.max_tokens), f"prompt of {n} tokens"
+    assert not engine.runtime.allocator.sequences
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_long_prompt_never_stalls_running_decodes(model, overlap):
+    engine = Engine(runtime(model), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=CHUNK + 4,
+                                                       prefill_chunk=CHUNK, overlap=overlap))
     engine.add_request(prompt(3), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), "short")
     engine.step()  # the short prompt is written and decoding
     engine.add_request(prompt(150), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "long")
     steps_with_short = 0
     while engine.requests.get("long") is not None and engine.requests["long"].output_ids == []:
         outputs = {o.request_id: o for o in engine.step()}
-        assert "short" in outputs, "a prefill step left the running decode out"
+        assert engine.last_step.decode_rows == 1 and engine.last_step.prefill_tokens > 0
+        # with overlap a decode's token is read back one step later: none in the first step
+        if not (overlap and steps_with_short == 0):
+            assert "short" in outputs, "a prefill step left the running decode out"
         steps_with_short += 1
     assert steps_with_short >= 150 // CHUNK  # the prompt took several chunks, one per step
 
@@ -352,3 +380,26 @@ def test_runtime_step_checks_pages_before_changing_anything(model):
         rt.step([a, b], [1, 2])
     assert (rt.length(a), rt.length(b)) == before[:2] and np.array_equal(rt.allocator.bf16.refs, before[2])
     rt.allocator.check_invariants()
+
+
+def test_overlap_gives_the_same_seeded_samples_and_stops(model):
+    """Seeded temperature sampling and a stop token: with overlap a stopped request's extra
+    launched row is dropped, and every output and finish reason is as without it."""
+
+    def serve(overlap, stop_ids=()):
+        engine = Engine(runtime(model), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=CHUNK + 4,
+                                                           prefill_chunk=CHUNK, overlap=overlap))
+        for i, n in enumerate((5, 40, 17)):
+            params = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=11 + i,
+                                    stop_token_ids=tuple(stop_ids), ignore_eos=True)
+            engine.add_request(prompt(n, i), params, f"r{i}")
+        results = run(engine, invariants)
+        assert not engine.runtime.allocator.sequences
+        return {r: (tokens, final.finish_reason) for r, (tokens, final) in results.items()}
+
+    free = serve(False)
+    assert serve(True) == free
+    stop = free["r1"][0][6]  # a token r1 samples mid-way: it stops there
+    stopped = serve(False, [stop])
+    assert stopped["r1"][1] == "stop" and stopped["r1"][0] == free["r1"][0][: free["r1"][0].index(stop) + 1]
+    assert serve(True, [stop]) == stopped

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared_math.allocator import SCRATCH_PAGE, PageAllocator, PoolExhausted
+from shared_math.allocator import SCRATCH_PAGE, UNKNOWN_TOKEN, PageAllocator, PoolExhausted
 from shared_math.spec import OscarConfig
 from shared_math.tiers import tier_split
 
@@ -170,3 +170,40 @@ def test_prefix_keys_chain_page_by_page_and_hash_each_page_once(monkeypatch):
         assert alloc._page_end_key(c, end) != alloc._page_end_key(a, end), end
     with pytest.raises(ValueError, match="page end 24 must be a multiple of page_size=16"):
         alloc._page_end_key(a, 24)
+
+
+def test_tokens_of_unknown_value_are_filled_in_and_never_hashed():
+    """extend(sid, None) then set_token gives the same pages, keys and prefix hits as extend with
+    the value; a page holding an unknown token is never keyed."""
+    known, later = _alloc(), _alloc()
+    tokens = list(range(500, 700))
+    a_sid, b_sid = known.admit(tokens[:5], namespace="t").seq_id, later.admit(tokens[:5], namespace="t").seq_id
+    for position in range(5, len(tokens)):
+        _step(known, a_sid, tokens[position])
+        d = later.extend(b_sid, None)
+        assert later.sequences[b_sid].tokens[position] == UNKNOWN_TOKEN
+        later.set_token(b_sid, position, tokens[position])
+        if d is not None:
+            later.demoted(d)
+        later.check_invariants()
+    for a in (known, later):
+        assert a.sequences[0].tokens == tokens
+    assert known.bf16.registry.keys() == later.bf16.registry.keys()  # the sink pages, keyed once known
+    assert known.int2.registry.keys() == later.int2.registry.keys()
+    for a in (known, later):  # a later prompt of the same tenant reuses them
+        assert a.admit(tokens + [1], namespace="t").reused_tokens == tier_split(len(tokens), CFG).recent_start
+
+    a = _alloc()
+    sid = a.admit(tokens[:20], namespace="t").seq_id
+    for _ in range(12):  # position 31 completes the second sink page while unknown
+        a.extend(sid, None)
+    assert len(a.bf16.registry) == 1  # only the first sink page: the second holds unknown tokens
+    with pytest.raises(RuntimeError, match="not known yet"):
+        a._page_end_key(a.sequences[sid], 32)
+    with pytest.raises(ValueError, match="position 3 of sequence"):
+        a.set_token(sid, 3, 9)  # a known token
+    with pytest.raises(ValueError, match="negative"):
+        a.set_token(sid, 25, -4)
+    for position in range(20, 32):
+        a.set_token(sid, position, tokens[position])
+    assert len(a.bf16.registry) == 2  # the value that completed the second sink page registered it
