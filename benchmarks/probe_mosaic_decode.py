@@ -22,7 +22,9 @@ with converted codes and one buffer): compiles, partials match the Triton kernel
 2.6e-5 / 2.8e-5, lse 2e-6); 128K b1 114.9–120.0 µs against the Triton INT2 tier's 56.7 µs, b8
 864.3–870.7 µs against 289.3 µs (stages 2 / 4 / 8 within 4 %: not the copies; the int → bf16
 conversions, a quarter of the integer rate, estimated at ~70 µs of b1's time, are what biased_codes
-removes).
+removes). On an H200 (results/probe_mosaic_decode_h200.json, at 14ff9df, cut by its call's timeout
+after the fourth Mosaic variant at 128K b1): Triton 54.2 µs; Mosaic converted 115.6, biased 95.1,
+converted + buf2 + lazy + own barriers 114.2, biased + buf2 + lazy + own barriers 83.7 µs.
 """
 
 from __future__ import annotations
