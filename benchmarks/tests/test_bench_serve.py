@@ -24,19 +24,23 @@ def test_summary_of_a_hand_made_run():
     assert s["decode_step_s"]["p50"] == pytest.approx(0.15)  # the prefill step is left out
     assert s["decode_tokens_per_s"] == pytest.approx(42 / 0.3)  # rows over the decode-only steps' time
     assert s["host_share_at_batch_32"]["p50"] == pytest.approx(0.05)  # only the batch-40 step
+    assert s["prefill_steps_total_s"] == pytest.approx(0.3)
     with pytest.raises(AssertionError, match="every output token"):
         bench_serve.summarize_run(run, 4)
 
 
 def test_targets_compare_int2_with_bf16_at_the_longest_prompt():
     row = dict(host_share_at_batch_32=None, itl_s={"p99": 0.03}, decode_step_s={"p50": 0.02})
-    results = [dict(row, kind="int2", prompt_len=100, rate=math.inf, output_tokens_per_s=40.0, decode_tokens_per_s=300.0),
-               dict(row, kind="bf16", prompt_len=100, rate=math.inf, output_tokens_per_s=10.0, decode_tokens_per_s=50.0),
+    results = [dict(row, kind="int2", prompt_len=100, rate=math.inf, output_tokens_per_s=40.0, decode_tokens_per_s=300.0,
+                    prefill_steps_total_s=2.0, duration_s=3.0),
+               dict(row, kind="bf16", prompt_len=100, rate=math.inf, output_tokens_per_s=10.0, decode_tokens_per_s=50.0,
+                    prefill_steps_total_s=2.5, duration_s=12.0),
                dict(row, kind="bf16", prompt_len=10, rate=math.inf, output_tokens_per_s=1.0)]
     t = bench_serve.targets(results, None)
     assert t["int2_over_bf16_output_tokens_per_s"] == {"prompt_len": 100, "value": 4.0, "target": 3.5, "met": True}
     assert t["itl_p99_over_median_step"]["value"] == pytest.approx(1.5) and t["itl_p99_over_median_step"]["met"]
     assert t["int2_over_bf16_decode_tokens_per_s"] == {"prompt_len": 100, "value": pytest.approx(6.0)}
+    assert t["int2_over_bf16_ceiling"] == {"prompt_len": 100, "value": pytest.approx(6.0)}  # 12 s over 2 s
 
 
 @pytest.mark.slow
