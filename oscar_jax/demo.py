@@ -17,16 +17,15 @@ included.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from calibration.data import wiki_documents
+from oscar_jax.compile_cache import use_persistent_cache
 
 MODEL = "smollm2-135m"
 PROMPT_TOKENS = (1000, 1024)  # ≥ 1K tokens, in at most two prefill chunks of 512
@@ -148,24 +147,6 @@ def generate(cache, prompt, tokenizer) -> dict:
                 decode_tokens_per_s=steps / decode_s if steps else float("nan"))
 
 
-def compilation_cache() -> Path | None:
-    """Keep compiled programs across runs (JAX's persistent compilation cache) in jax/ of the
-    directory that holds the fetched model (oscar_jax.wheel_cache.cache_dir), unless
-    JAX_COMPILATION_CACHE_DIR chose another place. The first run on a machine compiles (most of its
-    wall time on a small CPU); later runs load the programs."""
-    from oscar_jax.wheel_cache import cache_dir
-
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
-        return None
-    path = cache_dir() / "jax"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None  # read-only home: compile every time
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    return path
-
-
 def main(argv=None) -> int:
     from oscar_jax.loaders import load_model
     from oscar_jax.model import describe
@@ -177,7 +158,7 @@ def main(argv=None) -> int:
         print(f"usage: python -m oscar_jax.demo (no arguments; got {argv})", file=sys.stderr)
         return 2
     begin = time.perf_counter()
-    cache_dir = compilation_cache()
+    cache_dir = use_persistent_cache()
     cfg, params = load_model(MODEL)
     tokenizer = load_tokenizer(MODEL)
     prompt = np.asarray(tokenizer.encode(tokenizer.apply_chat_template(

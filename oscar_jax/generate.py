@@ -107,10 +107,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from oscar_jax.compile_cache import use_persistent_cache
     from oscar_jax.parallel import initialize_from_args, make_mesh
 
     try:  # before anything else touches JAX's backends
         initialize_from_args(args)
+        use_persistent_cache()
         mesh = make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

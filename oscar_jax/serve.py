@@ -9,7 +9,9 @@ a recent window that covers the whole context, so nothing is ever quantized: the
 with the same scheduler. Pools: by default room for --max-num-seqs sequences of --max-model-len
 tokens; --kv-cache-memory (bytes; K/M/G/KiB/MiB/GiB suffixes) or --num-bf16-pages /
 --num-int2-pages size them explicitly (then requests wait, or are preempted, when pages run out).
-The server compiles its batch and chunk shapes before it answers /health (--no-warmup skips it).
+The server compiles its batch and chunk shapes before it answers /health (--no-warmup skips it);
+the programs are kept in JAX's persistent compilation cache ($OSCAR_CACHE_DIR/jax, or
+JAX_COMPILATION_CACHE_DIR), so a restart with the same shapes loads them instead.
 Multi-host (one process per host, as `oscar_jax.generate`): every process is started with the
 same flags and its own --process-id; process 0 serves HTTP and the others run its engine steps.
 """
@@ -288,10 +290,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    from oscar_jax.compile_cache import use_persistent_cache
     from shared_math.artifact import ArtifactError
 
     try:
         initialize_from_args(args)  # before anything else touches JAX's backends
+        compiled_programs = use_persistent_cache()
+        if compiled_programs is not None:
+            log(f"[oscar] compiled programs kept in {compiled_programs} (a restart loads them)")
         engine, tokenizer, chat, name = build_engine(args, log=log)
     except (ValueError, FileNotFoundError, ArtifactError, NotImplementedError) as err:
         log(f"error: {err}")
