@@ -62,7 +62,8 @@ The methods and their source configurations (`parse_method` builds them from a s
               (the selection exists only once the prompt has ended: the prompt reads history as
               today, the answer steps read the salient tokens in BF16). Counted in the bytes as
               BF16 rows *on top of* their INT2 codes (the pages keep their layout) plus a
-              SALIENT_INDEX_BITS position index per token and (layer, KV head).
+              SALIENT_INDEX_BITS position index per token and (layer, KV head). With
+              `keys=channel` they are chosen over the values' history and replace both copies.
               `keys=channel` (`kgroup=G`, default 64; `krot=artifact|none|eigen|hadamard`, default artifact): an
               experiment — keys quantized per channel over groups of G consecutive history tokens
               (KIVI's key codec, `quantize_key_channels`: min/max INT2, fp16 scale and minimum per
@@ -416,8 +417,8 @@ class TieredMethod:
             if not is_power_of_two(g) or g < MIN_GROUP_SIZE or g % page:
                 raise ValueError(f"kgroup={g} must be a power of two ≥ {MIN_GROUP_SIZE} and a multiple of "
                                  f"page={page} (key groups are whole history pages)")
-            if self.quantizer is None or self.salient:
-                raise ValueError("keys=channel needs a quantized history and no salient tokens")
+            if self.quantizer is None:
+                raise ValueError("keys=channel needs a quantized history")
 
     def _key_history(self, first: int, count: int) -> tuple[int, int]:
         """[start, end) of the keys read quantized when the history is [first, first + count):
@@ -470,6 +471,7 @@ class TieredMethod:
         # (group, channel); every other key (sink, recent, the history's partial group) as BF16
         start, end = self._key_history(first, history)
         k = key_channel_bytes(length, end - start, self.key_group, head_dim)
+        k += min(self.salient, end - start) * (head_dim * BF16_BYTES + SALIENT_INDEX_BITS // 16)
         return k * num_kv_heads, per_side * num_kv_heads
 
     def describe(self) -> dict[str, Any]:
@@ -948,8 +950,6 @@ def parse_method(spec: str, *, num_layers: int, num_kv_heads: int, head_dim: int
     krot = options.get("krot", "artifact")
     if krot not in KEY_ROTATIONS:
         raise ValueError(f"method {spec!r}: krot={krot!r} must be one of {list(KEY_ROTATIONS)}")
-    if key_group and salient:
-        raise ValueError(f"method {spec!r}: keys=channel and salient= are not combined")
     k_rotation = key_rotations(artifact, krot) if key_group else np.asarray(artifact.k_rotation, np.float32)
     rotation = "artifact (R_K, R_V per layer and KV head)"
     if key_group and krot in _KEY_ROTATION_NAMES:

@@ -228,9 +228,10 @@ class AnswerCache:
         if self.m.k_rotation is not None:
             q_window = self._rotate(q_window, jnp.asarray(self.m.k_rotation[layer]))
         k_start, k_end, v_start, v_end = self.m.at_rest_history(prompt_length)
-        if (k_start, k_end) != (v_start, v_end):
-            raise ValueError(f"{self.m.name}: salient tokens need one history for keys and values")
-        sel = salient_positions(np.asarray(q_window), np.asarray(k_hi[:, :prompt_length]), (k_start, k_end),
+        if k_start != v_start or k_end > v_end:  # per-channel keys: whole groups, a prefix of the values'
+            raise ValueError(f"{self.m.name}: salient tokens need the keys' history within the values'")
+        # chosen over the values' history: the keys past the last whole group are BF16 already
+        sel = salient_positions(np.asarray(q_window), np.asarray(k_hi[:, :prompt_length]), (v_start, v_end),
                                 self.salient)
         self.selected[layer] = sel
         if sel.shape[-1] == 0:

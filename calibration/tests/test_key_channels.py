@@ -122,6 +122,9 @@ def test_bits(art):
     # kgroup=32: 64 channels × (8 + 4 B) per 32 tokens = 24 B per token → 3 bits per key element
     k32, _ = build("oscar:keys=channel:kgroup=32", art).kv_bytes(131072, HKV, D)
     assert k32 == HKV * (320 * 128 + 130752 * 24)
+    # salient tokens with per-channel keys: a BF16 row and half a 32-bit index on each side, on top
+    k_s, v_s = build("oscar:keys=channel:salient=8", art).kv_bytes(1000, HKV, D)
+    assert (k_s - k, v_s - v) == (HKV * 8 * (128 + 2), HKV * 8 * (128 + 2))
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -135,7 +138,6 @@ def test_bits(art):
     ("oscar:keys=channel:kgroup=8", "kgroup=8 must be a power of two"),
     ("oscar:keys=channel:kgroup=16:page=32", "kgroup=16 .* multiple of page=32"),
     ("oscar:keys=channel:kgroup=x", "kgroup='x' must be an integer"),
-    ("oscar:keys=channel:salient=8", "keys=channel and salient= are not combined"),
     ("kivi2:keys=channel", "has no option 'keys'"),
 ])
 def test_refusals_name_the_bad_value(art, spec, message):

@@ -57,6 +57,21 @@ def test_salient_beyond_the_history_is_bf16_attention(params, artifact, sample):
     assert np.abs(got[plain.name] - got["rotated-bf16"])[1:].max() > 1e-2  # the history is quantized otherwise
 
 
+def test_salient_with_per_channel_keys(params, artifact, sample):
+    """With keys per channel (whole groups of the history quantized) salient rows are chosen over
+    the values' history and replace both copies: beyond the history it is BF16 attention, and 8
+    tokens change the answer steps of the per-channel method."""
+    keys = f"oscar:{WINDOWS}:keys=channel:kgroup=32"  # history 80 tokens: keys quantized over [16, 80)
+    method = build(f"{keys}:salient=1000", artifact)
+    reference = dataclasses.replace(method, name="rotated-bf16", quantizer=None, salient=0, key_group=0)
+    plain, some = build(keys, artifact), build(f"{keys}:salient=8:observe=4", artifact)
+    got = passkey.answer_logits(params, CFG, sample, [method, reference, plain, some], query_chunk=16)
+    np.testing.assert_allclose(got[method.name], got["rotated-bf16"], atol=1e-5, rtol=0)
+    assert np.abs(got[plain.name] - got["rotated-bf16"])[1:].max() > 1e-2
+    assert np.array_equal(got[plain.name][0], got[some.name][0])
+    assert np.abs(got[some.name] - got[plain.name])[1:].max() > 1e-3
+
+
 def _numpy_selection(q, k, start, end, n):
     """float64 reference: causal softmax of the last W rows, summed over rows and grouped heads."""
     b, w, hq, d = q.shape
