@@ -1,6 +1,6 @@
 """JAX's persistent compilation cache for the entry points (demo, generate, serve): compiled
 programs are kept on disk, so only a machine's first run of a shape pays for compiling it (a
-server's warm-up at Qwen3-8B shapes compiles for ~2 minutes on an H200; DECISIONS K1)."""
+server's warm-up compiles every decode batch and prefill chunk shape it serves)."""
 
 from __future__ import annotations
 

@@ -399,10 +399,12 @@ class Engine:
                 prev_rows[i] = self._pending[r.request_id]
                 unknown.append((r, r.seq_id, self.runtime.length(r.seq_id), int(prev_rows[i])))
             emits.append(n + 1 == len(r.output_ids) + (r.request_id in self._pending))
-        tokens = _feed(self._inflight.tokens, jnp.asarray(prev_rows), jnp.asarray(host)) if unknown else host
-        known = [None if prev_rows[i] >= 0 else int(host[i]) for i in range(len(decodes))]
-        logits = self.runtime.step([r.seq_id for r in decodes], tokens if unknown else host[: len(decodes)],
-                                   batch_size=rows, known=known if unknown else None)
+        if unknown:
+            tokens = _feed(self._inflight.tokens, jnp.asarray(prev_rows), jnp.asarray(host))
+            known = [None if prev_rows[i] >= 0 else int(host[i]) for i in range(len(decodes))]
+        else:
+            tokens, known = host[: len(decodes)], None
+        logits = self.runtime.step([r.seq_id for r in decodes], tokens, batch_size=rows, known=known)
         counters = [self.runtime.length(r.seq_id) - len(r.prompt_ids) for r in decodes]  # index of the token drawn
         sampled = sample_on_device(logits, [r.params for r in decodes], [r.seed for r in decodes], counters)
         return _Launch([(r, r.seq_id, emit) for r, emit in zip(decodes, emits)], sampled, unknown)
@@ -413,9 +415,10 @@ class Engine:
         launch, self._inflight = self._inflight, None
         self._pending = {}
         values = np.asarray(self._wait(launch.tokens))
-        for request, seq_id, position, row in following.unknown if following is not None else ():
-            if request.seq_id == seq_id:
-                self.runtime.set_tokens([seq_id], [position], [int(values[row])])
+        live = [(seq_id, position, int(values[row])) for request, seq_id, position, row
+                in (following.unknown if following is not None else ()) if request.seq_id == seq_id]
+        if live:
+            self.runtime.set_tokens(*zip(*live))
         outputs = []
         for row, (request, seq_id, emit) in enumerate(launch.rows):
             if emit and request.seq_id == seq_id and request.state is State.DECODE:

@@ -36,21 +36,10 @@ barriers and TMA simulated on the CPU). It does not apply Mosaic GPU's lowering 
 for the GPU (`jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`) runs on a CPU-only
 machine too and does (the tests do both).
 
-Measured (benchmarks/results/probe_mosaic_decode_h100.json; an H100 80GB HBM3 came for the H200
-asked for; jax 0.11.2; Qwen3-8B shapes, 128K, the default split): compiled, the partials match the
-Triton-lowered kernel's (o relative error 2.6e-5, lse 2e-6), but at 115–120 µs (b1) and 864–871 µs
-(b8) against its 56.7 / 289.3 µs, flat in the pipeline depth (stages 2 / 4 / 8 within 4 %): the
-warpgroup's serial per-page chain, not the copies, bounds it. Two suspects, read off the lowered
-loop (CPU-side lowering) and by count: (1) the int → bfloat16 conversion of 128 codes a thread a
-page (sm_90 issues conversions at 16 a clock per SM, a quarter of the integer rate: ~70 µs of
-b1's time if nothing overlaps), which `biased_codes` replaces by integer ops; (2) 18 warpgroup
-barriers a page (Mosaic's automatic ones around every shared-memory store and before each of a
-refill's six copy issues, two per cross-warp reduction, the kernel's own), which
-`auto_barriers=False`, `lazy_sums` and `buffers=2` bring to 3. On an H200 (results/probe_mosaic_decode_h200.json, 14ff9df; 128K b1, stages 2, partials matching
-the Triton kernel's to 2.7e-5 / 1.9e-6): biased codes alone 95.1 µs, two buffers + lazy sums + the
-kernel's own barriers alone 114.2 µs, all of them 83.7 µs, against 115.6 µs for the converted codes
-and the Triton-lowered INT2 tier's 54.2 µs: the conversions were a third of the gap, the
-barriers' share shows only once they are gone, and 1.54× remains.
+Options for what bounds it (`biased_codes`: codes unpacked by integer ops instead of int → bfloat16
+conversions; `auto_barriers=False`, `lazy_sums`, `buffers=2`: 3 warpgroup barriers a page instead
+of 18). Why it is not the default, measured against the Triton-lowered kernel: benchmarks/DECISIONS.md
+M1 (`benchmarks/probe_mosaic_decode.py` times every variant beside it in one call).
 
 Dimension vocabulary of the shape comments: B batch, K KV heads, M query rows of one KV head,
 D head dim, P pages of a pool, L page size, S splits, NH table slots, R rows attended.
