@@ -613,7 +613,8 @@ def _serve_conditions(data: dict) -> str:
 
 
 def _serve_row(run: dict) -> list:
-    return [run["kind"], run["prompt_len"], _rate(run["rate"]), run.get("requests", "—"),
+    overlap = {True: "on", False: "off"}.get(run.get("overlap"), "—")  # files before the field: —
+    return [run["kind"], run["prompt_len"], _rate(run["rate"]), overlap, run.get("requests", "—"),
             _f(run["output_tokens_per_s"], "{:.2f}"), _f(_pct(run, "ttft_s"), "{:.2f}"),
             _f(_pct(run, "ttft_s", "p99"), "{:.2f}"), _f(_pct(run, "itl_s", scale=1e3), "{:.2f}"),
             _f(_pct(run, "itl_s", "p99", 1e3), "{:.2f}"), _f(_pct(run, "decode_step_s", scale=1e3), "{:.2f}"),
@@ -625,7 +626,8 @@ def _serve_ratios(runs: list[dict]) -> list[str]:
     """INT2 / BF16 output tokens/s per (prompt, rate) both kinds ran at; a line per kind that never ran."""
     by_point = {}
     for run in runs:
-        by_point.setdefault((run["prompt_len"], _rate(run["rate"])), {})[run["kind"]] = run["output_tokens_per_s"]
+        if run.get("overlap", True):  # the engine's default where a file ran both
+            by_point.setdefault((run["prompt_len"], _rate(run["rate"])), {})[run["kind"]] = run["output_tokens_per_s"]
     pairs = [f"{_f(_ratio(k['int2'], k['bf16']), '{:.2f}×')} at prompt {p}, {rate}"
              for (p, rate), k in by_point.items() if "int2" in k and "bf16" in k]
     lines = [f"INT2 / BF16 output tokens/s: {'; '.join(pairs)}."] if pairs else []
@@ -673,7 +675,7 @@ def serve_markdown(serve: list[tuple[str, dict | None, str | None]]) -> list[str
              "decode step = the median of steps without a prefill chunk, decode tok/s = their rows over their wall time "
              "(files before it was recorded: —); prefill step = steps carrying a prefill "
              "chunk, with the share of their wall time blocked on the device.", ""]
-    header = ["kind", "prompt", "rate", "requests", "output tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms",
+    header = ["kind", "prompt", "rate", "overlap", "requests", "output tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms",
               "ITL p99 ms", "decode step p50 ms", "decode tok/s", "prefill step p50 ms", "prefill device share p50"]
     for name, data, skipped in serve:
         if data is not None:

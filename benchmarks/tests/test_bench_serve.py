@@ -41,6 +41,24 @@ def test_targets_compare_int2_with_bf16_at_the_longest_prompt():
     assert t["itl_p99_over_median_step"]["value"] == pytest.approx(1.5) and t["itl_p99_over_median_step"]["met"]
     assert t["int2_over_bf16_decode_tokens_per_s"] == {"prompt_len": 100, "value": pytest.approx(6.0)}
     assert t["int2_over_bf16_ceiling"] == {"prompt_len": 100, "value": pytest.approx(6.0)}  # 12 s over 2 s
+    assert "device_idle_share_with_overlap" not in t  # no run without overlap to bound it by
+
+
+def test_with_both_overlap_modes_the_caches_compare_with_overlap_and_its_idle_share_is_bounded():
+    base = dict(kind="int2", prompt_len=100, rate=math.inf, itl_s={"p99": 0.03}, decode_step_s={"p50": 0.02},
+                host_share_at_batch_32={"p50": 0.2}, decode_tokens_per_s=1.0, duration_s=1.0)
+    on = dict(base, overlap=True, output_tokens_per_s=40.0, step_at_batch_32_s={"p50": 0.0125},
+              device_wait_at_batch_32_s={"p50": 0.004})
+    off = dict(base, overlap=False, output_tokens_per_s=30.0, step_at_batch_32_s={"p50": 0.015},
+               device_wait_at_batch_32_s={"p50": 0.0115})
+    bf16 = dict(base, kind="bf16", overlap=True, output_tokens_per_s=10.0, step_at_batch_32_s=None)
+    t = bench_serve.targets([on, off, bf16], None)
+    assert t["int2_over_bf16_output_tokens_per_s"]["value"] == pytest.approx(4.0)  # the overlap run's 40, not 30
+    idle = t["device_idle_share_with_overlap"]
+    assert idle["value"] == pytest.approx(1 - 0.0115 / 0.0125) and idle["met"]  # 8 %
+    assert idle["runs"][0]["step_s"] == {"overlap": 0.0125, "no_overlap": 0.015}
+    slow = dict(on, step_at_batch_32_s={"p50": 0.0125 * 2})
+    assert not bench_serve.targets([slow, off], None)["device_idle_share_with_overlap"]["met"]  # 54 %
 
 
 @pytest.mark.slow
@@ -49,11 +67,13 @@ def test_tiny_run_end_to_end(tmp_path, monkeypatch):
 
     monkeypatch.setattr(benchmarks.harness, "environment", lambda: {"gpu": "none"})
     out = tmp_path / "serve.json"
-    assert bench_serve.main(["--tiny", "--out", str(out)]) == 0
+    assert bench_serve.main(["--tiny", "--overlap", "both", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     setup = bench_serve.tiny_setup()
-    rows = {(r["kind"], r["prompt_len"], r["rate"]) for r in result["results"]}
-    assert rows == {(k, n, r) for k in ("int2", "bf16") for n in setup.prompt_lens for r in (math.inf, 50.0)}
+    rows = [(r["kind"], r["prompt_len"], r["rate"], r["overlap"]) for r in result["results"]]
+    assert sorted(rows) == sorted((k, n, r, o) for k in ("int2", "bf16") for n in setup.prompt_lens
+                                  for r in (math.inf, 50.0) for o in (True, False))
+    assert result["setup"]["overlap"] == [True, False]
     for r in result["results"]:
         assert r["requests"] == setup.num_requests and r["output_tokens"] == setup.num_requests * setup.output_len
         assert r["output_tokens_per_s"] > 0 and r["ttft_s"]["p50"] > 0 and r["itl_s"]["p50"] > 0

@@ -356,8 +356,9 @@ def test_the_serving_section_from_bench_serves_files(tmp_path):
     S.summarize(tmp_path, tmp_path / "before.md", plots=False)
     summary_before = (tmp_path / "summary_h200.json").read_text()
     provenance_before = (tmp_path / "summary_h200_provenance.json").read_text()
-    both = _serve_file([_serve_run("int2", 60.0), _serve_run("bf16", 20.0, prefill=False),
-                        _serve_run("int2", 30.0, rate=2.0)], {"int2": 8, "bf16": 1},
+    both = _serve_file([dict(_serve_run("int2", 60.0), overlap=True), dict(_serve_run("int2", 50.0), overlap=False),
+                        _serve_run("bf16", 20.0, prefill=False), _serve_run("int2", 30.0, rate=2.0)],
+                       {"int2": 8, "bf16": 1},
                        {"int2_over_bf16_output_tokens_per_s": {"prompt_len": 32768, "value": 3.0, "target": 3.5,
                                                                "met": False},
                         "itl_p99_over_median_step": {"value": 1.25, "target": 1.5, "met": True}})
@@ -378,16 +379,20 @@ def test_the_serving_section_from_bench_serves_files(tmp_path):
     assert ("GPU NVIDIA H100 80GB HBM3, git `3a4677a`" in first and "KV cache 8.00 GiB" in first
             and "decode buckets `max`, prefill split `whole`" in first and "capacity (sequences) int2 8 / bf16 1" in first
             and "compile int2 90.2 / bf16 90.2 s" in first)
-    # kind, prompt, rate, requests, tok/s, TTFT p50/p99 s, ITL p50/p99 ms, decode step ms, prefill ms, device share
-    assert "| int2 | 32768 | all at once | 4 | 60.00 | 1.50 | 3.25 | 12.50 | 500.00 | 10.00 | 400.0 | 250.0 | 50.0 % |" in first
-    assert "| bf16 | 32768 | all at once | 4 | 20.00 | 1.50 | 3.25 | 12.50 | 500.00 | 10.00 | — | — | — |" in first
-    assert "| int2 | 32768 | 2/s | 4 | 30.00 |" in first
-    assert "INT2 / BF16 output tokens/s: 3.00× at prompt 32768, all at once." in first  # 60 / 20, not 30 / 20
+    # kind, prompt, rate, overlap, requests, tok/s, TTFT p50/p99 s, ITL p50/p99 ms, decode step ms, prefill ms,
+    # device share (files before the overlap field: —)
+    assert ("| int2 | 32768 | all at once | on | 4 | 60.00 | 1.50 | 3.25 | 12.50 | 500.00 | 10.00 | 400.0 | 250.0 "
+            "| 50.0 % |") in first
+    assert "| int2 | 32768 | all at once | off | 4 | 50.00 |" in first
+    assert "| bf16 | 32768 | all at once | — | 4 | 20.00 | 1.50 | 3.25 | 12.50 | 500.00 | 10.00 | — | — | — |" in first
+    assert "| int2 | 32768 | 2/s | — | 4 | 30.00 |" in first
+    # 60 / 20: not the 2/s run's 30, nor the run without overlap's 50
+    assert "INT2 / BF16 output tokens/s: 3.00× at prompt 32768, all at once." in first
     assert "2/s" not in first.split("INT2 / BF16 output tokens/s:")[1]
     assert "`int2_over_bf16_output_tokens_per_s` 3.00 (target 3.5, prompt 32768): **not met**" in first
     assert "`itl_p99_over_median_step` 1.25 (target 1.5): met" in first
     assert "run missing" not in first
-    assert "| int2 | 32768 | all at once | 4 | 45.00 |" in second
+    assert "| int2 | 32768 | all at once | — | 4 | 45.00 |" in second
     assert "BF16 run missing: the run was cut off." in second and "INT2 / BF16 output tokens/s" not in second
     assert "capacity (sequences) int2 16;" in second and "Targets (`targets` of the file): none evaluated." in second
     assert "Skipped: not bench_serve's shape (serve_c_other.json: missing key 'results')." in third
