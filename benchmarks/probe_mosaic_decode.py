@@ -59,6 +59,13 @@ VARIANTS = (
      dict(biased_codes=True, buffers=2, lazy_sums=True, auto_barriers=False, stages=4, transposed=True)),
 )
 TIME_WHOLE_DECODE = os.environ.get("PROBE_WHOLE_DECODE", "0") == "1"  # ops.decode_attention, both tiers
+# PROBE_VARIANTS="name;name": only those of VARIANTS (a call's time limit holds a few compiles, not all)
+if os.environ.get("PROBE_VARIANTS"):
+    _chosen = os.environ["PROBE_VARIANTS"].split(";")
+    _unknown = sorted(set(_chosen) - {name for name, _ in VARIANTS})
+    if _unknown:
+        raise SystemExit(f"PROBE_VARIANTS: unknown {_unknown}; known: {[name for name, _ in VARIANTS]}")
+    VARIANTS = tuple(v for v in VARIANTS if v[0] in _chosen)
 # PROBE_SMOKE=1: the script's own check on a CPU, before a GPU call spends device time on it: a small
 # context, every kernel interpreted, each variant run once instead of timed.
 SMOKE = os.environ.get("PROBE_SMOKE", "0") == "1"
