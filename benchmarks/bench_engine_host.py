@@ -33,33 +33,33 @@ import numpy as np
 BATCH, PROMPT, WARM_STEPS = 32, 512, 10
 
 
-def engine_steps(overlap: bool, steps: int, params, model) -> dict:
+def engine_steps(overlap: bool, steps: int, params, model, *, batch: int = BATCH, prompt: int = PROMPT) -> dict:
     from oscar_jax.runtime import OscarRuntime
     from oscar_jax.serve import identity_artifact
     from oscar_jax.serving.engine import Engine, EngineConfig
     from oscar_jax.serving.sampling import SamplingParams
 
-    runtime = OscarRuntime(params, model, identity_artifact(model), max_batch=BATCH,
-                           max_seq_len=PROMPT + BATCH + WARM_STEPS + steps + 8, sink=64, recent=256, page_size=64,
-                           prefill_chunk=PROMPT)
-    engine = Engine(runtime, None, EngineConfig(max_num_seqs=BATCH, max_num_batched_tokens=PROMPT + BATCH,
-                                                prefill_chunk=PROMPT, enable_prefix_caching=False,
-                                                decode_buckets=(BATCH,), overlap=overlap))
+    runtime = OscarRuntime(params, model, identity_artifact(model), max_batch=batch,
+                           max_seq_len=prompt + batch + WARM_STEPS + steps + 8, sink=64, recent=256, page_size=64,
+                           prefill_chunk=prompt)
+    engine = Engine(runtime, None, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=prompt + batch,
+                                                prefill_chunk=prompt, enable_prefix_caching=False,
+                                                decode_buckets=(batch,), overlap=overlap))
     rng = np.random.default_rng(0)
-    # the first prompts decode while the later ones prefill (one chunk a step): up to BATCH tokens more
-    params_ = SamplingParams(max_tokens=BATCH + WARM_STEPS + steps + 4, temperature=0, ignore_eos=True)
-    for i in range(BATCH):
-        engine.add_request(rng.integers(0, model.vocab_size, PROMPT).tolist(), params_, str(i))
+    # the first prompts decode while the later ones prefill (one chunk a step): up to `batch` tokens more
+    params_ = SamplingParams(max_tokens=batch + WARM_STEPS + steps + 4, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(rng.integers(0, model.vocab_size, prompt).tolist(), params_, str(i))
     while engine.waiting or any(r.state.name == "PREFILL" for r in engine.running):
         engine.step()
-    runtime.compile_demotion(BATCH)
+    runtime.compile_demotion(batch)
     for _ in range(WARM_STEPS):
         engine.step()
     timings = []
     for _ in range(steps):
         engine.step()
         timings.append(engine.last_step)
-    assert all(t.decode_rows == BATCH for t in timings), "a step held fewer rows than the batch"
+    assert all(t.decode_rows == batch for t in timings), "a step held fewer rows than the batch"
     return {"overlap": overlap, "steps": steps,
             "step_ms_p50": 1e3 * float(np.median([t.total_s for t in timings])),
             "host_ms_p50": 1e3 * float(np.median([t.total_s - t.device_wait_s for t in timings]))}
