@@ -363,8 +363,9 @@ class Engine:
         self._pending = {} if launched is None else {
             r.request_id: row for row, (r, _, emit) in enumerate(launched.rows) if emit}
         for request, start, stop in chunks:
-            logits = self._wait(self.runtime.prefill(request.seq_id, start, stop))
-            if stop == len(request.prompt_ids):
+            logits = self.runtime.prefill(request.seq_id, start, stop)
+            if stop == len(request.prompt_ids):  # only a prompt's last chunk is read back: to sample
+                self._wait(logits)
                 request.state = State.DECODE
                 if not request.output_ids:  # else a recomputation: the first token is known
                     token = sample_batch(logits[None], [request.params], [request.seed], [0])[0]

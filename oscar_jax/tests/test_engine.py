@@ -132,6 +132,24 @@ def test_a_long_prompt_never_stalls_running_decodes(model, overlap):
     assert steps_with_short >= 150 // CHUNK  # the prompt took several chunks, one per step
 
 
+def test_only_a_prompts_last_chunk_is_waited_on(model, references, monkeypatch):
+    """A chunk before the prompt's last has no token to sample: its step does not block on it (the
+    device keeps the launch queued); the outputs are unchanged."""
+    engine = Engine(runtime(model), None, EngineConfig(max_num_seqs=2, max_num_batched_tokens=CHUNK + 2,
+                                                       prefill_chunk=CHUNK))
+    launched, waited = [], []
+    prefill, wait = engine.runtime.prefill, engine._wait
+    monkeypatch.setattr(engine.runtime, "prefill",
+                        lambda seq_id, start, stop: launched.append((start, stop)) or prefill(seq_id, start, stop))
+    monkeypatch.setattr(engine, "_wait", lambda array: waited.append(array.shape) or wait(array))
+    n = 100  # chunks [0, 32) [32, 64) [64, 96) [96, 100)
+    engine.add_request(prompt(n), GREEDY, "a")
+    assert run(engine)["a"][0] == references[n]
+    assert launched == [(0, 32), (32, 64), (64, 96), (96, 100)]
+    vocab = (CFG.vocab_size,)
+    assert waited.count(vocab) == 1  # the last chunk's logits only; the decodes' tokens are [rows]
+
+
 def test_preemption_under_a_small_pool_keeps_outputs_and_invariants(model, references):
     # 12 BF16 pages: each sequence holds up to 1 sink + 3 recent pages, so four decoding together
     # run out and the newest is preempted (and recomputed) again and again.
