@@ -276,10 +276,19 @@ def targets(results: list[dict], http: dict | None) -> dict:
         if at_once["int2"].get("decode_tokens_per_s") and at_once["bf16"].get("decode_tokens_per_s"):
             out["int2_over_bf16_decode_tokens_per_s"] = {
                 "prompt_len": longest, "value": at_once["int2"]["decode_tokens_per_s"] / at_once["bf16"]["decode_tokens_per_s"]}
-    shares = [r["host_share_at_batch_32"]["p50"] for r in results if r["host_share_at_batch_32"]]
+    # Without overlap the host's share is the device's idle time; with it, only a bound on it (the
+    # host works while the device runs): the target is judged on the runs without overlap, and on
+    # device_idle_share_with_overlap below.
+    shares = [r["host_share_at_batch_32"]["p50"] for r in results
+              if r["host_share_at_batch_32"] and r.get("overlap") is False]
     if shares:
         worst = max(shares)
-        out["host_share_at_batch_32"] = {"value": worst, "target": TARGET_HOST_SHARE, "met": worst <= TARGET_HOST_SHARE}
+        out["host_share_at_batch_32"] = {"value": worst, "target": TARGET_HOST_SHARE, "met": worst <= TARGET_HOST_SHARE,
+                                         "overlap": False}
+    bounds = [r["host_share_at_batch_32"]["p50"] for r in results
+              if r["host_share_at_batch_32"] and r.get("overlap", True)]
+    if bounds:
+        out["host_share_at_batch_32_with_overlap_upper_bound"] = {"value": max(bounds)}
     ratios = [r["itl_s"]["p99"] / r["decode_step_s"]["p50"] for r in results
               if r["itl_s"]["p99"] is not None and r["decode_step_s"]["p50"]]
     if ratios:
@@ -332,7 +341,8 @@ def run(setup: Setup, *, kinds=("int2", "bf16"), http: bool = True, seed: int = 
     http_result = None
 
     def result() -> dict:
-        return {"setup": {"model": dataclasses.asdict(setup.model), "prompt_lens": list(setup.prompt_lens),
+        return {"setup": {"model": dataclasses.asdict(setup.model), "kinds": list(kinds),
+                          "prompt_lens": list(setup.prompt_lens),
                           "output_len": setup.output_len, "rates": [str(r) for r in setup.rates],
                           "kv_cache_memory_bytes": setup.memory_bytes, "prefill_chunk": setup.prefill_chunk,
                           "sink": setup.sink, "recent": setup.recent, "page_size": setup.page_size,

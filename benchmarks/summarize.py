@@ -41,7 +41,7 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks import harness
+from benchmarks import bench_serve, harness
 
 FILES = ("decode", "write", "e2e", "copy")
 CONTEXT_100K = 100_000
@@ -622,8 +622,9 @@ def _serve_row(run: dict) -> list:
             _f(_pct(run, "prefill_step_device_share", scale=100), "{:.1f} %")]
 
 
-def _serve_ratios(runs: list[dict]) -> list[str]:
-    """INT2 / BF16 output tokens/s per (prompt, rate) both kinds ran at; a line per kind that never ran."""
+def _serve_ratios(runs: list[dict], asked=None) -> list[str]:
+    """INT2 / BF16 output tokens/s per (prompt, rate) both kinds ran at; a line per kind that never ran
+    (`asked`: the kinds the run was given, where the file records them)."""
     by_point = {}
     for run in runs:
         if run.get("overlap", True):  # the engine's default where a file ran both
@@ -632,14 +633,18 @@ def _serve_ratios(runs: list[dict]) -> list[str]:
              for (p, rate), k in by_point.items() if "int2" in k and "bf16" in k]
     lines = [f"INT2 / BF16 output tokens/s: {'; '.join(pairs)}."] if pairs else []
     kinds = {run["kind"] for run in runs}
-    lines += [f"{kind.upper()} run missing: the run was cut off." for kind in SERVE_KINDS if kind not in kinds]
+    for kind in (k for k in SERVE_KINDS if k not in kinds):
+        if asked is None:
+            lines.append(f"No {kind.upper()} run in this file.")
+        elif kind in asked:
+            lines.append(f"{kind.upper()} run missing: the run was cut off.")
     if not pairs and set(SERVE_KINDS) <= kinds:
         lines.append("INT2 / BF16 output tokens/s: no prompt length and rate that both kinds ran at.")
     return lines
 
 
 def _serve_targets(targets) -> str:
-    """The file's own targets (bench_serve.targets): value against target, met / not met."""
+    """The file's targets (bench_serve.targets): value against target, met / not met."""
     items = []
     for name, t in (targets or {}).items():
         t = t if isinstance(t, dict) else {"value": t}
@@ -650,7 +655,7 @@ def _serve_targets(targets) -> str:
             text += f" (target {t['target']}{where})"
         status = "reported" if "met" not in t else ("met" if t["met"] else "**not met**")
         items.append(f"{text}: {status}")
-    return "Targets (`targets` of the file): " + ("; ".join(items) if items else "none evaluated") + "."
+    return "Targets (`bench_serve.targets`): " + ("; ".join(items) if items else "none evaluated") + "."
 
 
 def _serve_http(http) -> list[str]:
@@ -688,13 +693,21 @@ def serve_markdown(serve: list[tuple[str, dict | None, str | None]]) -> list[str
     return lines
 
 
+def _serve_file_targets(data: dict) -> dict:
+    """The targets as bench_serve evaluates them now, for files whose runs record their overlap
+    setting (the host share is judged differently with and without it); older files' own."""
+    if data["results"] and all("overlap" in run for run in data["results"]):
+        return bench_serve.targets(data["results"], data.get("http"))
+    return data.get("targets")
+
+
 def _serve_file(name: str, data: dict, header: list[str]) -> list[str]:
     lines = [f"### `{name}`", "", _serve_conditions(data), ""]
     lines += _table(header, [_serve_row(run) for run in data["results"]])
     ran = {run["prompt_len"] for run in data["results"]}
     unrun = [str(p) for p in data["setup"].get("prompt_lens") or [] if p not in ran]
     notes = ([f"No run at prompt {', '.join(unrun)} (in the setup's prompt_lens)."] if unrun else [])
-    notes += _serve_ratios(data["results"]) + _serve_http(data.get("http")) + [_serve_targets(data.get("targets"))]
+    notes += _serve_ratios(data["results"], data["setup"].get("kinds")) + _serve_http(data.get("http")) + [_serve_targets(_serve_file_targets(data))]
     for line in notes:
         lines += [line, ""]
     return lines

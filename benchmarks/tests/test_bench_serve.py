@@ -54,6 +54,8 @@ def test_with_both_overlap_modes_the_caches_compare_with_overlap_and_its_idle_sh
     bf16 = dict(base, kind="bf16", overlap=True, output_tokens_per_s=10.0, step_at_batch_32_s=None)
     t = bench_serve.targets([on, off, bf16], None)
     assert t["int2_over_bf16_output_tokens_per_s"]["value"] == pytest.approx(4.0)  # the overlap run's 40, not 30
+    assert t["host_share_at_batch_32"] == {"value": 0.2, "target": 0.1, "met": False, "overlap": False}
+    assert t["host_share_at_batch_32_with_overlap_upper_bound"] == {"value": 0.2}  # no target: the host overlaps
     idle = t["device_idle_share_with_overlap"]
     assert idle["value"] == pytest.approx(1 - 0.0115 / 0.0125) and idle["met"]  # 8 %
     assert idle["runs"][0]["step_s"] == {"overlap": 0.0125, "no_overlap": 0.015}
@@ -73,7 +75,7 @@ def test_tiny_run_end_to_end(tmp_path, monkeypatch):
     rows = [(r["kind"], r["prompt_len"], r["rate"], r["overlap"]) for r in result["results"]]
     assert sorted(rows) == sorted((k, n, r, o) for k in ("int2", "bf16") for n in setup.prompt_lens
                                   for r in (math.inf, 50.0) for o in (True, False))
-    assert result["setup"]["overlap"] == [True, False]
+    assert result["setup"]["overlap"] == [True, False] and result["setup"]["kinds"] == ["int2", "bf16"]
     for r in result["results"]:
         assert r["requests"] == setup.num_requests and r["output_tokens"] == setup.num_requests * setup.output_len
         assert r["output_tokens_per_s"] > 0 and r["ttft_s"]["p50"] > 0 and r["itl_s"]["p50"] > 0

@@ -362,7 +362,7 @@ def test_the_serving_section_from_bench_serves_files(tmp_path):
                        {"int2_over_bf16_output_tokens_per_s": {"prompt_len": 32768, "value": 3.0, "target": 3.5,
                                                                "met": False},
                         "itl_p99_over_median_step": {"value": 1.25, "target": 1.5, "met": True}})
-    int2_only = _serve_file([_serve_run("int2", 45.0)], {"int2": 16}, {})
+    int2_only = _serve_file([dict(_serve_run("int2", 45.0), overlap=True)], {"int2": 16}, {})
     (tmp_path / "serve_a_both.json").write_text(json.dumps(both))  # inf is written as Infinity, as bench_serve does
     (tmp_path / "serve_b_int2_only.json").write_text(json.dumps(int2_only))
     (tmp_path / "serve_c_other.json").write_text(json.dumps({"environment": ENV, "setup": {}, "runs": []}))
@@ -392,9 +392,17 @@ def test_the_serving_section_from_bench_serves_files(tmp_path):
     assert "`int2_over_bf16_output_tokens_per_s` 3.00 (target 3.5, prompt 32768): **not met**" in first
     assert "`itl_p99_over_median_step` 1.25 (target 1.5): met" in first
     assert "run missing" not in first
-    assert "| int2 | 32768 | all at once | — | 4 | 45.00 |" in second
-    assert "BF16 run missing: the run was cut off." in second and "INT2 / BF16 output tokens/s" not in second
-    assert "capacity (sequences) int2 16;" in second and "Targets (`targets` of the file): none evaluated." in second
+    assert "| int2 | 32768 | all at once | on | 4 | 45.00 |" in second
+    # the file does not say which kinds were asked for
+    assert "No BF16 run in this file." in second and "INT2 / BF16 output tokens/s" not in second
+    cut = _serve_file([_serve_run("int2", 45.0)], {"int2": 16}, {})
+    cut["setup"]["kinds"] = ["int2", "bf16"]
+    assert "BF16 run missing: the run was cut off." in S._serve_file("x.json", cut, ["h"] * 14)
+    cut["setup"]["kinds"] = ["int2"]
+    assert "BF16" not in "".join(S._serve_file("x.json", cut, ["h"] * 14))
+    # its runs record overlap: its targets as bench_serve evaluates them now (0.5 s over 10 ms), not the file's (none)
+    assert "capacity (sequences) int2 16;" in second
+    assert "Targets (`bench_serve.targets`): `itl_p99_over_median_step` 50.00 (target 1.5): **not met**." in second
     assert "Skipped: not bench_serve's shape (serve_c_other.json: missing key 'results')." in third
 
 
