@@ -13,7 +13,9 @@ attention, no prefix, no tiers), timed the same way. `--splits` repeats the thre
 split of the chunk's cache partials (OscarKVCache.prefill_pages_per_split): the tiling policy's
 default (one split over the whole table since DECISIONS.md P2; "whole" names it explicitly) or a
 page count, e.g. the decode-style splits it replaced (a chunk's row blocks already fill the grid,
-so splits by the table only size partials to write and merge).
+so splits by the table only size partials to write and merge). `--tier-block-m` does the same for
+each count of query rows a block of the prefix's tiers takes (OscarKVCache.prefill_tier_block_m;
+"default" = attention_ops' block_m): each row block unpacks the whole INT2 prefix.
 
 `--tiny` runs the same plumbing on a 2-layer model at toy sizes (the CPU test does).
 """
@@ -120,7 +122,7 @@ def split_pages(policy: str, runtime) -> int | None:
 
 
 def run(cfg, *, prompt_len: int, chunk: int, sink: int, recent: int, page_size: int, top: int,
-        splits=SPLIT_POLICIES, log=print) -> dict:
+        splits=SPLIT_POLICIES, tier_block_ms=("default",), log=print) -> dict:
     import dataclasses
 
     import jax
@@ -135,9 +137,11 @@ def run(cfg, *, prompt_len: int, chunk: int, sink: int, recent: int, page_size: 
                            recent=recent, page_size=page_size, prefill_chunk=chunk)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len).tolist()
     policies = {}
-    for policy in splits:
+    for policy, tier_block_m in ((p, m) for p in splits for m in tier_block_ms):
         pages = split_pages(policy, runtime)
-        runtime.cache = dataclasses.replace(runtime.cache, prefill_pages_per_split=pages)
+        rows = None if tier_block_m == "default" else int(tier_block_m)
+        runtime.cache = dataclasses.replace(runtime.cache, prefill_pages_per_split=pages, prefill_tier_block_m=rows)
+        policy = policy if rows is None else f"{policy}+tier_block_m={rows}"  # the variant's name
         t = time.perf_counter()
         prefill_pass(runtime, tokens, chunk)
         compile_pass_s = time.perf_counter() - t
@@ -151,7 +155,7 @@ def run(cfg, *, prompt_len: int, chunk: int, sink: int, recent: int, page_size: 
                 f"{p['total_ns'] / 1e6:.1f} ms; top: "
                 + "; ".join(f"{name[:60]} {ns / 1e6:.1f} ms ×{n}" for name, ns, n in p["kernels"][:5]))
         policies[policy] = {
-            "pages_per_split": pages, "compile_pass_s": compile_pass_s,
+            "pages_per_split": pages, "tier_block_m": rows, "compile_pass_s": compile_pass_s,
             "chunks": [{"prefix_tokens": i * chunk, "seconds": s} for i, s in enumerate(timed["chunk_s"])],
             "tokens_per_s": prompt_len / sum(timed["chunk_s"]), "profiles": profiled["profiles"],
         }
@@ -174,6 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--splits", default="default",
                    help="comma-separated split policies of the chunk's cache partials, each timed: "
                         "default, whole (one split over the history table) or a page count (default: %(default)s)")
+    p.add_argument("--tier-block-m", default="default",
+                   help="comma-separated query rows a block of the prefix's tiers takes, each timed with each split: "
+                        "default (attention_ops' block_m) or a power of two (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model at toy sizes (the plumbing only)")
     args = p.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -191,8 +198,8 @@ def main(argv=None) -> int:
     from benchmarks.harness import environment
 
     result = {"environment": environment(),
-              **run(cfg, prompt_len=prompt_len, chunk=chunk, top=args.top, splits=args.splits.split(","), log=log,
-                    **windows)}
+              **run(cfg, prompt_len=prompt_len, chunk=chunk, top=args.top, splits=args.splits.split(","),
+                    tier_block_ms=args.tier_block_m.split(","), log=log, **windows)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
     log(f"[prefill] wrote {args.out}: tokens/s " + ", ".join(f"{name} {r['tokens_per_s']:.0f}"

@@ -399,17 +399,17 @@ def decode_attention(
                              softmax_scale=float(softmax_scale), launch=launch, interpret=interpret, layer=layer)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("block_m", "block_n"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("block_m", "tier_block_m", "block_n"))
 def _prefill_attention(
     q, k_new, v_new, cache, new_tokens, *, sink_slots, group_size, softmax_scale, launch: DecodeLaunch, block_m,
-    block_n, interpret, layer,
+    tier_block_m, block_n, interpret, layer,
 ):
     batch, chunk, q_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[2]
     heads_per_kv = q_heads // num_kv_heads
     rows = chunk * heads_per_kv
-    block_m = min(block_m, max(MIN_DOT_DIM, next_power_of_two(rows)))
-    padded_rows = -(-rows // block_m) * block_m
+    block_m, tier_block_m = (min(m, max(MIN_DOT_DIM, next_power_of_two(rows))) for m in (block_m, tier_block_m))
+    padded_rows = -(-rows // max(block_m, tier_block_m)) * max(block_m, tier_block_m)  # powers of two: both divide
     block_n = min(block_n, max(MIN_DOT_DIM, next_power_of_two(chunk)))
     padded_chunk = -(-chunk // block_n) * block_n
 
@@ -418,8 +418,8 @@ def _prefill_attention(
     q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     prefix_tiers = _cache_partials(
-        q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale, block_m=block_m,
-        launch=launch, interpret=interpret, layer=layer,
+        q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
+        block_m=tier_block_m, launch=launch, interpret=interpret, layer=layer,
     )
 
     chunk_dtype = jnp.promote_types(q.dtype, k_new.dtype)  # the chunk stays in full precision
@@ -467,6 +467,7 @@ def prefill_attention(
     pages_per_block: int | None = DEFAULT_PAGES_PER_BLOCK,
     block_m: int = DEFAULT_PREFILL_BLOCK_M,
     block_n: int = DEFAULT_PREFILL_BLOCK_N,
+    tier_block_m: int | None = None,
     layer: int | None = None,
     interpret: bool | None = None,
     key_layout: str = "token",
@@ -481,6 +482,8 @@ def prefill_attention(
         tiers exactly as decode reads it (the INT2 pages through the INT2 kernel).
       new_tokens: int32 [B], valid tokens of each chunk (default: T). Rows t ≥ new_tokens[b] are 0.
       block_m, block_n: query rows / chunk keys per block (powers of two ≥ 16; capped by the chunk).
+      tier_block_m: query rows per block of the prefix's tiers (default: block_m). Each row block
+        reads and unpacks the whole prefix, so larger blocks unpack it fewer times a chunk.
       Other keywords as in `decode_attention`.
     Returns:
       float32 [B, T, Hq, D].
@@ -511,7 +514,8 @@ def prefill_attention(
     if new_tokens is None:
         new_tokens = jnp.full((batch,), chunk, jnp.int32)
     _check("new_tokens", new_tokens, (batch,), jnp.int32)
-    for name, value in (("block_m", block_m), ("block_n", block_n)):
+    tier_block_m = block_m if tier_block_m is None else tier_block_m
+    for name, value in (("block_m", block_m), ("block_n", block_n), ("tier_block_m", tier_block_m)):
         _check_static_int(name, value, power_of_two=True, minimum=MIN_DOT_DIM)
     if use_xla:
         from oscar_jax.xla import attention as xla_attention  # imports this module's merge_partials
@@ -521,6 +525,6 @@ def prefill_attention(
                                                layer=layer, key_layout=key_layout)
     return _prefill_attention(
         q, k_new, v_new, cache, new_tokens, sink_slots=int(sink_slots), group_size=int(group_size),
-        softmax_scale=float(softmax_scale), launch=launch, block_m=int(block_m), block_n=int(block_n),
-        interpret=interpret, layer=layer,
+        softmax_scale=float(softmax_scale), launch=launch, block_m=int(block_m), tier_block_m=int(tier_block_m),
+        block_n=int(block_n), interpret=interpret, layer=layer,
     )

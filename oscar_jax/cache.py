@@ -90,6 +90,8 @@ class OscarKVCache:
     # Pages per split of a prefill chunk's cache partials (both tiers; None: the tiling policy of
     # shared_math.tiling.resolve_splits, one split over the whole table).
     prefill_pages_per_split: int | None = _static(default=None)
+    # Query rows per block of a prefill chunk's prefix tiers (None: attention_ops' block_m).
+    prefill_tier_block_m: int | None = _static(default=None)
 
     @classmethod
     def create(
@@ -191,7 +193,7 @@ class OscarKVCache:
         else:
             o = ops.prefill_attention(q_rot.astype(q.dtype), k_rot.astype(q.dtype), v32.astype(q.dtype), *pools,
                                       *tables, plan.new_tokens, pages_per_split=self.prefill_pages_per_split,
-                                      **common)
+                                      tier_block_m=self.prefill_tier_block_m, **common)
         updates = dict(zip(POOL_NAMES, pools))
         return o.astype(q.dtype), dataclasses.replace(self, **updates)
 

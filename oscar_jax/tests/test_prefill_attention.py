@@ -90,7 +90,8 @@ def test_bad_prefill_inputs_raise(small_prefill, mutate, message):
 
 
 @pytest.mark.parametrize(
-    "overrides,message", [(dict(block_m=24), "block_m=24"), (dict(block_n=8), "block_n=8")]
+    "overrides,message", [(dict(block_m=24), "block_m=24"), (dict(block_n=8), "block_n=8"),
+                          (dict(tier_block_m=48), "tier_block_m=48")]
 )
 def test_bad_prefill_blocks_raise(small_prefill, overrides, message):
     q, k_new, v_new, cache = small_prefill
@@ -117,3 +118,35 @@ def test_prefill_kernels_compile_for_h200():
     for name, usage in kernels.items():
         assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
     assert PAGE_SIZE == 16  # the cases above assume the default page size
+
+
+def test_larger_row_blocks_for_the_prefix_tiers_give_the_same_attention():
+    """tier_block_m=128 (the prefix's tiers unpacked half as often a chunk) against the default 64:
+    400 query rows (100 tokens × 4 heads of a KV head, not a multiple of 128), GQA, prefixes over
+    several pages of both tiers. Each row's arithmetic is the same, so the outputs agree to float32
+    rounding (1e-6)."""
+    rng = np.random.default_rng(11)
+    cache = build_cache(rng, (337, 65), num_kv_heads=2, head_dim=64, group_size=32)
+    q, k_new, v_new = _random_chunk(rng, 2, 100, 2, 4, 64, jnp.float32, jnp.float32)
+    new_tokens = jnp.asarray([100, 37], jnp.int32)  # a ragged second chunk
+    kwargs = dict(sink_slots=SINK_SLOTS, group_size=32, softmax_scale=0.125)
+    want = prefill_attention(q, k_new, v_new, *cache.arrays, new_tokens, **kwargs)
+    got = prefill_attention(q, k_new, v_new, *cache.arrays, new_tokens, tier_block_m=128, **kwargs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert np.all(np.asarray(got)[1, 37:] == 0)  # the ragged chunk's padding rows
+
+
+def test_prefix_tiers_with_128_row_blocks_compile_for_h200_without_spills():
+    """Qwen3-8B's head (d 128, G 128, 4 heads a KV head): the tiers at 128 rows a block fit in
+    registers; the causal chunk kernel keeps block_m (64), as it spills at 128."""
+    rng = np.random.default_rng(0)
+    cache = build_cache(rng, (337, 65), num_kv_heads=2, head_dim=128, group_size=128)
+    q, k_new, v_new = _random_chunk(rng, 2, 256, 2, 4, 128, jnp.bfloat16, jnp.bfloat16)
+    fn = lambda q, k, v, *c: prefill_attention(  # noqa: E731
+        q, k, v, *c, sink_slots=SINK_SLOTS, group_size=128, softmax_scale=0.1, interpret=False, tier_block_m=128
+    )
+    kernels = compile_triton_kernels_for_h200(fn, q, k_new, v_new, *cache.arrays)
+    assert sorted(name.split("_attention")[0] + ("_m128" if "_block_m_128_" in name else "") for name in kernels) == [
+        "oscar_bf16_tier_m128", "oscar_causal_chunk", "oscar_int2_tier_m128"], list(kernels)
+    for name, usage in kernels.items():
+        assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"

@@ -327,6 +327,28 @@ def test_runtime_on_the_xla_path_matches_the_tier_reference(monkeypatch):
     assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
 
 
+def test_the_caches_prefill_tier_block_m_reaches_the_prefill_attention():
+    """OscarKVCache.prefill_tier_block_m is what the prefill passes as tier_block_m: a value the op
+    refuses (not a power of two) fails the runtime's prefill, naming it; a good one serves."""
+    import dataclasses
+
+    from oscar_jax.model import init_params
+    from oscar_jax.runtime import OscarRuntime
+    from oscar_jax.tests.test_runtime import CFG
+    from shared_math.artifact import ModelFingerprint
+    from shared_math.tests.test_artifact import make_artifact
+
+    params = init_params(CFG, jax.random.PRNGKey(1), std=0.08)
+    rt = OscarRuntime(params, CFG, make_artifact(ModelFingerprint(2, 6, 2, 64)), max_seq_len=128, prefill_chunk=32)
+    prompt = [int(t) for t in (np.arange(40) * 7 + 3) % CFG.vocab_size]
+    rt.cache = dataclasses.replace(rt.cache, prefill_tier_block_m=48)
+    with pytest.raises(ValueError, match="tier_block_m=48"):
+        rt.admit(prompt)
+    rt = OscarRuntime(params, CFG, make_artifact(ModelFingerprint(2, 6, 2, 64)), max_seq_len=128, prefill_chunk=32)
+    rt.cache = dataclasses.replace(rt.cache, prefill_tier_block_m=128)
+    assert np.isfinite(np.asarray(rt.admit(prompt)[1])).all()
+
+
 def test_decode_attention_over_per_channel_key_pages():
     """Format v2: the XLA decode attention reads history keys as per-channel pages (scale and minimum
     f16 [P, K, D]) and equals the float64 reference (shared_math mixed_tier_decode_attention with
