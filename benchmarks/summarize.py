@@ -679,7 +679,9 @@ def serve_markdown(serve: list[tuple[str, dict | None, str | None]]) -> list[str
              "memory). Output tok/s = all output tokens / the time from the first arrival to the last token; "
              "decode step = the median of steps without a prefill chunk, decode tok/s = their rows over their wall time "
              "(files before it was recorded: —); prefill step = steps carrying a prefill "
-             "chunk, with the share of their wall time blocked on the device.", ""]
+             "chunk, with the share of their wall time blocked on the device (runs marked on / off under overlap: "
+             "the engine waits only on a prompt's last chunk, so the share is near 0 and the wait falls in later "
+             "steps); overlap = `EngineConfig.overlap` (— : files before it).", ""]
     header = ["kind", "prompt", "rate", "overlap", "requests", "output tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms",
               "ITL p99 ms", "decode step p50 ms", "decode tok/s", "prefill step p50 ms", "prefill device share p50"]
     for name, data, skipped in serve:
