@@ -12,6 +12,7 @@ Writes:
   <results>/summary_h200.json             exactly the keys of `SUMMARY_KEYS`
   <results>/summary_h200_provenance.json  which variant / batch / file each value came from, warnings
   <results>/decode_time_vs_context.png, decode_bandwidth.png, e2e_step_vs_floor.png
+  <results>/serve_ratios_and_latency.png  the serve files: INT2 / BF16 ratios, inter-token latency
   BENCHMARKS.md (repo root)               conditions, tables, targets — every number from the files
 
 Definitions (one set, used by the summary, BENCHMARKS.md, the plots and README):
@@ -55,6 +56,7 @@ BF16_VARIANTS = ("cudnn_bf16", "flash2_bf16", "bf16_paged_pallas", "cudnn_bf16_r
 SERVE_GLOB = "serve_*.json"  # bench_serve's files: BENCHMARKS.md's Serving section, never the summary
 SERVE_KINDS = ("int2", "bf16")
 PLOT_FILES = ("decode_time_vs_context.png", "decode_bandwidth.png", "e2e_step_vs_floor.png")  # make_plots' files
+SERVE_PLOT = "serve_ratios_and_latency.png"  # make_serve_plot's file, shown in the Serving section
 DECODE_POINTS = {"128k_b1": (131072, 1), "128k_b8": (131072, 8), "32k_b1": (32768, 1), "32k_b8": (32768, 8)}
 SUMMARY_KEYS = (
     "decode_speedup_vs_best_bf16",
@@ -573,6 +575,78 @@ def make_plots(results: dict, out_dir: Path, warnings: list[str]) -> list[Path]:
     return written
 
 
+def _serve_points(serve) -> tuple[list[dict], list[dict]]:
+    """(INT2 / BF16 ratios per file and prompt both kinds ran at all at once, with overlap where a
+    file ran both; ITL p50 / p99 and the median decode step of every run) from load_serve's list."""
+    ratios, latencies = [], []
+    for name, data, _ in serve:
+        if data is None:
+            continue
+        stem = name.removeprefix("serve_").removesuffix(".json")
+        by_prompt = {}
+        for run in data["results"]:
+            if math.isinf(run["rate"]) and run.get("overlap", True):
+                by_prompt.setdefault(run["prompt_len"], {})[run["kind"]] = run
+            if run["itl_s"]["p50"] is not None and (run.get("decode_step_s") or {}).get("p50"):
+                overlap = {True: ", overlap", False: ", no overlap"}.get(run.get("overlap"), "")
+                latencies.append({"label": f"{stem}\n{run['kind']}{overlap}", "itl_p50": run["itl_s"]["p50"],
+                                  "itl_p99": run["itl_s"]["p99"], "step": run["decode_step_s"]["p50"]})
+        for prompt, kinds in sorted(by_prompt.items()):
+            if {"int2", "bf16"} <= set(kinds):
+                int2, bf16 = kinds["int2"], kinds["bf16"]
+                ratios.append({"label": f"{stem}\n{prompt // 1024}K", "output": _ratio(
+                    int2["output_tokens_per_s"], bf16["output_tokens_per_s"]), "decode": _ratio(
+                    int2.get("decode_tokens_per_s"), bf16.get("decode_tokens_per_s")), "ceiling": _ratio(
+                    bf16.get("duration_s"), int2.get("prefill_steps_total_s"))})
+    return ratios, latencies
+
+
+def make_serve_plot(serve, out_dir: Path, warnings: list[str]) -> Path | None:
+    """SERVE_PLOT: INT2 / BF16 output tokens/s, decode-only tokens/s and the workload's ceiling per
+    file (the 3.5× target dashed); inter-token p50 / p99 against the median decode step per run (the
+    1.5× target as a mark), one panel above the other. None without a run to draw or without matplotlib."""
+    ratios, latencies = _serve_points(serve)
+    if not ratios and not latencies:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _warn(warnings, "matplotlib is not installed: no serving plot")
+        return None
+    fig, (left, right) = plt.subplots(2, 1, figsize=(max(8, 1.0 * len(latencies)), 9),
+                                      gridspec_kw={"height_ratios": [1, 1.2]})
+    xs = range(len(ratios))
+    for offset, key, label in ((-0.27, "output", "output tok/s (whole run)"),
+                               (0.0, "decode", "tok/s while only decoding"),
+                               (0.27, "ceiling", "ceiling: BF16 run / INT2 prefill steps")):
+        left.bar([x + offset for x in xs], [r[key] or 0 for r in ratios], 0.26, label=label)
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.axhline(3.5, color="grey", linestyle="--", label="target 3.5×")
+    left.set_xticks(list(xs), [r["label"] for r in ratios], fontsize=8)
+    left.set_ylabel("INT2 / BF16")
+    left.set_title("serving, same memory, all requests at once")
+    left.legend(fontsize=7)
+    xs = range(len(latencies))
+    left_x = [x - 0.2 for x in xs]
+    right.bar(left_x, [r["itl_p50"] * 1e3 for r in latencies], 0.4, label="inter-token p50")
+    right.bar([x + 0.2 for x in xs], [r["itl_p99"] * 1e3 for r in latencies], 0.4, label="inter-token p99")
+    right.scatter(left_x, [1.5 * r["step"] * 1e3 for r in latencies], marker="_", s=300, color="black",
+                  zorder=3, label="target: 1.5× median decode step")
+    right.set_yscale("log")
+    right.set_xticks(list(xs), [r["label"] for r in latencies], fontsize=7, rotation=30, ha="right")
+    right.set_ylabel("ms")
+    right.set_title("inter-token latency (prefill chunks ride in decode steps)")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / SERVE_PLOT
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 # ------------------------------------------------------------------------------ markdown
 
 
@@ -668,7 +742,8 @@ def _serve_http(http) -> list[str]:
             f"{_f(http.get('itl_ratio'), '{:.2f}×')}."]
 
 
-def serve_markdown(serve: list[tuple[str, dict | None, str | None]]) -> list[str]:
+def serve_markdown(serve: list[tuple[str, dict | None, str | None]], plot: Path | None = None,
+                   md_dir: Path | None = None) -> list[str]:
     """BENCHMARKS.md's Serving section: per bench_serve file its conditions, a row per run, the INT2 / BF16
     ratio, its targets; files without bench_serve's shape listed as skipped."""
     if not serve:
@@ -682,6 +757,8 @@ def serve_markdown(serve: list[tuple[str, dict | None, str | None]]) -> list[str
              "chunk, with the share of their wall time blocked on the device (runs marked on / off under overlap: "
              "the engine waits only on a prompt's last chunk, so the share is near 0 and the wait falls in later "
              "steps); overlap = `EngineConfig.overlap` (— : files before it).", ""]
+    if plot is not None:
+        lines += [f"![{plot.stem}]({os.path.relpath(plot, md_dir or plot.parent)})", ""]
     header = ["kind", "prompt", "rate", "overlap", "requests", "output tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms",
               "ITL p99 ms", "decode step p50 ms", "decode tok/s", "prefill step p50 ms", "prefill device share p50"]
     for name, data, skipped in serve:
@@ -738,7 +815,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[Path], md_dir: Path,
-                    command: str, serve: list | None = None) -> str:
+                    command: str, serve: list | None = None, serve_plot: Path | None = None) -> str:
     decode, write, e2e = results.get("decode"), results.get("write"), results.get("e2e")
     lines = ["# OSCAR-JAX benchmarks (H200)", "",
              f"Generated by `{command}` from the raw files in `benchmarks/results/` (written by "
@@ -920,7 +997,7 @@ def render_markdown(results: dict, summary: dict, provenance: dict, plots: list[
                       f"{_f(summary.get('throughput_at_capacity_100k_int2_over_bf16'), '{:.2f}×')}.", ""]
 
     # ---- serving (bench_serve's files)
-    lines += serve_markdown(serve or [])
+    lines += serve_markdown(serve or [], serve_plot, md_dir)
 
     # ---- summary and plots
     lines += ["## Summary (`summary_h200.json`)", "", "```json", json.dumps(summary, indent=1), "```", ""]
@@ -946,12 +1023,15 @@ def summarize(results_dir, markdown_path=None, *, plots: bool = True,
     # --no-plots keeps (and still shows) the PNGs a previous run drew
     written = (make_plots(results, results_dir, warnings) if plots
                else [path for path in (results_dir / name for name in PLOT_FILES) if path.exists()])
+    serve = load_serve(results_dir)
+    serve_plot = (make_serve_plot(serve, results_dir, warnings) if plots
+                  else (results_dir / SERVE_PLOT if (results_dir / SERVE_PLOT).exists() else None))
     (results_dir / "summary_h200.json").write_text(json.dumps(summary, indent=1) + "\n")
     (results_dir / "summary_h200_provenance.json").write_text(json.dumps(provenance, indent=1) + "\n")
     if markdown_path is not None:
         markdown_path = Path(markdown_path)
         markdown_path.write_text(render_markdown(results, summary, provenance, written,
-                                                 markdown_path.resolve().parent, command, load_serve(results_dir)))
+                                                 markdown_path.resolve().parent, command, serve, serve_plot))
     return summary
 
 

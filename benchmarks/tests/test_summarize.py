@@ -419,3 +419,25 @@ def test_without_serve_files_there_is_no_serving_section_and_no_plots_keeps_the_
     (tmp_path / "serve_bad.json").unlink()
     S.summarize(tmp_path, md, plots=False)
     assert "## Serving" not in md.read_text()
+
+
+def test_the_serving_plot_draws_ratios_and_latencies_and_the_section_shows_it(tmp_path):
+    """INT2 / BF16 per file (the overlap run where a file ran both; the ceiling where the file has
+    the INT2 run's prefill time) and one latency bar pair per run; drawn with plots, shown when there."""
+    pytest.importorskip("matplotlib")
+    int2 = dict(_serve_run("int2", 60.0), overlap=True, prefill_steps_total_s=10.0)
+    bf16 = dict(_serve_run("bf16", 20.0), overlap=True, duration_s=30.0)
+    slow = dict(_serve_run("int2", 5.0), overlap=False)
+    (tmp_path / "serve_a.json").write_text(json.dumps(_serve_file([int2, slow, bf16], {"int2": 8, "bf16": 1}, {})))
+    ratios, latencies = S._serve_points(S.load_serve(tmp_path))
+    assert ratios == [{"label": "a\n32K", "output": 3.0, "decode": 1.0, "ceiling": 3.0}]  # 60/20, 400/400, 30/10
+    assert [r["label"] for r in latencies] == ["a\nint2, overlap", "a\nint2, no overlap", "a\nbf16, overlap"]
+    assert latencies[0] == {"label": "a\nint2, overlap", "itl_p50": 0.0125, "itl_p99": 0.5, "step": 0.01}
+    write_files(tmp_path, fake_results())
+    md = tmp_path / "BENCHMARKS.md"
+    S.summarize(tmp_path, md, plots=False)
+    assert S.SERVE_PLOT not in md.read_text()  # not drawn, not shown
+    S.summarize(tmp_path, md, plots=True)
+    assert (tmp_path / S.SERVE_PLOT).stat().st_size > 10_000
+    section = md.read_text().split("## Serving (`bench_serve`)")[1]
+    assert f"![serve_ratios_and_latency]({S.SERVE_PLOT})" in section
