@@ -210,14 +210,6 @@ def _layer_views(cache: tuple, layer):
     return tuple(views[name] for name in POOL_ARGUMENTS) + tuple(cache[len(POOL_ARGUMENTS):])
 
 
-def require_xla_for_channel_keys(key_layout: str, use_xla: bool) -> None:
-    """Format v2's per-channel key pages: the XLA path only, until the kernels read them."""
-    if key_layout == "channel" and not use_xla:
-        raise NotImplementedError(
-            "key_layout='channel' (format v2) runs on the XLA path only "
-            "(OSCAR_JAX_KERNELS=xla, the default on a CPU): the Pallas kernels read keys per token")
-
-
 def _page_size(k_bf16) -> int:
     shape = getattr(k_bf16, "shape", ())
     return int(shape[2]) if len(shape) == 4 else 0  # a malformed pool is reported by _validate_cache
@@ -229,7 +221,7 @@ def _page_size(k_bf16) -> int:
 
 
 def _cache_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, block_m, launch: DecodeLaunch,
-                   interpret, layer=None, int2_rows=None):
+                   interpret, layer=None, int2_rows=None, key_layout="token"):
     """Partials of q_rows [B, Hkv, M, D], one (o, lse) per tier: the BF16 tier, then the INT2 tier
     when the history table has slots, each kernel launched as `launch` says. `int2_rows` (decode,
     with launch.tokens_on_m): the INT2 tier reads the first int2_rows rows in one block, its scores
@@ -250,16 +242,17 @@ def _cache_partials(q_rows, cache, *, sink_slots, group_size, softmax_scale, blo
             group_size=group_size, pages_per_split=launch.pages_per_split, **{"block_m": block_m, **rows},
             num_warps=launch.int2_num_warps, num_stages=launch.int2_num_stages, unpack_asm=launch.unpack_asm,
             fma_asm=launch.fma_asm, tokens_on_m=launch.tokens_on_m, channels_on_m=launch.channels_on_m,
-            max_registers=launch.max_registers, **common,
+            max_registers=launch.max_registers, key_layout=key_layout, **common,
         ))
     return tiers
 
 
-_STATIC = ("sink_slots", "group_size", "softmax_scale", "launch", "interpret", "layer")
+_STATIC = ("sink_slots", "group_size", "softmax_scale", "launch", "interpret", "layer", "key_layout")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode_attention(q, cache, *, sink_slots, group_size, softmax_scale, launch: DecodeLaunch, interpret, layer):
+def _decode_attention(q, cache, *, sink_slots, group_size, softmax_scale, launch: DecodeLaunch, interpret, layer,
+                      key_layout):
     batch, q_heads, head_dim = q.shape
     num_kv_heads = cache[0].shape[-3]  # k_bf16 [(Y,) P, K, L, D]
     heads_per_kv = q_heads // num_kv_heads
@@ -269,7 +262,7 @@ def _decode_attention(q, cache, *, sink_slots, group_size, softmax_scale, launch
     tiers = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale, block_m=rows,
         launch=launch, interpret=interpret, layer=layer,
-        int2_rows=int2_decode_rows(heads_per_kv) if launch.tokens_on_m else None,
+        int2_rows=int2_decode_rows(heads_per_kv) if launch.tokens_on_m else None, key_layout=key_layout,
     )
     # One merge program per kept row reads both tiers in place (the padding rows are never read):
     # [B, Hkv, S_t, rows, D] per tier → o [B, Hkv, Gq, D], no concatenation or XLA fusions between
@@ -359,7 +352,7 @@ def decode_attention(
     All launch keywords resolve into one `shared_math.tiling.DecodeLaunch`
     (`shared_math.tiling.resolve_decode_launch`, shared with oscar_torch), validated there.
       key_layout: "token" (format v1) or "channel" (format v2: k_scale / k_min [P, Hkv, D], one per
-        channel and page; the XLA path only, until the kernels read it).
+        channel and page: the XLA path, or the Pallas INT2 tier's `_channel_key_scores`).
     Returns:
       float32 [B, Hq, D].
     """
@@ -379,7 +372,6 @@ def decode_attention(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         key_layout=key_layout,
     )
-    require_xla_for_channel_keys(key_layout, use_xla)
     bf16_slots, history_slots = _table_slots(bf16_page_table, history_page_table)
     # A register cap reaches a compiled kernel only through the opt-in hook (kernels.register_cap):
     # without it the default is the compiler's choice.
@@ -396,13 +388,14 @@ def decode_attention(
         return xla_attention.decode_attention(q, cache, sink_slots=int(sink_slots), group_size=int(group_size),
                                               softmax_scale=float(softmax_scale), layer=layer, key_layout=key_layout)
     return _decode_attention(q, cache, sink_slots=int(sink_slots), group_size=int(group_size),
-                             softmax_scale=float(softmax_scale), launch=launch, interpret=interpret, layer=layer)
+                             softmax_scale=float(softmax_scale), launch=launch, interpret=interpret, layer=layer,
+                             key_layout=key_layout)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("block_m", "tier_block_m", "block_n"))
 def _prefill_attention(
     q, k_new, v_new, cache, new_tokens, *, sink_slots, group_size, softmax_scale, launch: DecodeLaunch, block_m,
-    tier_block_m, block_n, interpret, layer,
+    tier_block_m, block_n, interpret, layer, key_layout,
 ):
     batch, chunk, q_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[2]
@@ -419,7 +412,7 @@ def _prefill_attention(
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     prefix_tiers = _cache_partials(
         q_rows, cache, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
-        block_m=tier_block_m, launch=launch, interpret=interpret, layer=layer,
+        block_m=tier_block_m, launch=launch, interpret=interpret, layer=layer, key_layout=key_layout,
     )
 
     chunk_dtype = jnp.promote_types(q.dtype, k_new.dtype)  # the chunk stays in full precision
@@ -507,7 +500,6 @@ def prefill_attention(
         q_heads, head_dim, batch, *views, sink_slots=sink_slots, group_size=group_size, softmax_scale=softmax_scale,
         key_layout=key_layout,
     )
-    require_xla_for_channel_keys(key_layout, use_xla)
     launch = prefill_launch(*tiling, page_size, fma_asm=not interpret)  # the INT2 fmas by PTX when compiled
     if num_kv_heads != cache_kv_heads:
         raise ValueError(f"k_new has {num_kv_heads} KV heads but the cache has {cache_kv_heads}")
@@ -526,5 +518,5 @@ def prefill_attention(
     return _prefill_attention(
         q, k_new, v_new, cache, new_tokens, sink_slots=int(sink_slots), group_size=int(group_size),
         softmax_scale=float(softmax_scale), launch=launch, block_m=int(block_m), tier_block_m=int(tier_block_m),
-        block_n=int(block_n), interpret=interpret, layer=layer,
+        block_n=int(block_n), interpret=interpret, layer=layer, key_layout=key_layout,
     )

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax import ops
-from oscar_jax.attention_ops import require_xla_for_channel_keys
 from oscar_jax.xla import kernels as current_kernels
 from oscar_jax.xla import use_kernels, use_xla
 from oscar_jax.xla import write as xla_write
@@ -109,7 +108,6 @@ class OscarKVCache:
     ) -> "OscarKVCache":
         """Zero-filled pools. k_rotation [Y, K, D, D]; clip ratios one per layer. interpret=None: the
         ops run `oscar_jax.xla.kernels()` as it stands now (the XLA path on a CPU backend)."""
-        require_xla_for_channel_keys(config.key_layout, interpret is None and current_kernels() == "xla")
         d, page, g = config.head_dim, config.page_size, config.group_size
         k_rotation = jnp.asarray(k_rotation, jnp.float32)
         if k_rotation.shape != (num_layers, num_kv_heads, d, d):
@@ -209,7 +207,7 @@ class OscarKVCache:
             bf16 = getattr(self, f"{prefix}_bf16")
             pools = [getattr(self, f"{prefix}_{n}") for n in ("codes", "scale", "min")]
             pages = jnp.asarray(src_pages, jnp.int32), jnp.asarray(dst_pages, jnp.int32)
-            if prefix == "k" and cfg.key_layout == "channel":  # format v2 (the XLA path, as create checked)
+            if prefix == "k" and cfg.key_layout == "channel":  # format v2's key pages: encoded in XLA on any backend
                 groups = _layer_groups([cfg.k_clip_index_for(c) for c in clips])
                 pools = xla_write.demote_channel_key_pages(bf16, *pools, *pages, groups=groups, levels=cfg.levels)
                 updates.update({f"{prefix}_{n}": p for n, p in zip(("codes", "scale", "min"), pools)})

@@ -1,8 +1,8 @@
 """OscarRuntime with format v2's per-channel key pages (an artifact whose codec says
 key_layout "channel"), on the XLA path: prefill writes whole key pages, decode demotes them, and
 the logits equal a float reference that quantizes each key page per channel (test_runtime's
-TieredReference with its keys grouped by page). The Pallas kernels and tensor parallelism refuse
-the layout by name."""
+TieredReference with its keys grouped by page); the same with the Pallas kernels (interpreted).
+Tensor parallelism refuses the layout by name."""
 
 import dataclasses
 
@@ -87,10 +87,17 @@ def test_prefill_chunks_and_demotions_match_a_per_channel_reference(model):
 
 
 @pytest.mark.kernels("pallas")
-def test_the_pallas_kernels_and_tensor_parallelism_refuse_per_channel_keys(model):
+def test_the_pallas_kernels_read_per_channel_key_pages_and_tensor_parallelism_refuses_them(model):
+    """The Pallas attention kernels (interpreted) over the same prompt and steps as the XLA test
+    above: the per-channel reference's logits within the same tolerance."""
     params, art = model
-    with pytest.raises(NotImplementedError, match="key_layout='channel' .format v2. runs on the XLA path only"):
-        OscarRuntime(params, CFG, art, max_seq_len=128)  # default windows 64 / 256, pages of 64
+    prompt = (np.arange(81) * 5 + 2) % CFG.vocab_size
+    rt, got, want = _run_both(params, art, prompt, steps=6, prefill_chunk=32, reference=ChannelKeysReference,
+                              page_size=16, interpret=True)
+    assert rt.cache.kernels is None and rt.cache.interpret is True and rt.config.key_layout == "channel"
+    assert rt.allocator.sequences[0].history_pages
+    err = np.abs(got - want).max(axis=-1)
+    assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
     with pytest.raises(ValueError, match="tensor parallelism does not cover format v2's per-channel key pages"):
         OscarRuntime(params, CFG, art, mesh=mesh)

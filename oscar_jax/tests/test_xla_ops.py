@@ -172,8 +172,8 @@ def test_cache_demotes_layers_with_different_clip_ratios_by_group(levels):
 
 
 def test_cache_holds_per_channel_key_pages_on_the_xla_path_only():
-    """Format v2: OscarKVCache keeps a key scale and minimum per channel and page (values as v1) on
-    the XLA path; asked for the Pallas kernels it refuses by name."""
+    """Format v2: OscarKVCache keeps a key scale and minimum per channel and page (values as v1), on
+    the XLA path and with the Pallas kernels alike."""
     from oscar_jax.cache import OscarKVCache
     from shared_math.spec import OscarConfig
 
@@ -184,8 +184,8 @@ def test_cache_holds_per_channel_key_pages_on_the_xla_path_only():
     cache = OscarKVCache.create(config, **args)
     assert cache.k_scale.shape == cache.k_min.shape == (1, 3, 2, 64)
     assert cache.v_scale.shape == (1, 3, 2, 16, 1) and cache.k_codes.shape == (1, 3, 2, 16, 16)
-    with pytest.raises(NotImplementedError, match="key_layout='channel' .format v2. runs on the XLA path only"):
-        OscarKVCache.create(config, interpret=True, **args)
+    pallas = OscarKVCache.create(config, interpret=True, **args)
+    assert pallas.k_scale.shape == cache.k_scale.shape and pallas.interpret is True
 
 
 def test_traced_out_of_range_destinations_are_skipped():

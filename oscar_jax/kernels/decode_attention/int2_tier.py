@@ -1,6 +1,7 @@
-"""The INT2 tier's split-K kernels (the history pages, format v1) and their launcher: one kernel
-reading whole pages (rows or tokens on the scores' M; the values' dot with the rows or the channels
-on M) and one gathering tokens for pages smaller than a dot tile."""
+"""The INT2 tier's split-K kernels (the history pages) and their launcher: one kernel reading whole
+pages (rows or tokens on the scores' M; the values' dot with the rows or the channels on M; keys per
+token, format v1, or per channel and page, format v2) and one gathering tokens for pages smaller
+than a dot tile (format v1)."""
 
 from __future__ import annotations
 
@@ -117,6 +118,38 @@ def _history_split(n_history, split, page_size, pages_per_split, pages_per_block
     return n_history, first_slot, last_slot, jnp.maximum(cdiv(last_slot - first_slot, pages_per_block), 0)
 
 
+def _channel_key_scores(q_ref, k_planes, k_scale_ref, k_min_ref, page, pieces, score_scale, tokens_on_m):
+    """Format v2 (FORMAT.md § Format v2): a page's keys per channel, k̂_tc = m_c + c_tc·s_c, so a
+    score is (q ⊙ s)·c_t + q·m — the query scaled by the page's channel scales against the codes,
+    plus one bias per row. The scaled query is float32 where v1's query is exact in the operand
+    dtype: with bfloat16 operands it goes in as two (a rounded part and the rounded rest, 2⁻¹⁶
+    relative error instead of 2⁻⁸'s, which would exceed the bfloat16 tolerance on keys of a large
+    spread), each divided by the piece's operand factor (`operand_factors`); the code bias each
+    dot carries is taken off with the sum of that rounded operand, so it cancels up to float32
+    accumulation. → [BLOCK_M, L] ([L, BLOCK_M] with tokens_on_m), times score_scale."""
+    compute_dtype = q_ref.dtype
+    code_bias = code_offset(compute_dtype)
+    scores, bias = None, None
+    for factor, plane, (_, width, _, c0, _) in zip(operand_factors(pieces, compute_dtype), k_planes, pieces):
+        q = q_ref[:, pl.ds(c0, width)].astype(jnp.float32)  # [BLOCK_M, W] (loaded by piece: no slices of values)
+        term = jnp.sum(q * k_min_ref[page, pl.ds(c0, width)].astype(jnp.float32)[None, :], axis=1)  # q·m
+        bias = term if bias is None else bias + term
+        scaled = q * k_scale_ref[page, pl.ds(c0, width)].astype(jnp.float32)[None, :]
+        scaled = scaled * (1.0 / factor) if factor != 1.0 else scaled
+        high = scaled.astype(compute_dtype)
+        operands = [high] if jnp.dtype(compute_dtype) == jnp.dtype(jnp.float32) else [
+            high, (scaled - high.astype(jnp.float32)).astype(compute_dtype)]
+        codes = plane()
+        for operand in operands:
+            d = dot_nt(codes, operand) if tokens_on_m else dot_nt(operand, codes)
+            if code_bias:
+                offset = code_bias * jnp.sum(operand.astype(jnp.float32), axis=1)  # [BLOCK_M]
+                d = d - (offset[None, :] if tokens_on_m else offset[:, None])
+            scores = d if scores is None else scores + d
+    row_bias = bias[None, :] if tokens_on_m else bias[:, None]
+    return (scores + row_bias) * score_scale
+
+
 def _int2_metadata(ref, index, valid, num_groups):
     """fp16 scale or minimum per group as float32 [N], zero where invalid (stale memory may be NaN)."""
     return [jnp.where(valid, ref[index + (group,)].astype(jnp.float32), 0.0) for group in range(num_groups)]
@@ -145,13 +178,16 @@ def _int2_tier_kernel(
     FMA_ASM: bool = False,
     TOKENS_ON_M: bool = False,
     CHANNELS_ON_M: bool = False,
+    CHANNEL_KEYS: bool = False,
 ):
     """One iteration = PAGES_PER_BLOCK pages, each read as a whole page through a scalar page id
     (contiguous [L, D/4] codes, no per-token addresses), one online-softmax update for all of them.
     Needs L ≥ 16 (dot tile); `_int2_tier_gather_kernel` serves smaller pages. TOKENS_ON_M: the
     scores as [L, BLOCK_M] (codes as the dot's A operand), the softmax along axis 0. CHANNELS_ON_M
     (with TOKENS_ON_M, one group per row): v_codes_ref holds the V codes as 16-bit pairs
-    [P, L, D/8] and the output is carried as eight half planes oᵀ (`_int2_output_pairs`)."""
+    [P, L, D/8] and the output is carried as eight half planes oᵀ (`_int2_output_pairs`).
+    CHANNEL_KEYS (format v2): k_scale_ref / k_min_ref are [Y·P, D], one row per page
+    (`_channel_key_scores`); the values as format v1."""
     b, split = pl.program_id(0), pl.program_id(3)
     block_m, head_dim = q_ref.shape
     compute_dtype = q_ref.dtype
@@ -173,10 +209,14 @@ def _int2_tier_kernel(
             page = jnp.where(slot < last_slot, page_table_ref[slot], 0) + page_base  # never dereference unused slots
             k_planes = _code_planes(lambda c0, w: k_codes_ref[page, :, pl.ds(c0, w)], pieces, compute_dtype,
                                      UNPACK_ASM)
-            k_scale = _int2_metadata(k_scale_ref, (page, slice(None)), valid, num_groups)
-            k_min = _int2_metadata(k_min_ref, (page, slice(None)), valid, num_groups)
-            scores = _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, pieces,
-                                  SCORE_SCALE, FMA_ASM, TOKENS_ON_M)
+            if CHANNEL_KEYS:
+                scores = _channel_key_scores(q_ref, k_planes, k_scale_ref, k_min_ref, page, pieces, SCORE_SCALE,
+                                             TOKENS_ON_M)
+            else:
+                k_scale = _int2_metadata(k_scale_ref, (page, slice(None)), valid, num_groups)
+                k_min = _int2_metadata(k_min_ref, (page, slice(None)), valid, num_groups)
+                scores = _int2_scores(q_pieces, q_group_sums, q_bias_sums, k_planes, k_scale, k_min, pieces,
+                                      SCORE_SCALE, FMA_ASM, TOKENS_ON_M)
             mask = valid[:, None] if TOKENS_ON_M else valid[None, :]
             pages.append((page, valid, mask, jnp.where(mask, scores, MASK_VALUE)))
         token_axis = 0 if TOKENS_ON_M else 1
@@ -304,8 +344,11 @@ def int2_tier_partials(
     rows: int | None = None,
     channels_on_m: bool = False,
     max_registers: int = 0,
+    key_layout: str = "token",
 ):
     """Partials over the INT2 tier: (o float32[B, K, S, rows, D], lse float32[B, K, S, rows]).
+    `key_layout` "channel" (format v2): k_scale / k_min are [P, K, D], a scale and minimum per
+    channel and page (pages of ≥ 16 tokens: the whole-page kernel).
     `max_registers` (> 0): the compiled kernel's registers per thread at most (the Triton module's
     `ttg.maxnreg`, through the opt-in `kernels.register_cap`: a ValueError unless opted in); 0 → the
     compiler's choice; no effect when interpreted.
@@ -325,7 +368,8 @@ def int2_tier_partials(
     if not 0 < rows <= q_rows or rows % block_m:
         raise ValueError(f"rows={rows} must be a multiple of block_m={block_m} in (0, {q_rows}] (q's rows)")
     _, _, page_size, packed = per_layer_shape(k_codes.shape, layer)
-    num_groups = k_scale.shape[-1]
+    channel_keys = key_layout == "channel"
+    num_groups = v_scale.shape[-1]
     assert pages_per_split % pages_per_block == 0
     assert packed * CODES_PER_BYTE == head_dim and num_groups * group_size == head_dim
     splits = num_splits(page_table.shape[1], pages_per_split)
@@ -335,6 +379,9 @@ def int2_tier_partials(
     whole_pages = page_size >= MIN_DOT_DIM
     if tokens_on_m and not whole_pages:
         raise ValueError(f"tokens_on_m needs pages of >= {MIN_DOT_DIM} tokens (whole-page kernel), got {page_size}")
+    if channel_keys and not whole_pages:
+        raise ValueError(f"key_layout='channel' needs pages of >= {MIN_DOT_DIM} tokens (whole-page kernel), "
+                         f"got {page_size}")
     pair_rows = packed // BYTES_PER_PAIR  # the values' dot's M with channels_on_m
     if channels_on_m and not int2_decode_channels_on_m(tokens_on_m, group_size, head_dim):
         raise ValueError(f"channels_on_m needs tokens_on_m, one group per row and head_dim >= "
@@ -356,6 +403,7 @@ def int2_tier_partials(
         FMA_ASM=bool(fma_asm),
         **({"TOKENS_ON_M": bool(tokens_on_m)} if whole_pages else {}),
         **({"CHANNELS_ON_M": True} if channels_on_m else {}),
+        **({"CHANNEL_KEYS": True} if channel_keys else {}),
     )
     page_base = layer_page_base(k_codes.shape, layer)
     k_codes, k_scale, k_min, v_codes, v_scale, v_min = (
@@ -367,6 +415,9 @@ def int2_tier_partials(
         v_codes = lax.bitcast_convert_type(v_codes.reshape(*v_codes.shape[:-1], pair_rows, BYTES_PER_PAIR), jnp.uint16)
         v_spec = pl.BlockSpec((num_pages, None, page_size, pair_rows), lambda b, h, r, s: (0, h, 0, 0))
     meta_spec = pl.BlockSpec((num_pages, None, page_size, num_groups), lambda b, h, r, s: (0, h, 0, 0))
+    # format v2: one key scale and minimum row per (page, KV head)
+    k_meta_spec = (pl.BlockSpec((num_pages, None, head_dim), lambda b, h, r, s: (0, h, 0)) if channel_keys
+                   else meta_spec)
     grid = (batch, num_kv_heads, rows // block_m, splits)
     return pl.pallas_call(
         kernel,
@@ -377,8 +428,8 @@ def int2_tier_partials(
             layer_page_base_spec(),
             pl.BlockSpec((None, None, block_m, head_dim), lambda b, h, r, s: (b, h, r, 0)),  # q
             codes_spec,  # K codes pool of KV head h
-            meta_spec,  # K scale
-            meta_spec,  # K minimum
+            k_meta_spec,  # K scale
+            k_meta_spec,  # K minimum
             v_spec,  # V codes (16-bit pairs with channels_on_m)
             meta_spec,  # V scale
             meta_spec,  # V minimum
@@ -388,7 +439,8 @@ def int2_tier_partials(
         interpret=interpret,
         name=register_cap.capped_name(
             f"oscar_int2_tier_attention_{group_size=}_{block_m=}_{pages_per_split=}_{pages_per_block=}"
-            + ("_asm" if unpack_asm else "") + ("_fma" if fma_asm else "") + ("_pairs" if channels_on_m else ""),
+            + ("_asm" if unpack_asm else "") + ("_fma" if fma_asm else "") + ("_pairs" if channels_on_m else "")
+            + ("_channel_keys" if channel_keys else ""),
             max_registers),
     )(page_table, history_tokens, page_base, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
 
