@@ -185,6 +185,17 @@ def decode_attention(backend: str, case: cases.AttentionCase, pools, tables, q: 
     return from_torch(out)
 
 
+def channel_key_decode_attention(backend: str, case: cases.ChannelKeyCase, pools, tables, q) -> np.ndarray:
+    """Decode over format v2's per-channel key pages: the oscar_jax backends ("jax", "xla") only."""
+    if backend not in JAX_KERNELS:
+        raise NotImplementedError(f"backend {backend!r} does not read per-channel key pages")
+    with use_kernels(JAX_KERNELS[backend]):
+        out = jax_attention.decode_attention(_query_jax(q, case.q_dtype), *(to_jax(a) for a in pools + tables),
+                                             sink_slots=1, group_size=case.group_size,
+                                             softmax_scale=case.softmax_scale, key_layout="channel")
+    return np.asarray(out)
+
+
 def merge_partials(backend: str, outputs: np.ndarray, lses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """attention_ops.merge_partials of oscar_jax or oscar_torch over float32 partials."""
     if backend in JAX_KERNELS:

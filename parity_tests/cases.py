@@ -16,6 +16,8 @@ Cases:
   DECODE_CASES     ATTENTION_CASES and more shapes (D = 128 with G < D, bfloat16 q at D = 128,
                    a recent window of 256, blocks of 4 and 8 pages): the float64 decode test's.
   PREFILL_CASES    a chunk over a prefix cache (ragged chunks, chunks longer than a block).
+  CHANNEL_KEY_CASES  decode over format v2's per-channel key pages (D 64 / 128, values' G 128 / 32,
+                   float32 and bfloat16 q; NaN key metadata on the page no valid token names).
   ATTENTION_TOLERANCES  THE tolerance table of attention outputs vs the float64 reference over
                    the dequantized cache (one table for both backends, keyed by the q dtype).
 """
@@ -28,7 +30,7 @@ import zlib
 import numpy as np
 
 from shared_math import attention as reference_attention
-from shared_math.codec import decode, encode
+from shared_math.codec import decode, encode, encode_channels
 from shared_math.float_bits import BF16_DROPPED_BITS, bf16_rounded_bits
 from shared_math.spec import CODES_PER_BYTE, DEFAULT_K_CLIP_RATIO, DEFAULT_V_CLIP_RATIO, FP16_MAX, OscarConfig
 from shared_math.tiers import tier_split
@@ -630,6 +632,77 @@ def dequantized_tiers(tiers: SequenceTiers, group_size: int) -> tuple[np.ndarray
     k = np.concatenate([tiers.sink[0], k_hist, tiers.recent[0]]).astype(np.float64)
     v = np.concatenate([tiers.sink[1], v_hist, tiers.recent[1]]).astype(np.float64)
     return k, v
+
+
+# ------------------------------------------------------------- format v2: per-channel key pages
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelKeyCase:
+    """A format-v2 cache (FORMAT.md § Format v2): keys of history pages per channel and page
+    (shared_math.codec.encode_channels), values as v1 (G = group_size), pages of 16 tokens."""
+
+    name: str
+    head_dim: int
+    group_size: int  # the values' group
+    q_dtype: str = "float32"
+    page_size: int = 16
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+CHANNEL_KEY_CASES = (
+    ChannelKeyCase("v2_d64", 64, 64),
+    ChannelKeyCase("v2_d128_bf16", 128, 128, "bfloat16"),
+    ChannelKeyCase("v2_d128_g32_bf16", 128, 32, "bfloat16"),
+)
+
+
+def channel_key_cache(case: ChannelKeyCase):
+    """(pools, tables, q) as numpy (BF16 pages as bit patterns): sequence 0 with a sink page, three
+    history pages of keys spread 0.3–4 across channels (a per-token scale would drown the small
+    channels) and a part-filled recent window; sequence 1 with no history, its history slots naming
+    page 0, whose key metadata is NaN and must never be read for a valid token; q of 6 heads over 2
+    KV heads (GQA 3), spread 3."""
+    rng = np.random.default_rng(seed_of("channel_keys", case.name))
+    d, page, kv, num_bf16, num_int2 = case.head_dim, case.page_size, 2, 8, 9
+    k_bf16, v_bf16 = (bf16_bits(rng.standard_normal((num_bf16, kv, page, d)).astype(np.float32)) for _ in range(2))
+    k_bf16[7] = v_bf16[7] = BF16_QUIET_NAN  # a page no table names a valid row of
+    history_k = rng.standard_normal((num_int2, kv, page, d)).astype(np.float32) * np.linspace(0.3, 4, d,
+                                                                                               dtype=np.float32)
+    history_v = rng.standard_normal((num_int2, page, kv, d)).astype(np.float32)
+    k_codes, k_scale, k_min = encode_channels(history_k, clip_ratio=0.96)  # [P, K, L, D/4], [P, K, D]
+    k_scale[POISON_PAGE] = k_min[POISON_PAGE] = np.nan
+    v_codes, v_scale, v_min = (a.transpose(0, 2, 1, 3) for a in encode(history_v, group_size=case.group_size,
+                                                                            clip_ratio=0.92))
+    tables = (np.array([[0, 2, 4], [6, 7, 7]], np.int32), np.array([16, 9], np.int32), np.array([21, 0], np.int32),
+              np.array([[3, 5, 1], [POISON_PAGE] * 3], np.int32), np.array([48, 0], np.int32))
+    q = 3 * rng.standard_normal((2, 6, d)).astype(np.float32)
+    if case.q_dtype == "bfloat16":
+        q = bf16_values(bf16_bits(q))
+    return (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min), tables, q
+
+
+def reference_channel_key_decode(case: ChannelKeyCase, pools, tables, q) -> np.ndarray:
+    """The float64 reference (shared_math.attention, key_layout "channel") per sequence."""
+    k_bf16, v_bf16 = (bf16_values(p) for p in pools[:2])
+    k_codes, k_scale, k_min, v_codes, v_scale, v_min = pools[2:]
+    bf16_table, sink_tokens, recent_tokens, history_table, history_tokens = tables
+    out = []
+    for b in range(q.shape[0]):
+        sink = tuple(p[bf16_table[b, 0]].transpose(1, 0, 2)[: sink_tokens[b]] for p in (k_bf16, v_bf16))
+        recent = tuple(np.concatenate([p[r].transpose(1, 0, 2) for r in bf16_table[b, 1:]])[: recent_tokens[b]]
+                       for p in (k_bf16, v_bf16))
+        pages = history_table[b, : history_tokens[b] // case.page_size]
+        k_hist = (k_codes[pages], k_scale[pages], k_min[pages])
+        v_hist = tuple(a[pages].transpose(0, 2, 1, 3).reshape((-1,) + a.shape[1:2] + a.shape[3:])
+                       for a in (v_codes, v_scale, v_min))  # token-major [S, K, …]
+        out.append(reference_attention.mixed_tier_decode_attention(
+            q[b], sink=sink, history=(k_hist, v_hist), recent=recent, group_size=case.group_size,
+            softmax_scale=case.softmax_scale, key_layout="channel"))
+    return np.stack(out)
 
 
 def assert_close(actual, expected, q_dtype: str) -> float:

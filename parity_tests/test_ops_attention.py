@@ -91,6 +91,19 @@ def test_decode_attention_masks_a_partly_valid_last_history_page(backend, int2_l
     print(f"{case.name} {backend} {int2_layout}: max abs error {error:.2e}")
 
 
+@pytest.mark.parametrize("backend,int2_layout,case",
+                         [p for p in layout_params(cases.CHANNEL_KEY_CASES) if p.values[0] != "torch"],
+                         indirect=["int2_layout"])
+def test_decode_over_per_channel_key_pages_within_tolerance_of_reference(backend, int2_layout, case):
+    """Format v2 (keys per channel and page): oscar_jax's Pallas INT2 tier, in both score layouts,
+    and its XLA path against the float64 reference, within ATTENTION_TOLERANCES[q dtype].
+    oscar_torch does not read the layout yet (OscarTorchCache refuses it by name)."""
+    pools, tables, q = cases.channel_key_cache(case)
+    out = backends.channel_key_decode_attention(backend, case, pools, tables, q)
+    error = cases.assert_close(out, cases.reference_channel_key_decode(case, pools, tables, q), case.q_dtype)
+    print(f"{case.name} {backend} {int2_layout}: max abs error {error:.2e}")
+
+
 @functools.lru_cache(maxsize=None)
 def _prefill_inputs(case: cases.PrefillCase):
     cache = cases.build_cache(case.prefix)

@@ -27,7 +27,6 @@ from oscar_jax.attention_ops import decode_attention, merge_partials
 from parity_tests import cases
 from parity_tests.backends import to_jax
 from shared_math import attention as reference
-from shared_math import codec
 from shared_math.spec import OscarConfig
 
 pytestmark = pytest.mark.kernels("pallas")  # the Pallas kernels (interpret mode on CPU), not the XLA path
@@ -493,82 +492,23 @@ def test_tokens_on_m_int2_tier_matches_rows_on_m_and_needs_whole_pages():
 
 
 # ------------------------------------------------------------- format v2: per-channel key pages
-
-
-def _channel_key_cache(rng, d, group_size, page=16):
-    """Format v2 pools (shared_math.encode_channels keys, v1 values) and tables: sequence 0 with a
-    sink page, three history pages of keys of a large spread and a part-filled recent window;
-    sequence 1 with no history (its history slots name page 0, which holds NaN metadata)."""
-    kv, num_bf16, num_int2 = 2, 8, 9
-    bf16 = lambda x: cases.bf16_values(cases.bf16_bits(x.astype(np.float32)))  # noqa: E731
-    k_bf16, v_bf16 = (bf16(rng.standard_normal((num_bf16, kv, page, d))) for _ in range(2))
-    k_bf16[7] = v_bf16[7] = np.nan  # a page no table names a valid row of
-    spread = np.linspace(0.3, 4, d, dtype=np.float32)
-    history_k = rng.standard_normal((num_int2, kv, page, d)).astype(np.float32) * spread
-    history_v = rng.standard_normal((num_int2, page, kv, d)).astype(np.float32)
-    k_codes, k_scale, k_min = codec.encode_channels(history_k, clip_ratio=0.96)  # [P, K, L, D/4], [P, K, D]
-    k_scale[0] = k_min[0] = np.nan  # the scratch page: never read for a valid token
-    v_codes, v_scale, v_min = (a.transpose(0, 2, 1, 3) for a in codec.encode(history_v, group_size=group_size,
-                                                                            clip_ratio=0.92))
-    tables = (np.array([[0, 2, 4], [6, 7, 7]], np.int32), np.array([16, 9], np.int32), np.array([21, 0], np.int32),
-              np.array([[3, 5, 1], [0, 0, 0]], np.int32), np.array([48, 0], np.int32))
-    pools = (k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min)
-    return pools, tables
-
-
-def _on_device(pools, tables):
-    """The numpy cache as the ops take it (BF16 pages as bfloat16)."""
-    return ([jnp.asarray(a, jnp.bfloat16) for a in pools[:2]] + [jnp.asarray(a) for a in pools[2:]]
-            + [jnp.asarray(a) for a in tables])
-
-
-def _channel_key_reference(q, pools, tables, group_size, d, page=16):
-    k_bf16, v_bf16, k_codes, k_scale, k_min, v_codes, v_scale, v_min = pools
-    bf16_table, sink_tokens, recent_tokens, history_table, history_tokens = tables
-    out = []
-    for b in range(q.shape[0]):
-        sink = tuple(p[bf16_table[b, 0]].transpose(1, 0, 2)[: sink_tokens[b]] for p in (k_bf16, v_bf16))
-        recent = tuple(np.concatenate([p[r].transpose(1, 0, 2) for r in bf16_table[b, 1:]])[: recent_tokens[b]]
-                       for p in (k_bf16, v_bf16))
-        pages = history_table[b, : history_tokens[b] // page]
-        k_hist = (k_codes[pages], k_scale[pages], k_min[pages])
-        v_hist = tuple(a[pages].transpose(0, 2, 1, 3).reshape((-1,) + a.shape[1:2] + a.shape[3:])
-                       for a in (v_codes, v_scale, v_min))
-        out.append(reference.mixed_tier_decode_attention(
-            q[b], sink=sink, history=(k_hist, v_hist), recent=recent, group_size=group_size,
-            softmax_scale=d**-0.5, key_layout="channel"))
-    return np.stack(out)
-
-
-@pytest.mark.parametrize("d,group_size,dtype", [(64, 64, jnp.float32), (128, 128, jnp.bfloat16),
-                                                (128, 32, jnp.bfloat16)])
-def test_decode_over_per_channel_key_pages_matches_the_reference(d, group_size, dtype, int2_layout):
-    """Format v2 through the Pallas INT2 tier (interpreted), both layouts of its scores: the float64
-    reference within THE tolerance of q's dtype; keys of a 0.3–4 spread across channels (the bfloat16
-    query scaled by them goes in as two parts: one would miss the tolerance), NaN metadata on the
-    scratch page, GQA 3."""
-    rng = np.random.default_rng(5)
-    pools, tables = _channel_key_cache(rng, d, group_size)
-    q = cases.bf16_values(cases.bf16_bits(3 * rng.standard_normal((2, 6, d)).astype(np.float32)))
-    got = decode_attention(jnp.asarray(q, dtype), *_on_device(pools, tables), sink_slots=1, group_size=group_size,
-                           softmax_scale=d**-0.5, key_layout="channel", interpret=True)
-    want = _channel_key_reference(q, pools, tables, group_size, d)
-    cases.assert_close(got, want, jnp.dtype(dtype).name)
+# Decode vs the float64 reference, both score layouts and the XLA path: parity_tests/test_ops_attention.py.
 
 
 def test_prefill_over_per_channel_key_pages_matches_the_xla_path():
-    """A 40-token chunk (rows on M, tier blocks of 64 and 128 rows) over the same v2 prefix: the
-    Pallas prefill equals the XLA path (which the reference checks: test_xla_ops) within float32's
-    tolerance."""
+    """A 40-token chunk (rows on M, tier blocks of 64 and 128 rows) over a v2 prefix
+    (cases.channel_key_cache): the Pallas prefill equals the XLA path (which the parity suite checks
+    against the reference) within float32's tolerance."""
     from oscar_jax.attention_ops import prefill_attention
 
+    case = cases.CHANNEL_KEY_CASES[0]
+    pools, tables, _ = cases.channel_key_cache(case)
     rng = np.random.default_rng(6)
-    d = 64
-    pools, tables = _channel_key_cache(rng, d, 64)
+    d = case.head_dim
     q = jnp.asarray(3 * rng.standard_normal((2, 40, 6, d)), jnp.float32)
     k_new, v_new = (jnp.asarray(rng.standard_normal((2, 40, 2, d)), jnp.float32) for _ in range(2))
-    args = (q, k_new, v_new, *_on_device(pools, tables))
-    kwargs = dict(sink_slots=1, group_size=64, softmax_scale=d**-0.5, key_layout="channel")
+    args = (q, k_new, v_new, *(to_jax(a) for a in pools + tables))
+    kwargs = dict(sink_slots=1, group_size=case.group_size, softmax_scale=case.softmax_scale, key_layout="channel")
     want = np.asarray(prefill_attention(*args, interpret=None, **kwargs))  # the XLA path on a CPU
     for tier_block_m in (None, 128):
         got = prefill_attention(*args, interpret=True, tier_block_m=tier_block_m, **kwargs)
@@ -576,12 +516,11 @@ def test_prefill_over_per_channel_key_pages_matches_the_xla_path():
 
 
 def test_the_per_channel_key_kernel_compiles_for_h200_without_spills():
-    rng = np.random.default_rng(0)
-    pools, tables = _channel_key_cache(rng, 128, 128)
-    q = jnp.zeros((2, 8, 128), jnp.bfloat16)
+    case = cases.CHANNEL_KEY_CASES[1]  # D 128, bfloat16 q
+    pools, tables, q = cases.channel_key_cache(case)
     fn = lambda q, *c: decode_attention(  # noqa: E731
-        q, *c, sink_slots=1, group_size=128, softmax_scale=0.1, key_layout="channel", interpret=False)
-    kernels = compile_triton_kernels_for_h200(fn, q, *_on_device(pools, tables))
+        q, *c, sink_slots=1, group_size=case.group_size, softmax_scale=0.1, key_layout="channel", interpret=False)
+    kernels = compile_triton_kernels_for_h200(fn, jnp.asarray(q, jnp.bfloat16), *(to_jax(a) for a in pools + tables))
     assert any(name.startswith("oscar_int2") and "_channel_keys" in name for name in kernels), list(kernels)
     for name, usage in kernels.items():
         assert usage["spills"] == 0, f"{name} spills {usage['spills']} bytes of registers"
