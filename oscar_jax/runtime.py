@@ -113,9 +113,6 @@ class OscarRuntime:
                              f"layers yet (this model has {len(cfg.local_layers)}): run it on one device")
         self.config = OscarConfig.from_artifact(artifact, group_size=group_size, sink=sink, recent=recent,
                                                 page_size=page_size)
-        if self.config.key_layout == "channel" and mesh is not None:
-            raise ValueError("tensor parallelism does not cover format v2's per-channel key pages yet "
-                             "(the artifact's key_layout='channel'): run it on one device")
         self.cfg = cfg
         self.tp = None if mesh is None else TensorParallel.plan(cfg, mesh)
         folded = fold_value_rotation(params, cfg, artifact.v_rotation)

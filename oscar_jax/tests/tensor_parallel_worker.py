@@ -26,6 +26,8 @@ if __name__ == "__main__":
         os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import dataclasses  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -49,7 +51,7 @@ MODELS = {
     "replicated": ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_q_heads=8,
                               num_kv_heads=2, head_dim=64, rope_theta=1e4, rms_norm_eps=1e-6, tie_embeddings=True),
 }
-TP_SIZES = {"qwen3": (2, 4, 8), "smollm2": (3,), "replicated": (4,)}
+TP_SIZES = {"qwen3": (2, 4, 8), "smollm2": (3,), "replicated": (4,), "qwen3_v2": (2, 8)}
 if os.environ.get("TP_SIZES"):  # the sizes a machine has devices for (every model gets them)
     TP_SIZES = {name: tuple(int(t) for t in os.environ["TP_SIZES"].split(",")) for name in TP_SIZES}
 WINDOWS = dict(sink=16, recent=16, max_seq_len=128)  # small windows: the decode steps demote pages
@@ -60,14 +62,18 @@ STEPS = 8
 
 def model(name: str, *, silent_outputs: bool = False):
     """Random weights (std 0.1: decisive logits); silent_outputs zeroes W_o and W_down, so every
-    layer's input is the embedding, exactly, on any number of shards."""
-    cfg = MODELS[name]
+    layer's input is the embedding, exactly, on any number of shards. A name ending in "_v2": that
+    model with an artifact for format v2's per-channel key pages (pages of 16)."""
+    channel_keys = name.endswith("_v2")
+    cfg = MODELS[name.removesuffix("_v2")]
     params = init_params(cfg, jax.random.PRNGKey(7), std=0.1)
     if silent_outputs:
         params = dict(params, layers=[dict(layer, wo=layer["wo"] * 0, w_down=layer["w_down"] * 0)
                                       for layer in params["layers"]])
-    return cfg, params, make_artifact(ModelFingerprint(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads,
-                                                       cfg.head_dim), seed=3)
+    art = make_artifact(ModelFingerprint(cfg.num_layers, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim), seed=3)
+    if channel_keys:
+        art = dataclasses.replace(art, codec={**art.codec, "key_layout": "channel", "key_group": 16})
+    return cfg, params, art
 
 
 def decode(runtime, steps=STEPS):

@@ -2,7 +2,7 @@
 key_layout "channel"), on the XLA path: prefill writes whole key pages, decode demotes them, and
 the logits equal a float reference that quantizes each key page per channel (test_runtime's
 TieredReference with its keys grouped by page); the same with the Pallas kernels (interpreted).
-Tensor parallelism refuses the layout by name."""
+Tensor parallelism: test_tensor_parallel.py."""
 
 import dataclasses
 
@@ -10,7 +10,6 @@ import jax
 import numpy as np
 import pytest
 
-from oscar_jax.runtime import OscarRuntime
 from oscar_jax.tests.test_runtime import CFG, LOGIT_TOL, TieredReference, _run_both
 from shared_math.artifact import ModelFingerprint
 from shared_math.codec import decode_channels, encode_channels
@@ -87,7 +86,7 @@ def test_prefill_chunks_and_demotions_match_a_per_channel_reference(model):
 
 
 @pytest.mark.kernels("pallas")
-def test_the_pallas_kernels_read_per_channel_key_pages_and_tensor_parallelism_refuses_them(model):
+def test_the_pallas_kernels_read_per_channel_key_pages(model):
     """The Pallas attention kernels (interpreted) over the same prompt and steps as the XLA test
     above: the per-channel reference's logits within the same tolerance."""
     params, art = model
@@ -98,6 +97,3 @@ def test_the_pallas_kernels_read_per_channel_key_pages_and_tensor_parallelism_re
     assert rt.allocator.sequences[0].history_pages
     err = np.abs(got - want).max(axis=-1)
     assert err.max() < LOGIT_TOL, f"max logit error {err.max():.2e} at step {err.argmax()}"
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-    with pytest.raises(ValueError, match="tensor parallelism does not cover format v2's per-channel key pages"):
-        OscarRuntime(params, CFG, art, mesh=mesh)

@@ -78,6 +78,13 @@ def test_smollm2_shaped_tp_3_decodes_like_one_device(tmp_path):
     _assert_decode(run_worker(tmp_path, "decode", "smollm2"), (3,))
 
 
+@pytest.mark.slow  # ~30 s: the v1 decode equivalences above stay in make test
+def test_format_v2_tp_2_8_decodes_like_one_device(tmp_path):
+    """Per-channel key pages (an artifact whose codec says key_layout "channel"), sharded by KV head
+    like v1's: the tp-1 tokens, logits and pages (each page's per-channel scale and minimum included)."""
+    _assert_decode(run_worker(tmp_path, "decode", "qwen3_v2"), (2, 8))
+
+
 @pytest.mark.slow
 def test_pallas_kernels_run_per_shard(tmp_path):
     """The kernels a GPU runs (here interpreted) inside the shard_map: 2 KV heads on 2 shards."""
