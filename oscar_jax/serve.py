@@ -281,6 +281,7 @@ def warmup(engine, *, chunk_lengths=None, decode_buckets=None, log=print) -> Non
                 engine.step()
         engine.runtime.compile_demotion(b)  # warm-up prompts seldom cross a page: compiled directly
         log(f"[oscar] warmup: decode batch {b} in {time.perf_counter() - t:.1f} s")
+    engine.compile_feeds()  # with overlap: the hand-over of tokens between any two decode buckets
     engine.stats = EngineStats()  # serving statistics start now
     log(f"[oscar] compiled decode batches {list(decode_buckets)} and prefill chunks {chunk_lengths} "
         f"in {time.perf_counter() - t0:.1f} s")

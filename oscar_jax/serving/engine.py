@@ -313,6 +313,17 @@ class Engine:
     def _decodes(self) -> list[Request]:
         return [r for r in self.running if r.state is State.DECODE and not self._surely_ends(r)]
 
+    def compile_feeds(self) -> None:
+        """With overlap, compile `_feed` for every pair of decode buckets: a launch's tokens feed the
+        next launch, at another bucket when the batch grows or shrinks. A few tiny programs, so
+        that serving after warm-up compiles nothing (`serve.warmup` calls this)."""
+        if not self.config.overlap:
+            return
+        for previous in self.config.buckets:
+            tokens = jnp.zeros(previous, jnp.int32)
+            for rows in self.config.buckets:
+                _feed(tokens, jnp.asarray(np.full(rows, -1, np.int32)), jnp.asarray(np.zeros(rows, np.int32)))
+
     def _fits(self, decodes: list[Request]) -> bool:
         need = self.runtime.pages_needed([r.seq_id for r in decodes])
         return all(n <= f for n, f in zip(need, self.runtime.free_pages()))
