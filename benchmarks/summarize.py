@@ -511,14 +511,22 @@ def write_rows(write):
 # ------------------------------------------------------------------------------ plots
 
 
-def make_plots(results: dict, out_dir: Path, warnings: list[str]) -> list[Path]:
+def _pyplot(warnings: list[str], what: str):
+    """matplotlib.pyplot on the Agg backend, or None (and a warning) without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        _warn(warnings, "matplotlib is not installed: no plots")
+        _warn(warnings, f"matplotlib is not installed: no {what}")
+        return None
+    return plt
+
+
+def make_plots(results: dict, out_dir: Path, warnings: list[str]) -> list[Path]:
+    plt = _pyplot(warnings, "plots")
+    if plt is None:
         return []
     written = []
     decode, e2e = results.get("decode"), results.get("e2e")
@@ -608,13 +616,8 @@ def make_serve_plot(serve, out_dir: Path, warnings: list[str]) -> Path | None:
     ratios, latencies = _serve_points(serve)
     if not ratios and not latencies:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        _warn(warnings, "matplotlib is not installed: no serving plot")
+    plt = _pyplot(warnings, "serving plot")
+    if plt is None:
         return None
     fig, (left, right) = plt.subplots(2, 1, figsize=(max(8, 1.0 * len(latencies)), 9),
                                       gridspec_kw={"height_ratios": [1, 1.2]})

@@ -235,8 +235,7 @@ def test_abort_mid_decode_and_while_waiting(model):
 
 def test_serving_varied_lengths_compiles_only_the_buckets(model):
     """After one request per bucket and `compile_feeds`, requests of other lengths and batch sizes
-    compile nothing. (Alone it failed before compile_feeds: two bucket pairs of `_feed` compiled while
-    serving; in the full suite earlier tests had compiled them in the same process.)"""
+    compile nothing (run alone too: no earlier test may have compiled a shape for it)."""
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
